@@ -1,0 +1,13 @@
+"""batchgen's inference engine: prefill once, sample many, on token ids.
+
+    from engine import load_engine, SamplingParams
+    eng = load_engine("demo")                      # or a GPT-2 / nanochat checkpoint directory
+    results = eng.generate([[1, 2, 3]], SamplingParams(num_samples=4, max_tokens=32))
+    results[0][0].tokens, results[0][0].mask, results[0][0].logprobs
+
+Single-process and framework-free: no Ray, no Parquet (those live in cluster/ and jobs/).
+"""
+from engine.params import RequestOutput, Sample, SamplingParams, ToolCall, error_output
+from engine.engine import Engine, load_engine
+
+__all__ = ["Engine", "load_engine", "SamplingParams", "Sample", "ToolCall", "RequestOutput", "error_output"]

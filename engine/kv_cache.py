@@ -1,0 +1,149 @@
+"""The preallocated KV cache, indexed by slot, and the attention that reads it.
+
+One slot holds one sample's keys and values for every layer, up to `max_seq_len`
+positions. The cache is allocated once (gpt-fast style: static shapes, the hot loop never
+reallocates); the scheduler decides which request owns which slot, so admission, not an
+allocation failure, bounds memory.
+
+Layout per layer: (num_slots, n_kv_head, max_seq_len, head_dim), the (B, H, T, D) order
+that torch's scaled_dot_product_attention reads, so a decode step over a contiguous range
+of slots attends to a view of the cache without copying it.
+
+Models call `attend(layer, q, k, v, batch, window)` and never index the cache
+themselves; `StepBatch` describes one forward (prefill or decode) and caches the attention
+masks so every layer of a step shares them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One forward pass over the cache, built by the engine, read by the model.
+
+    slots: (B,) int64, the cache slot of each row.
+    positions: (B, T) int64, the position of each input token (prefill: 0..T-1 for every
+        row, prompts right-padded to T; decode: T == 1 and each row's own position).
+    last_index: (B,) int64, index along T of each row's last real token, where the
+        logits are taken (prefill: length - 1; decode: 0).
+    prefill: True for a prefill from position 0, False for a one-token decode step.
+    kv_len: decode only: number of cache positions to read, max(positions) + 1.
+    slot_start: decode only: if the rows are exactly slots slot_start .. slot_start+B-1,
+        the cache is read as a view; None means gather (slower, always correct).
+    """
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    last_index: torch.Tensor
+    prefill: bool
+    kv_len: int = 0
+    slot_start: int | None = None
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """Boolean attention mask (True = attend) for a layer with this left window.
+
+        window: a query at position i sees keys i - window .. i (flash-attention's
+        (left, 0) window, nanochat's sliding window); None is full causal context.
+        Prefill: (1, 1, T, T) or None when plain causal suffices. Decode: (B, 1, 1, kv_len).
+        """
+        if window in self._masks:
+            return self._masks[window]
+        if self.prefill:
+            T = self.positions.shape[1]
+            if window is None or window >= T - 1:
+                m = None  # plain causal: SDPA's is_causal path, bit-identical to a no-cache forward
+            else:
+                i = torch.arange(T, device=self.slots.device)
+                d = i[:, None] - i[None, :]
+                m = ((d >= 0) & (d <= window))[None, None]
+        else:
+            pos = self.positions[:, :1]  # (B, 1)
+            j = torch.arange(self.kv_len, device=self.slots.device)[None, :]
+            m = j <= pos
+            if window is not None:
+                m = m & (pos - j <= window)
+            m = m[:, None, None, :]
+        self._masks[window] = m
+        return m
+
+
+class KVCache:
+    """Keys and values for `num_slots` sequences of up to `max_seq_len` tokens.
+
+    Args:
+        n_layer, n_kv_head, head_dim: the model's attention shape.
+        num_slots: rows of the cache (samples decoding at once, at most).
+        max_seq_len: positions per slot (prompt + generated tokens), in tokens.
+        dtype, device: storage (the model's compute dtype).
+        state_dims: extra per-slot model state, name -> width, stored as
+            (num_slots, width) tensors in `self.state` (nanochat's smear keeps the previous
+            token's embedding there). Fanned out with the keys and values.
+
+    Memory: `bytes_per_slot(...) * num_slots` bytes, allocated with torch.empty (on CPU the
+    operating system commits pages only when they are first written).
+    """
+
+    def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, num_slots: int, max_seq_len: int,
+                 dtype: torch.dtype, device: torch.device | str, state_dims: dict[str, int] | None = None):
+        shape = (n_layer, num_slots, n_kv_head, max_seq_len, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.state = {name: torch.zeros(num_slots, dim, dtype=dtype, device=device)
+                      for name, dim in (state_dims or {}).items()}
+        self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
+
+    @staticmethod
+    def bytes_per_slot(n_layer: int, n_kv_head: int, head_dim: int, max_seq_len: int,
+                       dtype: torch.dtype, state_dims: dict[str, int] | None = None) -> int:
+        """Bytes one slot costs: K and V for every layer and position, plus its state."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        kv = 2 * n_layer * n_kv_head * max_seq_len * head_dim
+        return (kv + sum((state_dims or {}).values())) * itemsize
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               batch: StepBatch, window: int | None = None) -> torch.Tensor:
+        """Store this step's keys/values for `layer` and attend over the slot's history.
+
+        q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim), already rotated
+        and normed as the model requires. Returns (B, n_head, T, head_dim).
+        Grouped-query attention (n_head a multiple of n_kv_head) is handled here.
+        Scale is SDPA's default 1/sqrt(head_dim).
+        """
+        gqa = q.shape[1] != k.shape[1]
+        kc, vc = self.k[layer], self.v[layer]
+        if batch.prefill:
+            T = q.shape[2]
+            kc[batch.slots, :, :T] = k
+            vc[batch.slots, :, :T] = v
+            # A prefill starts at position 0, so its own keys are the whole history: attend
+            # to them directly, with the same SDPA call a cache-free forward makes.
+            m = batch.mask(window)
+            if m is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=gqa)
+        pos = batch.positions[:, 0]
+        kc[batch.slots, :, pos] = k[:, :, 0]
+        vc[batch.slots, :, pos] = v[:, :, 0]
+        L = batch.kv_len
+        if batch.slot_start is not None:
+            s0 = batch.slot_start
+            keys, values = kc[s0:s0 + q.shape[0], :, :L], vc[s0:s0 + q.shape[0], :, :L]
+        else:
+            keys, values = kc[batch.slots, :, :L], vc[batch.slots, :, :L]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask(window), enable_gqa=gqa)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Fan out: copy positions [0, length) of slots `src` into slots `dst`, all layers.
+
+        src, dst: (N,) int64 slot indices (src may repeat: one prompt to many samples).
+        """
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        for t in self.state.values():
+            t[dst] = t[src]

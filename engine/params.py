@@ -1,0 +1,137 @@
+"""The engine's request and result types: SamplingParams in, Sample out.
+
+These are plain dataclasses so that they pickle cheaply across Ray and convert
+to Arrow rows without any tensor in them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+FINISH_REASONS = ("stop", "length", "error")
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """How to sample one prompt's continuations (per request; one batch may mix them).
+
+    Fields:
+        num_samples: continuations per prompt (>= 1). The prompt is prefilled once and its
+            KV cache fanned out to `num_samples` slots.
+        max_tokens: most tokens generated per sample (>= 1), forced tool-output tokens
+            included; the model's context window also ends a sample (finish_reason "length").
+        temperature: 0 is greedy (argmax); > 0 divides the logits before sampling.
+        top_k: keep the k most likely tokens; 0 (or None) keeps all.
+        top_p: nucleus sampling, keep the smallest set whose probability reaches top_p;
+            in (0, 1], 1 keeps all.
+        min_p: drop tokens whose probability is below min_p * p(most likely token); in [0, 1).
+        seed: with (prompt_id, sample_index, position) it keys the sampling noise, so a
+            sample is the same whatever the batch it runs in (see engine/sampling.py).
+        stop_token_ids: None means the model's default stop tokens; [] means none.
+        calculator: run the calculator tool on <|python_start|>...<|python_end|> spans.
+
+    top_k, top_p and min_p apply to the temperature-scaled distribution (as in vLLM and
+    Hugging Face). Raises ValueError naming the field for an invalid value.
+    """
+
+    num_samples: int = 1
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int | None = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    calculator: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        if isinstance(self.num_samples, bool) or not isinstance(self.num_samples, int) or self.num_samples < 1:
+            raise bad("num_samples", "must be an integer >= 1")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0 (0 is greedy)")
+        top_k = 0 if self.top_k is None else self.top_k
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise bad("top_k", "must be an integer >= 0 (0 disables it)")
+        object.__setattr__(self, "top_k", top_k)
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.min_p, (int, float)) or not (0.0 <= self.min_p < 1.0):
+            raise bad("min_p", "must be in [0, 1)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (-(2**63) <= self.seed < 2**63):
+            raise bad("seed", "must be a 64-bit integer")
+        if self.stop_token_ids is not None:
+            ids = tuple(self.stop_token_ids)
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                raise bad("stop_token_ids", "must be a list of non-negative token ids")
+            object.__setattr__(self, "stop_token_ids", ids)
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """One calculator call inside a sample.
+
+    start: index in Sample.tokens of <|python_start|>.
+    end: index one past the last token of the call's span: past <|output_end|> when the
+        output was forced, past <|python_end|> otherwise (the sample ended first).
+    expr: the decoded expression; output: what was forced between <|output_start|> and
+    <|output_end|> (None if nothing was); error: why the call failed (None if it did not).
+    """
+
+    start: int
+    end: int
+    expr: str
+    output: str | None
+    error: str | None
+
+
+@dataclass(slots=True)
+class Sample:
+    """One continuation of one prompt.
+
+    tokens: generated token ids, forced tool-output tokens included, terminal stop token
+        excluded. mask: one per token, 1 sampled by the model, 0 forced (tool output).
+    logprobs: one per token; for sampled tokens log_softmax(raw logits)[token] in nats,
+        computed from the model's unscaled fp32 logits (temperature 1, no top-k/top-p/min-p
+        truncation), i.e. what a trainer recomputes from the same weights; None for forced tokens.
+    finish_reason: "stop" (a stop token was sampled), "length" (max_tokens or the context
+        window) or "error" (see `error`).
+    """
+
+    prompt_id: str
+    sample_index: int
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    finish_reason: str = "length"
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished request: all `num_samples` samples of one prompt, in sample_index order."""
+
+    request_id: Any
+    prompt_id: str
+    prompt_tokens: list[int]
+    samples: list[Sample]
+
+
+def error_output(request_id: Any, prompt_id: str, prompt_tokens: list[int] | None, params: SamplingParams,
+                 message: str) -> RequestOutput:
+    """A request that failed as a whole: `num_samples` samples with finish_reason "error".
+
+    Every sample is kept (one error row per sample), so nothing goes missing downstream.
+    """
+    toks = list(prompt_tokens or [])
+    samples = [Sample(prompt_id=prompt_id, sample_index=j, finish_reason="error", error=message,
+                      num_prompt_tokens=len(toks), seed=params.seed) for j in range(params.num_samples)]
+    return RequestOutput(request_id=request_id, prompt_id=prompt_id, prompt_tokens=toks, samples=samples)
