@@ -1,0 +1,113 @@
+"""Turning logits into tokens, reproducibly, and the logprobs a trainer can trust.
+
+Reproducibility: a sample's tokens must be a pure function of (weights, prompt, params,
+seed, prompt_id, sample_index), whatever batch, slot, neighbour or process computes them.
+A shared torch.Generator cannot give that (its stream depends on everything drawn before),
+so the noise here is counter-based: every (sample, position, token) gets its own uniform
+from a hash of (seed, prompt_id, sample_index, position, token id), and the token is chosen
+by an exponential race, argmax_v p_v / E_v with E_v = -log(u_v) (equivalently Gumbel-max,
+argmax_v log p_v + G_v). The winner is distributed exactly as p (the minimum of independent
+exponentials with rates p_v lands on v with probability p_v / sum p), and since each row's
+noise depends only on its own key, batching cannot change it. See "Gumbel-max trick"
+(Gumbel 1954; Maddison et al. 2014, "A* Sampling") and counter-based RNGs (Salmon et al.
+2011, "Parallel random numbers: as easy as 1, 2, 3"). The hash is 32-bit "lowbias32"
+(C. Wellons, "Prospecting for hash functions", 2018), chained over the key words.
+
+Order of operations (the same as Hugging Face's warpers and vLLM): logits / temperature,
+then top_k, then top_p on the renormalised top_k distribution, then min_p (relative to
+the most likely token), then the race among the surviving tokens. temperature 0 is argmax.
+
+Logprobs are always those of the raw model: log_softmax(logits)[token] at temperature 1
+with no truncation, in nats, fp32; they are what a trainer recomputes from the same weights.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def request_key(seed: int, prompt_id: str, sample_index: int) -> tuple[int, int]:
+    """Two 32-bit words keying one sample's noise (stable across processes and machines)."""
+    h = hashlib.blake2b(f"{seed}\x1f{prompt_id}\x1f{sample_index}".encode("utf-8", "surrogatepass"), digest_size=8)
+    v = int.from_bytes(h.digest(), "little")
+    return v & _M32, v >> 32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def race_noise(keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log E for each candidate: E = -log(u), u uniform in (0, 1) hashed from the counters.
+
+    keys: (B, 2) int64 (request_key words); positions: (B,) int64, the position of the token
+    being sampled; token_ids: (B, K) int64 candidate ids. Returns (B, K) float64.
+    """
+    h = _mix32(token_ids ^ 0x9E3779B9)
+    h = _mix32(h ^ positions[:, None])
+    h = _mix32(h ^ keys[:, 1:2])
+    h = _mix32(h ^ keys[:, 0:1])
+    u = (h.double() + 0.5) * (1.0 / 2**32)
+    return torch.log(-torch.log(u))
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Choose one token per row.
+
+    logits: (B, V) float32 raw model logits. temperature, top_p, min_p: (B,) float32;
+    top_k: (B,) int64 (0 = off); keys: (B, 2) int64; positions: (B,) int64.
+    Returns (B,) int64 token ids. Parameters may differ per row (one batch, many requests).
+    """
+    B, V = logits.shape
+    greedy = temperature <= 0
+    out = torch.argmax(logits, dim=-1)
+    if bool(greedy.all()):
+        return out
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = logits / t[:, None]
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    k_on = top_k > 0
+    p_on = top_p < 1.0
+    m_on = min_p > 0.0
+    if bool(k_on.all()):
+        K = min(int(top_k.max()), V)
+        vals, idx = torch.topk(scaled, K, dim=-1)
+    elif bool((p_on | m_on | k_on).any()):
+        vals, idx = torch.sort(scaled, dim=-1, descending=True)
+        K = V
+    else:  # no truncation anywhere: race over the whole vocabulary, no sort needed
+        idx = torch.arange(V, device=logits.device).expand(B, V)
+        score = (scaled - lse) - race_noise(keys, positions, idx)
+        choice = torch.argmax(score, dim=-1)
+        return torch.where(greedy, out, choice)
+    logp = vals - lse  # (B, K) sorted descending, normalised over the full vocabulary
+    rank = torch.arange(K, device=logits.device)[None, :]
+    keep = torch.where(k_on[:, None], rank < top_k[:, None], torch.ones_like(rank, dtype=torch.bool))
+    if bool(p_on.any()):
+        p = torch.exp(logp) * keep
+        csum = torch.cumsum(p, dim=-1)
+        total = csum[:, -1:]
+        before = (csum - p) / total  # mass strictly before this token, renormalised over top_k
+        keep = keep & ((before < top_p[:, None]) | ~p_on[:, None])
+    if bool(m_on.any()):
+        keep = keep & ((logp >= logp[:, :1] + torch.log(min_p.clamp_min(1e-30))[:, None]) | ~m_on[:, None])
+    keep[:, 0] = True  # the most likely token always survives
+    score = logp.double() - race_noise(keys, positions, idx)
+    score = score.masked_fill(~keep, float("-inf"))
+    choice = idx.gather(1, torch.argmax(score, dim=-1, keepdim=True))[:, 0]
+    return torch.where(greedy, out, choice)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[token] per row: logits (B, V) float32, tokens (B,) -> (B,) float32."""
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    return logits.float().gather(1, tokens[:, None])[:, 0] - lse

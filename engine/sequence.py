@@ -1,0 +1,132 @@
+"""One sample's state while it decodes: its tokens, mask, logprobs and tool state machine.
+
+The tool protocol is nanochat's (nanochat/engine.py): tokens the model samples between
+<|python_start|> and <|python_end|> are decoded and handed to the calculator; its result
+is then forced into the sequence as <|output_start|> result <|output_end|>, one token per
+step, with mask 0 and no logprob. Unlike nanochat, a failed call is not silent: the model
+sees "Error: <why>" as the output, and every call is recorded as a ToolCall.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.params import Sample, SamplingParams, ToolCall
+from engine.tools import calculator
+
+
+@dataclass(slots=True)
+class ToolTokens:
+    """The special token ids of the calculator protocol, or None when the tokenizer lacks them."""
+
+    python_start: int
+    python_end: int
+    output_start: int
+    output_end: int
+
+
+@dataclass(slots=True)
+class Request:
+    """A prompt waiting for, or holding, slots. `next_sample` counts samples already admitted."""
+
+    request_id: object
+    prompt_id: str
+    prompt_tokens: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    samples: list[Sample | None]
+    next_sample: int = 0
+    num_finished: int = 0
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One sample decoding in one KV-cache slot.
+
+    `last_token` is the token to feed at `position` on the next decode step; `key` keys its
+    sampling noise (see engine/sampling.py).
+    """
+
+    request: Request
+    sample_index: int
+    slot: int
+    key: tuple[int, int]
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    forced: deque = field(default_factory=deque)
+    in_python: bool = False
+    expr_tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def position(self) -> int:
+        """Position of the last token in the sequence (prompt + generated), 0-based."""
+        return len(self.request.prompt_tokens) + len(self.tokens) - 1
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
+    def next_is_forced(self) -> bool:
+        return bool(self.forced)
+
+    def append(self, token: int, logprob: float | None, tools: ToolTokens | None, tokenizer, max_len: int) -> None:
+        """Take the step's token (the sampled one, or the next forced one) and update state.
+
+        Sets finish_reason when the sample ends: "stop" for a sampled stop token (not kept),
+        "length" at max_tokens or when the sequence fills `max_len` positions.
+        """
+        forced = logprob is None
+        if not forced and token in self.request.stop_ids:
+            self.finish_reason = "stop"
+            return
+        self.tokens.append(token)
+        self.mask.append(0 if forced else 1)
+        self.logprobs.append(logprob)
+        if tools is not None and not forced and self.request.params.calculator:
+            self._tool_step(token, tools, tokenizer)
+        if len(self.tokens) >= self.request.params.max_tokens or self.position + 1 >= max_len:
+            self.finish_reason = "length"
+
+    def _tool_step(self, token: int, tools: ToolTokens, tokenizer) -> None:
+        if token == tools.python_start:
+            self.in_python = True
+            self.expr_tokens = []
+            self.tool_calls.append(ToolCall(start=len(self.tokens) - 1, end=len(self.tokens), expr="",
+                                            output=None, error=None))
+        elif token == tools.python_end and self.in_python:
+            self.in_python = False
+            call = self.tool_calls[-1]
+            call.expr = tokenizer.decode(self.expr_tokens)
+            result = calculator(call.expr) if call.expr.strip() else None
+            if result is None:
+                call.error = "empty expression"
+                text = "Error: empty expression"
+            elif result.error is not None:
+                call.error = result.error
+                text = f"Error: {result.error}"
+            else:
+                text = result.output
+            call.output = text
+            out = [tools.output_start, *tokenizer.encode(text), tools.output_end]
+            self.forced.extend(out)
+            call.end = len(self.tokens) + len(out)
+        elif self.in_python:
+            self.expr_tokens.append(token)
+
+    def to_sample(self, tokenizer) -> Sample:
+        """The finished Sample (tool-call spans clipped to the tokens actually generated)."""
+        n = len(self.tokens)
+        if self.in_python:  # the sample ended inside <|python_start|> ... : record the open call
+            call = self.tool_calls[-1]
+            call.expr = tokenizer.decode(self.expr_tokens)
+            call.error = "call not finished: the sample ended before <|python_end|>"
+        for call in self.tool_calls:
+            call.end = min(call.end, n)
+        p = self.request.params
+        return Sample(prompt_id=self.request.prompt_id, sample_index=self.sample_index, tokens=self.tokens,
+                      mask=self.mask, logprobs=self.logprobs, finish_reason=self.finish_reason or "length",
+                      tool_calls=self.tool_calls, error=None, num_prompt_tokens=len(self.request.prompt_tokens),
+                      seed=p.seed)
