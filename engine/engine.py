@@ -152,6 +152,7 @@ class Engine:
             last_index=torch.tensor(lengths, device=dev) - 1,
             prefill=True,
         )
+        self.kv.initialize([s for g in groups for s in g.slots], T)
         logits = self.model.forward_step(tokens.to(dev), batch, self.kv)  # (P, V)
         self.num_prefill_tokens += sum(lengths)
         src = [g.slots[0] for g in groups for _ in g.slots[1:]]
@@ -187,12 +188,14 @@ class Engine:
             positions = torch.zeros(len(seqs), dtype=torch.long)
             slots = torch.tensor([s.slot for s in seqs])
             slot_start = None
+        kv_len = max(s.position for s in seqs) + 1
+        self.kv.initialize(slots.tolist(), kv_len)
         r = torch.tensor(rows)
         tokens[r] = torch.tensor([s.last_token for s in seqs])
         positions[r] = torch.tensor([s.position for s in seqs])
         batch = StepBatch(slots=slots.to(dev), positions=positions[:, None].to(dev),
                           last_index=torch.zeros(len(tokens), dtype=torch.long, device=dev), prefill=False,
-                          kv_len=int(positions.max()) + 1, slot_start=slot_start)
+                          kv_len=kv_len, slot_start=slot_start)
         logits = self.model.forward_step(tokens[:, None].to(dev), batch, self.kv)
         self._sample_and_append(seqs, logits[r.to(dev)])
 

@@ -97,6 +97,11 @@ class KVCache:
                       for name, dim in (state_dims or {}).items()}
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
+        # Positions [0, written[s]) of slot s hold finite values. Attention reads up to the
+        # longest row of a step; masked keys get weight 0, but 0 * NaN from never-written
+        # memory would still poison the output, so `initialize` zeroes memory before its first
+        # read. Zeroing lazily (not with torch.zeros up front) keeps untouched pages uncommitted.
+        self.written = [0] * num_slots
 
     @staticmethod
     def bytes_per_slot(n_layer: int, n_kv_head: int, head_dim: int, max_seq_len: int,
@@ -105,6 +110,15 @@ class KVCache:
         itemsize = torch.empty((), dtype=dtype).element_size()
         kv = 2 * n_layer * n_kv_head * max_seq_len * head_dim
         return (kv + sum((state_dims or {}).values())) * itemsize
+
+    def initialize(self, slots: list[int], length: int) -> None:
+        """Make positions [0, length) of `slots` safe to read (zero what was never written)."""
+        for s in slots:
+            w = self.written[s]
+            if w < length:
+                self.k[:, s, :, w:length] = 0
+                self.v[:, s, :, w:length] = 0
+                self.written[s] = length
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                batch: StepBatch, window: int | None = None) -> torch.Tensor:

@@ -123,6 +123,7 @@ class Sequence:
             call = self.tool_calls[-1]
             call.expr = tokenizer.decode(self.expr_tokens)
             call.error = "call not finished: the sample ended before <|python_end|>"
+            call.end = n
         for call in self.tool_calls:
             call.end = min(call.end, n)
         p = self.request.params

@@ -1,0 +1,212 @@
+"""Engine behaviour on small stand-in models (tests/toy.py): KV cache, fan-out, batching,
+reproducibility, finish reasons, errors and the calculator state machine.
+
+The same properties are checked on the real architectures in tests/test_engine_models.py.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.params import SamplingParams
+from toy import ByteTokenizer, ScriptedLM, ToyLM
+
+TOK = ByteTokenizer()
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10] * 20, [42], list(range(30, 45))]
+IDS = ["a", "b", "c", "d", "e"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ToyLM(window=6).eval()
+
+
+def run(model, prompts=PROMPTS, ids=IDS, max_num_seqs=64, **kw):
+    params = SamplingParams(**{"num_samples": 3, "max_tokens": 12, "top_k": 0, "stop_token_ids": [], **kw})
+    return Engine(model, TOK, max_num_seqs=max_num_seqs).generate(prompts, params, prompt_ids=ids)
+
+
+def toks(results):
+    return [[s.tokens for s in row] for row in results]
+
+
+def test_greedy_decode_equals_full_forward_every_step(model):
+    """KV-cached decode (with a sliding window that bites) gives the full forward's argmax at every step."""
+    res = run(model, temperature=0.0, num_samples=1, max_tokens=25)
+    for prompt, row in zip(PROMPTS, res):
+        seq = list(prompt)
+        for _ in range(25):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+        assert row[0].tokens == seq[len(prompt):]
+
+
+def test_logprobs_equal_full_forward_log_softmax(model):
+    """Each sampled token's logprob is log_softmax of the raw logits of a cache-free forward."""
+    res = run(model, temperature=1.3, top_k=5, num_samples=2)
+    for prompt, row in zip(PROMPTS, res):
+        for s in row:
+            full = torch.tensor([prompt + s.tokens])
+            lp = torch.log_softmax(model(full)[0], -1)
+            for i, (t, got) in enumerate(zip(s.tokens, s.logprobs)):
+                assert abs(lp[len(prompt) - 1 + i, t].item() - got) < 1e-4
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4, 32])
+def test_batch_size_independence(model, max_num_seqs):
+    """The same requests give identical tokens at max batch sizes 1, 4 and 32."""
+    ref = toks(run(model, max_num_seqs=64))
+    assert toks(run(model, max_num_seqs=max_num_seqs)) == ref
+
+
+def test_neighbours_do_not_matter(model):
+    """A request gives the same samples alone, with other neighbours, or in another order."""
+    ref = toks(run(model))
+    alone = toks(run(model, prompts=[PROMPTS[2]], ids=[IDS[2]]))
+    assert alone[0] == ref[2]
+    others = toks(run(model, prompts=[[99] * 7, PROMPTS[2], [5, 6]], ids=["x", IDS[2], "y"]))
+    assert others[1] == ref[2]
+    rev = toks(run(model, prompts=PROMPTS[::-1], ids=IDS[::-1]))
+    assert rev[::-1] == ref
+
+
+def test_fanned_out_samples_equal_samples_run_alone(model):
+    """num_samples=4 from one prefill equals four prefills of one sample each (max_num_seqs=1)."""
+    fan = run(model, num_samples=4)
+    alone = run(model, num_samples=4, max_num_seqs=1)
+    assert toks(fan) == toks(alone)
+    assert all(len({tuple(s.tokens) for s in row}) > 1 for row in fan)  # samples differ from each other
+
+
+def test_seed_changes_samples(model):
+    assert toks(run(model, seed=1)) != toks(run(model, seed=2))
+
+
+def test_continuous_batching_admits_while_others_decode(model):
+    """With 4 slots and prompts of 2 samples each, a finished request's slots are reused at once."""
+    eng = Engine(model, TOK, max_num_seqs=4)
+    p_short = SamplingParams(num_samples=2, max_tokens=3, top_k=0, stop_token_ids=[])
+    p_long = SamplingParams(num_samples=2, max_tokens=10, top_k=0, stop_token_ids=[])
+    eng.add_request([1, 2], p_long, "long")
+    eng.add_request([3, 4], p_short, "short")
+    eng.add_request([5, 6], p_short, "waiting")
+    finished_at = {}
+    step = 0
+    while eng.has_unfinished_requests():
+        step += 1
+        for out in eng.step():
+            finished_at[out.prompt_id] = step
+        if step == 1:
+            assert len(eng.running) == 4 and len(eng.scheduler.waiting) == 1
+    # "waiting" was admitted after "short" freed its slots, and finished before "long".
+    assert finished_at["short"] < finished_at["waiting"] < finished_at["long"]
+
+
+def test_stop_tokens_and_lengths():
+    """A stop token ends a sample with "stop" and is not kept; max_tokens gives "length"."""
+    script = [1, 2, 3, 50, 51, TOK.specials["<|assistant_end|>"], 60, 61]
+    m = ScriptedLM(script, TOK.vocab_size)
+    eng = Engine(m, TOK)
+    s = eng.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=10))[0][0]
+    assert (s.tokens, s.mask, s.finish_reason) == ([50, 51], [1, 1], "stop")
+    s = eng.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[51]))[0][0]
+    assert (s.tokens, s.finish_reason) == ([50], "stop")
+    s = eng.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))[0][0]
+    assert (s.tokens, s.finish_reason) == ([50, 51], "length")
+
+
+def test_context_window_ends_with_length_and_long_prompt_is_an_error(model):
+    """Generation stops at the context window; a prompt longer than it fails alone."""
+    eng = Engine(model, TOK)
+    ctx = model.info.context_len
+    res = eng.generate([[1] * (ctx - 5), [2] * (ctx + 1), [], [3, 999], [4, 5]],
+                       SamplingParams(num_samples=2, max_tokens=50, stop_token_ids=[]))
+    assert [len(s.tokens) for s in res[0]] == [5, 5] and res[0][0].finish_reason == "length"
+    assert [s.finish_reason for s in res[1]] == ["error", "error"]
+    assert "context window" in res[1][0].error
+    assert "empty" in res[2][0].error
+    assert "prompt token 1 is 999" in res[3][0].error
+    assert [len(s.tokens) for s in res[4]] == [50, 50]
+
+
+def test_num_samples_larger_than_the_cache():
+    """A request with more samples than slots runs in groups and equals a big-cache run."""
+    m = ToyLM(seed=3).eval()
+    p = SamplingParams(num_samples=10, max_tokens=6, top_k=0, stop_token_ids=[])
+    small = Engine(m, TOK, max_num_seqs=3).generate([[1, 2, 3], [4]], p, prompt_ids=["x", "y"])
+    big = Engine(m, TOK, max_num_seqs=64).generate([[1, 2, 3], [4]], p, prompt_ids=["x", "y"])
+    assert toks(small) == toks(big)
+    assert [s.sample_index for s in small[0]] == list(range(10))
+
+
+def test_kv_budget_bounds_slots(model):
+    eng = Engine(model, TOK, kv_cache_bytes=10 * 2 * 2 * 2 * 64 * 8 * 4, max_num_seqs=256)
+    assert eng.num_slots == 10
+    with pytest.raises(ValueError, match="cannot hold one slot"):
+        Engine(model, TOK, kv_cache_bytes=100)
+
+
+def _gsm8k_calls(limit):
+    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
+    if not path.exists():
+        pytest.skip("../shared/data/gsm8k/train.jsonl is not beside this checkout")
+    import re
+
+    calls = []
+    for line in path.open():
+        for expr, result in re.findall(r"<<([^=<>]*)=([^<>]*)>>", json.loads(line)["answer"]):
+            calls.append((expr, result))
+            if len(calls) >= limit:
+                return calls
+    return calls
+
+
+def test_calculator_state_machine_on_gsm8k_calls():
+    """A scripted model writes real GSM8K calculator calls; the engine evaluates each, forces
+    <|output_start|> result <|output_end|> with mask 0 and no logprob, and records the call."""
+    sp = TOK.specials
+    calls = _gsm8k_calls(40)
+    for expr, annotated in calls:
+        prompt = TOK.encode("Q: ")
+        out_toks = [sp["<|output_start|>"], *TOK.encode(annotated), sp["<|output_end|>"]]
+        gen = [*TOK.encode("so "), sp["<|python_start|>"], *TOK.encode(expr), sp["<|python_end|>"],
+               *out_toks, *TOK.encode(" done"), sp["<|assistant_end|>"]]
+        m = ScriptedLM(prompt + gen, TOK.vocab_size)
+        s = Engine(m, TOK).generate([prompt], SamplingParams(temperature=0, max_tokens=200))[0][0]
+        assert s.finish_reason == "stop"
+        (call,) = s.tool_calls
+        assert call.expr == expr and call.error is None
+        assert float(call.output) == pytest.approx(float(annotated), rel=1e-6)
+        start = s.tokens.index(sp["<|python_start|>"])
+        o0 = s.tokens.index(sp["<|output_start|>"])
+        o1 = s.tokens.index(sp["<|output_end|>"])
+        assert (call.start, call.end) == (start, o1 + 1)
+        assert TOK.decode(s.tokens[o0 + 1:o1]) == call.output
+        assert s.mask[o0:o1 + 1] == [0] * (o1 + 1 - o0) and s.logprobs[o0:o1 + 1] == [None] * (o1 + 1 - o0)
+        assert all(m == 1 for m in s.mask[:o0] + s.mask[o1 + 1:])
+        assert all(lp is not None for lp in s.logprobs[:o0] + s.logprobs[o1 + 1:])
+
+
+def test_failed_calculator_call_is_recorded_and_shown_to_the_model():
+    sp = TOK.specials
+    prompt = [65]
+    gen = [sp["<|python_start|>"], *TOK.encode("__import__('os')"), sp["<|python_end|>"], 66, 67, 68, 69] + [70] * 300
+    s = Engine(ScriptedLM(prompt + gen, TOK.vocab_size), TOK).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=250))[0][0]
+    (call,) = s.tool_calls
+    assert call.error and call.output.startswith("Error:")
+    o0, o1 = s.tokens.index(sp["<|output_start|>"]), s.tokens.index(sp["<|output_end|>"])
+    assert TOK.decode(s.tokens[o0 + 1:o1]) == call.output
+
+
+def test_calculator_off_and_unfinished_call():
+    sp = TOK.specials
+    prompt = [65]
+    gen = [sp["<|python_start|>"], *TOK.encode("1+1"), sp["<|python_end|>"], 66] + [67] * 20
+    m = ScriptedLM(prompt + gen, TOK.vocab_size)
+    s = Engine(m, TOK).generate([prompt], SamplingParams(temperature=0, max_tokens=8, calculator=False))[0][0]
+    assert s.tool_calls == [] and s.mask == [1] * 8
+    s = Engine(m, TOK).generate([prompt], SamplingParams(temperature=0, max_tokens=3))[0][0]
+    (call,) = s.tool_calls
+    assert call.expr == "1+" and "not finished" in call.error and call.end == 3
