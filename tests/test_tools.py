@@ -66,7 +66,8 @@ def timed(expr):
         t0 = time.perf_counter()
         r = calculator(expr)
         dt = time.perf_counter() - t0
-        assert res is None or r == res, (expr, r, res)
+        slow = any(x is not None and x.error and "time budget" in x.error for x in (r, res))
+        assert res is None or slow or r == res, (expr, r, res)
         res, best = r, min(best, dt)
         if best < TIME_LIMIT_S:
             break
