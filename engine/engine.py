@@ -197,7 +197,9 @@ class Engine:
                           last_index=torch.zeros(len(tokens), dtype=torch.long, device=dev), prefill=False,
                           kv_len=kv_len, slot_start=slot_start)
         logits = self.model.forward_step(tokens[:, None].to(dev), batch, self.kv)
-        self._sample_and_append(seqs, logits[r.to(dev)])
+        if len(rows) != len(tokens):  # drop the idle slots' dummy rows
+            logits = logits[r.to(dev)]
+        self._sample_and_append(seqs, logits)
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Pick each sequence's next token (forced tool output, or sampled from `logits`)."""
@@ -205,12 +207,11 @@ class Engine:
         sampled: dict[int, tuple[int, float]] = {}
         if free_rows:
             sub = [seqs[i] for i in free_rows]
-            lg = logits[torch.tensor(free_rows, device=self.device)].float()
+            lg = logits if len(free_rows) == len(seqs) else logits[torch.tensor(free_rows, device=self.device)]
             ps = [s.request.params for s in sub]
             dev = self.device
             temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
-            # a greedy row needs no truncation; top_k=1 keeps the fast top-k path for mixed batches
-            top_k = torch.tensor([1 if p.temperature == 0 else p.top_k for p in ps], dtype=torch.long, device=dev)
+            top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev)
             top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
             min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev)
             keys = torch.tensor([s.key for s in sub], dtype=torch.long, device=dev)

@@ -5,9 +5,10 @@ positions. The cache is allocated once (gpt-fast style: static shapes, the hot l
 reallocates); the scheduler decides which request owns which slot, so admission, not an
 allocation failure, bounds memory.
 
-Layout per layer: (num_slots, n_kv_head, max_seq_len, head_dim), the (B, H, T, D) order
-that torch's scaled_dot_product_attention reads, so a decode step over a contiguous range
-of slots attends to a view of the cache without copying it.
+Layout per layer: (num_slots, max_seq_len, n_kv_head, head_dim), flash-attention's and
+nanochat's (B, T, H, D) order: one decode step's keys for a row are one contiguous run,
+written with a single index_copy_, and a decode step over a contiguous range of slots
+attends to a transposed view of the cache without copying it.
 
 Models call `attend(layer, q, k, v, batch, window)` and never index the cache
 themselves; `StepBatch` describes one forward (prefill or decode) and caches the attention
@@ -90,7 +91,7 @@ class KVCache:
 
     def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, num_slots: int, max_seq_len: int,
                  dtype: torch.dtype, device: torch.device | str, state_dims: dict[str, int] | None = None):
-        shape = (n_layer, num_slots, n_kv_head, max_seq_len, head_dim)
+        shape = (n_layer, num_slots, max_seq_len, n_kv_head, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.state = {name: torch.zeros(num_slots, dim, dtype=dtype, device=device)
@@ -100,8 +101,10 @@ class KVCache:
         # Positions [0, written[s]) of slot s hold finite values. Attention reads up to the
         # longest row of a step; masked keys get weight 0, but 0 * NaN from never-written
         # memory would still poison the output, so `initialize` zeroes memory before its first
-        # read. Zeroing lazily (not with torch.zeros up front) keeps untouched pages uncommitted.
+        # read. Zeroing lazily (not with torch.zeros up front) keeps untouched pages
+        # uncommitted; it runs ahead in chunks so a decode step rarely has anything to zero.
         self.written = [0] * num_slots
+        self._row = n_kv_head * head_dim
 
     @staticmethod
     def bytes_per_slot(n_layer: int, n_kv_head: int, head_dim: int, max_seq_len: int,
@@ -111,14 +114,19 @@ class KVCache:
         kv = 2 * n_layer * n_kv_head * max_seq_len * head_dim
         return (kv + sum((state_dims or {}).values())) * itemsize
 
-    def initialize(self, slots: list[int], length: int) -> None:
-        """Make positions [0, length) of `slots` safe to read (zero what was never written)."""
+    def initialize(self, slots: list[int], length: int, ahead: int = 64) -> None:
+        """Make positions [0, length) of `slots` safe to read (zero what was never written).
+
+        Zeroes up to `ahead` positions more than asked, so that one-token-at-a-time growth
+        zeroes memory once per `ahead` steps instead of every step.
+        """
         for s in slots:
             w = self.written[s]
             if w < length:
-                self.k[:, s, :, w:length] = 0
-                self.v[:, s, :, w:length] = 0
-                self.written[s] = length
+                end = min(self.max_seq_len, length + ahead)
+                self.k[:, s, w:end] = 0
+                self.v[:, s, w:end] = 0
+                self.written[s] = end
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                batch: StepBatch, window: int | None = None) -> torch.Tensor:
@@ -133,31 +141,34 @@ class KVCache:
         kc, vc = self.k[layer], self.v[layer]
         if batch.prefill:
             T = q.shape[2]
-            kc[batch.slots, :, :T] = k
-            vc[batch.slots, :, :T] = v
+            kc[batch.slots, :T] = k.transpose(1, 2)
+            vc[batch.slots, :T] = v.transpose(1, 2)
             # A prefill starts at position 0, so its own keys are the whole history: attend
             # to them directly, with the same SDPA call a cache-free forward makes.
             m = batch.mask(window)
             if m is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=gqa)
-        pos = batch.positions[:, 0]
-        kc[batch.slots, :, pos] = k[:, :, 0]
-        vc[batch.slots, :, pos] = v[:, :, 0]
+        # Row (slot, position) of the flattened (slots * positions, heads * head_dim) view.
+        flat = batch.slots * self.max_seq_len + batch.positions[:, 0]
+        B = q.shape[0]
+        kc.view(-1, self._row).index_copy_(0, flat, k.reshape(B, self._row))
+        vc.view(-1, self._row).index_copy_(0, flat, v.reshape(B, self._row))
         L = batch.kv_len
         if batch.slot_start is not None:
             s0 = batch.slot_start
-            keys, values = kc[s0:s0 + q.shape[0], :, :L], vc[s0:s0 + q.shape[0], :, :L]
+            keys, values = kc[s0:s0 + B, :L], vc[s0:s0 + B, :L]
         else:
-            keys, values = kc[batch.slots, :, :L], vc[batch.slots, :, :L]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask(window), enable_gqa=gqa)
+            keys, values = kc[batch.slots, :L], vc[batch.slots, :L]
+        return F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2),
+                                              attn_mask=batch.mask(window), enable_gqa=gqa)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
         """Fan out: copy positions [0, length) of slots `src` into slots `dst`, all layers.
 
         src, dst: (N,) int64 slot indices (src may repeat: one prompt to many samples).
         """
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self.k[:, dst, :length] = self.k[:, src, :length]
+        self.v[:, dst, :length] = self.v[:, src, :length]
         for t in self.state.values():
             t[dst] = t[src]

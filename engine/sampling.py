@@ -66,45 +66,46 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     logits: (B, V) float32 raw model logits. temperature, top_p, min_p: (B,) float32;
     top_k: (B,) int64 (0 = off); keys: (B, 2) int64; positions: (B,) int64.
     Returns (B,) int64 token ids. Parameters may differ per row (one batch, many requests).
+
+    Cost: one top-k (or, without top_k, one sort when top_p/min_p is on) over the vocabulary
+    and the rest over the K candidates, except plain sampling, which races the whole
+    vocabulary without sorting.
     """
     B, V = logits.shape
     greedy = temperature <= 0
-    out = torch.argmax(logits, dim=-1)
     if bool(greedy.all()):
-        return out
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits / t[:, None]
-    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
-    k_on = top_k > 0
+        return torch.argmax(logits, dim=-1)
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    k_on = (top_k > 0) | greedy
+    top_k = torch.where(greedy, torch.ones_like(top_k), top_k)  # greedy = top-1
     p_on = top_p < 1.0
     m_on = min_p > 0.0
     if bool(k_on.all()):
-        K = min(int(top_k.max()), V)
-        vals, idx = torch.topk(scaled, K, dim=-1)
+        # Dividing by a positive temperature keeps the order, so the top-k of the raw
+        # logits are the candidates; only they are scaled.
+        vals, idx = torch.topk(logits, min(int(top_k.max()), V), dim=-1)
     elif bool((p_on | m_on | k_on).any()):
-        vals, idx = torch.sort(scaled, dim=-1, descending=True)
-        K = V
-    else:  # no truncation anywhere: race over the whole vocabulary, no sort needed
+        vals, idx = torch.sort(logits, dim=-1, descending=True)
+    else:  # no truncation anywhere: race over the whole vocabulary
         idx = torch.arange(V, device=logits.device).expand(B, V)
-        score = (scaled - lse) - race_noise(keys, positions, idx)
-        choice = torch.argmax(score, dim=-1)
-        return torch.where(greedy, out, choice)
-    logp = vals - lse  # (B, K) sorted descending, normalised over the full vocabulary
+        score = (logits / t).double() - race_noise(keys, positions, idx)
+        return torch.argmax(score, dim=-1)
+    K = vals.shape[1]
+    vals = vals / t
     rank = torch.arange(K, device=logits.device)[None, :]
-    keep = torch.where(k_on[:, None], rank < top_k[:, None], torch.ones_like(rank, dtype=torch.bool))
+    keep = (rank < top_k[:, None]) | ~k_on[:, None]
+    # log-probabilities renormalised over the top_k survivors (HF's and vLLM's order)
+    logp = torch.log_softmax(vals.masked_fill(~keep, float("-inf")), dim=-1)
     if bool(p_on.any()):
-        p = torch.exp(logp) * keep
-        csum = torch.cumsum(p, dim=-1)
-        total = csum[:, -1:]
-        before = (csum - p) / total  # mass strictly before this token, renormalised over top_k
+        p = torch.exp(logp)
+        before = torch.cumsum(p, dim=-1) - p  # mass strictly before this token
         keep = keep & ((before < top_p[:, None]) | ~p_on[:, None])
     if bool(m_on.any()):
         keep = keep & ((logp >= logp[:, :1] + torch.log(min_p.clamp_min(1e-30))[:, None]) | ~m_on[:, None])
     keep[:, 0] = True  # the most likely token always survives
     score = logp.double() - race_noise(keys, positions, idx)
     score = score.masked_fill(~keep, float("-inf"))
-    choice = idx.gather(1, torch.argmax(score, dim=-1, keepdim=True))[:, 0]
-    return torch.where(greedy, out, choice)
+    return idx.gather(1, torch.argmax(score, dim=-1, keepdim=True))[:, 0]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

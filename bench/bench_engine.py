@@ -1,0 +1,97 @@
+"""Engine throughput against Hugging Face transformers on the same weights, in one run.
+
+Workload (issue #2): a GPT-2-small-shaped model (124M parameters, random weights written by
+transformers' save_pretrained), the first 32 GSM8K test questions as plain-text prompts,
+num_samples=4, max_tokens=128, top_k=50, temperature 1, fp32 on the CPU. The baseline is
+transformers' `generate(num_return_sequences=4)` on the same checkpoint and token ids.
+Both count generated tokens (up to, not including, <|endoftext|>); the script prints both
+rates and their ratio. Machines are noisy: compare the ratio, not the absolute numbers.
+
+    python bench/bench_engine.py [--prompts 32] [--max-tokens 128] [--skip-hf]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHARED = ROOT.parent / "shared" / "data"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--num-samples", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=12, help="GPT-2 small has 12")
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from engine import SamplingParams, load_engine
+    from engine.tokenizer import Tokenizer
+
+    ranks = SHARED / "tokenizers" / "gpt2.tiktoken"
+    questions = SHARED / "gsm8k" / "test.jsonl"
+    if not ranks.exists() or not questions.exists():
+        sys.exit(f"needs ../shared/data beside the checkout ({ranks}, {questions})")
+    tok = Tokenizer.from_tiktoken_file(ranks)
+    prompts = [tok.encode(json.loads(line)["question"]) for line in questions.open()][: args.prompts]
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=args.layers)).eval()
+    tmp = tempfile.mkdtemp(prefix="bench-gpt2-")
+    hf.save_pretrained(tmp)
+    n_params = sum(p.numel() for p in hf.parameters())
+    print(f"model: GPT-2 shape, {args.layers} layers, {n_params / 1e6:.0f}M parameters, random weights, fp32, "
+          f"{args.threads} threads")
+    print(f"workload: {len(prompts)} GSM8K prompts (mean {sum(map(len, prompts)) / len(prompts):.0f} tokens), "
+          f"num_samples={args.num_samples}, max_tokens={args.max_tokens}, top_k={args.top_k}")
+
+    eos = tok.special("<|endoftext|>")
+    longest = max(map(len, prompts)) + args.max_tokens
+    eng = load_engine(tmp, device="cpu", dtype="float32", tokenizer=ranks, max_seq_len=longest)
+    params = SamplingParams(num_samples=args.num_samples, max_tokens=args.max_tokens, temperature=1.0,
+                            top_k=args.top_k, seed=0)
+    eng.generate([prompts[0]], SamplingParams(max_tokens=4))  # warm-up
+    t0 = time.perf_counter()
+    res = eng.generate(prompts, params)
+    dt_ours = time.perf_counter() - t0
+    n_ours = sum(len(s.tokens) for row in res for s in row)
+    print(f"batchgen engine: {n_ours} tokens in {dt_ours:.1f} s = {n_ours / dt_ours:.1f} tokens/s")
+    if args.skip_hf:
+        return
+
+    L = max(map(len, prompts))
+    ids = torch.full((len(prompts), L), eos)
+    att = torch.zeros(len(prompts), L, dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding, as generate() expects for decoder-only models
+        ids[i, L - len(p):] = torch.tensor(p)
+        att[i, L - len(p):] = 1
+    with torch.no_grad():
+        hf.generate(input_ids=ids[:1], attention_mask=att[:1], max_new_tokens=4, do_sample=True, pad_token_id=eos)
+        t0 = time.perf_counter()
+        out = hf.generate(input_ids=ids, attention_mask=att, do_sample=True, top_k=args.top_k, temperature=1.0,
+                          max_new_tokens=args.max_tokens, num_return_sequences=args.num_samples, pad_token_id=eos)
+        dt_hf = time.perf_counter() - t0
+    gen = out[:, L:]
+    n_hf = 0
+    for row in gen.tolist():
+        n_hf += row.index(eos) if eos in row else len(row)
+    print(f"transformers generate: {n_hf} tokens in {dt_hf:.1f} s = {n_hf / dt_hf:.1f} tokens/s")
+    print(f"ratio (batchgen / transformers tokens/s): {(n_ours / dt_ours) / (n_hf / dt_hf):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
