@@ -217,7 +217,7 @@ class Engine:
             keys = torch.tensor([s.key for s in sub], dtype=torch.long, device=dev)
             pos = torch.tensor([s.position + 1 for s in sub], dtype=torch.long, device=dev)
             toks = sample_tokens(lg, temp, top_k, top_p, min_p, keys, pos)
-            lps = token_logprobs(lg, toks)
+            lps = token_logprobs(lg, toks, inplace=True)
             for i, t, lp in zip(free_rows, toks.tolist(), lps.tolist()):
                 sampled[i] = (t, lp)
         for i, seq in enumerate(seqs):

@@ -108,7 +108,15 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return idx.gather(1, torch.argmax(score, dim=-1, keepdim=True))[:, 0]
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits)[token] per row: logits (B, V) float32, tokens (B,) -> (B,) float32."""
-    lse = torch.logsumexp(logits.float(), dim=-1)
-    return logits.float().gather(1, tokens[:, None])[:, 0] - lse
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """log_softmax(logits)[token] per row: logits (B, V) float32, tokens (B,) -> (B,) float32.
+
+    inplace=True overwrites `logits` (the engine's last use of them) instead of allocating
+    another vocabulary-sized tensor; the result is the same as torch.logsumexp's.
+    """
+    picked = logits.gather(1, tokens[:, None])[:, 0]
+    if not inplace:
+        return picked - torch.logsumexp(logits, dim=-1)
+    m = logits.amax(dim=-1, keepdim=True)
+    lse = logits.sub_(m).exp_().sum(dim=-1).log_() + m[:, 0]
+    return picked - lse

@@ -15,6 +15,15 @@ from engine.params import Sample, SamplingParams, ToolCall
 from engine.tools import calculator
 
 
+def _decode(tokenizer, ids: list[int]) -> str:
+    """Decode an expression; ids the tokenizer lacks (a model vocabulary padded past the
+    tokenizer's) become U+FFFD rather than an exception, and the calculator rejects them."""
+    try:
+        return tokenizer.decode(ids)
+    except ValueError:
+        return "".join(tokenizer.decode([i]) if 0 <= i < tokenizer.vocab_size else "\ufffd" for i in ids)
+
+
 @dataclass(slots=True)
 class ToolTokens:
     """The special token ids of the calculator protocol, or None when the tokenizer lacks them."""
@@ -99,7 +108,7 @@ class Sequence:
         elif token == tools.python_end and self.in_python:
             self.in_python = False
             call = self.tool_calls[-1]
-            call.expr = tokenizer.decode(self.expr_tokens)
+            call.expr = _decode(tokenizer, self.expr_tokens)
             result = calculator(call.expr) if call.expr.strip() else None
             if result is None:
                 call.error = "empty expression"
@@ -121,7 +130,7 @@ class Sequence:
         n = len(self.tokens)
         if self.in_python:  # the sample ended inside <|python_start|> ... : record the open call
             call = self.tool_calls[-1]
-            call.expr = tokenizer.decode(self.expr_tokens)
+            call.expr = _decode(tokenizer, self.expr_tokens)
             call.error = "call not finished: the sample ended before <|python_end|>"
             call.end = n
         for call in self.tool_calls:

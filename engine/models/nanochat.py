@@ -273,7 +273,9 @@ class NanochatGPT(CausalLM):
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(_norm(x), self.lm_head)[..., :self.config.vocab_size].float()
         s = self.config.softcap
-        return s * torch.tanh(logits / s)
+        # s * tanh(logits / s), in place: the same operations in the same order as nanochat,
+        # without allocating three more vocabulary-sized tensors per step
+        return logits.div_(s).tanh_().mul_(s)
 
     # ----- the two forwards -----
 

@@ -1,0 +1,244 @@
+"""The `batchgen` command line (console script `batchgen` = jobs.cli:main).
+
+    batchgen run CONFIG [--set KEY=VALUE ...] [--overwrite]
+    batchgen submit CONFIG --address http://HEAD:8265 [--set KEY=VALUE ...] [--overwrite]
+    batchgen status OUTPUT [--json]
+    batchgen verify OUTPUT
+    batchgen prepare INPUT.jsonl OUTPUT.parquet [--column question] [--id-column NAME] [--format text|chat]
+
+Exit codes: 0 success; 1 the job ran and failed, or `verify` found problems; 2 the job
+could not start (bad config, bad input, output belongs to another job, bad prepare input);
+130 interrupted. Every jobs.errors.JobError is printed as "error: <message>" on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+from typing import Any, Sequence
+
+from jobs.errors import InputError, JobError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="batchgen", description="Distributed batch generation: Parquet prompts in, "
+                                "one Parquet row per sample out.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add_set(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set sampling.temperature=0.7 (repeatable; the "
+                             "value is parsed as YAML)")
+
+    r = sub.add_parser("run", help="run a job (locally, or on the Ray cluster in cluster.address)")
+    r.add_argument("config", help="job YAML file")
+    add_set(r)
+    r.add_argument("--overwrite", action="store_true",
+                   help="delete the previous output in output.path if it belongs to another job")
+
+    s = sub.add_parser("submit", help="submit a job to a Ray cluster's job server")
+    s.add_argument("config", help="job YAML file")
+    s.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://HEAD:8265")
+    add_set(s)
+    s.add_argument("--overwrite", action="store_true", help="as for run")
+
+    st = sub.add_parser("status", help="progress of a job, from its output directory")
+    st.add_argument("output", help="output directory (output.path)")
+    st.add_argument("--json", action="store_true", help="print the status as JSON")
+
+    v = sub.add_parser("verify", help="check an output directory; exit 1 if anything is wrong")
+    v.add_argument("output", help="output directory (output.path)")
+
+    pr = sub.add_parser("prepare", help="turn a JSONL file into a prompts Parquet file")
+    pr.add_argument("input", help="JSONL file, one JSON object a line")
+    pr.add_argument("output", help="Parquet file to write")
+    pr.add_argument("--column", default="prompt", help="the JSON field holding the prompt text (default: prompt)")
+    pr.add_argument("--id-column", default=None,
+                    help="a JSON field holding unique prompt ids, kept as a column; if no line has it, "
+                         "the column is created from line numbers (1-based)")
+    pr.add_argument("--format", choices=("text", "chat"), default="text",
+                    help="text: a string column `prompt`; chat: a `messages` column [{role: user, content}]")
+    return p
+
+
+# ------------------------------------------------------------------ prepare
+
+def prepare_jsonl(input_path: str, output_path: str, column: str = "prompt", id_column: str | None = None,
+                  fmt: str = "text") -> int:
+    """Convert JSONL to a prompts Parquet file; returns the number of rows written.
+
+    The prompt field becomes `prompt` (text) or `messages` = [{role: "user", content}] (chat);
+    the other scalar fields (str, int, float, bool, null) are kept as columns (e.g. GSM8K's
+    `answer`, for input.passthrough); lists and objects are dropped. Blank lines are skipped.
+    Raises InputError (exit code 2) for a missing file, a line that is not a JSON object
+    (naming the line number), a line without the prompt field, a prompt that is not a
+    string, duplicate or missing ids, or a field whose type changes between lines.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    target = "messages" if fmt == "chat" else "prompt"
+    rows: list[dict[str, Any]] = []
+    extra: dict[str, None] = {}
+    try:
+        fh = open(input_path, encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"{input_path}: cannot open: {e.strerror or e}") from None
+    with fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise InputError(f"{input_path}:{lineno}: invalid JSON: {e}") from None
+            if not isinstance(obj, dict):
+                raise InputError(f"{input_path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            if column not in obj:
+                raise InputError(f"{input_path}:{lineno}: no field {column!r} (fields: {', '.join(obj) or 'none'})")
+            text = obj[column]
+            if text is not None and not isinstance(text, str):
+                raise InputError(f"{input_path}:{lineno}: field {column!r} must be a string, got {type(text).__name__}")
+            row: dict[str, Any] = {"_line": lineno}
+            row[target] = text if fmt == "text" else (None if text is None else [{"role": "user", "content": text}])
+            for k, v in obj.items():
+                if k == column or k in (target, "_line"):
+                    continue
+                if v is None or isinstance(v, (str, int, float, bool)):
+                    if isinstance(v, float) and not math.isfinite(v):
+                        v = None
+                    row[k] = v
+                    extra.setdefault(k)
+            rows.append(row)
+    if id_column is not None:
+        have = [r for r in rows if id_column in r]
+        if not have:
+            for r in rows:
+                r[id_column] = r["_line"]
+            extra.setdefault(id_column)
+        else:
+            seen: dict[Any, int] = {}
+            for r in rows:
+                v = r.get(id_column)
+                if v is None:
+                    raise InputError(f"{input_path}:{r['_line']}: id field {id_column!r} is missing or null")
+                if v in seen:
+                    raise InputError(f"{input_path}:{r['_line']}: duplicate id {v!r} (also on line {seen[v]})")
+                seen[v] = r["_line"]
+    names = [target] + [k for k in extra if k != target]
+    arrays = {}
+    for name in names:
+        values = [r.get(name) for r in rows]
+        try:
+            if name == "messages":
+                arrays[name] = pa.array(values, type=pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))
+            elif name == "prompt":
+                arrays[name] = pa.array(values, type=pa.string())
+            else:
+                arrays[name] = pa.array(values)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
+            raise InputError(f"{input_path}: field {name!r} has values of different types: {e}") from None
+    table = pa.table(arrays) if arrays else pa.table({target: pa.array([], type=pa.string())})
+    parent = os.path.dirname(os.path.abspath(output_path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{output_path}.tmp-{os.getpid()}"
+        pq.write_table(table, tmp)
+        os.replace(tmp, output_path)
+    except OSError as e:
+        from jobs.errors import OutputError
+
+        raise OutputError(f"{output_path}: cannot write: {e}") from None
+    return table.num_rows
+
+
+# ------------------------------------------------------------------ status
+
+def format_status(st: dict[str, Any]) -> str:
+    """The status dict of OutputDir.status as human-readable lines."""
+    def pct(a: int, b: int) -> str:
+        return f"{100.0 * a / b:.1f}%" if b else "100.0%"
+
+    n = st.get("rows_expected") or 0
+    lines = [
+        f"output:           {st['path']}",
+        f"fingerprint:      {st['fingerprint'][:16]}",
+        f"units:            {st['units_done']}/{st['units_total']} committed ({pct(st['units_done'], st['units_total'])})",
+        f"prompts:          {st['prompts']:,}/{(st.get('prompts_total') or 0):,}",
+        f"rows:             {st['rows']:,}/{n:,}",
+        f"generated tokens: {st['generated_tokens']:,}",
+        f"prompt tokens:    {st['prompt_tokens']:,}",
+        f"error rows:       {st['error_rows']:,}",
+        f"tool calls:       {st['tool_calls']:,} ({st['tool_errors']:,} with errors)",
+    ]
+    if st.get("temp_files"):
+        lines.append(f"temp files:       {st['temp_files']} (interrupted writes; resuming the job removes them)")
+    for u in st.get("unreadable_units") or []:
+        lines.append(f"unreadable:       {u}")
+    lines.append(f"success marker:   {'yes' if st['success'] else 'no'}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ main
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (see the module docstring)."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except JobError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        from jobs.spec import load_spec
+
+        spec = load_spec(args.config, args.set)
+        from jobs.runner import run_job
+
+        return int(run_job(spec, overwrite=args.overwrite) or 0)
+    if args.command == "submit":
+        from jobs.spec import load_spec
+
+        load_spec(args.config, args.set)  # fail fast (exit 2) before contacting the cluster
+        from jobs.submit import submit_job
+
+        return int(submit_job(args.config, address=args.address, overrides=list(args.set),
+                              overwrite=args.overwrite) or 0)
+    if args.command == "status":
+        from jobs.output import OutputDir
+
+        st = OutputDir(args.output).status()
+        print(json.dumps(st, indent=1, default=str) if args.json else format_status(st))
+        return 0
+    if args.command == "verify":
+        from jobs.output import OutputDir
+
+        od = OutputDir(args.output)
+        problems = od.verify()
+        for p in problems:
+            print(p)
+        if problems:
+            print(f"{len(problems)} problem(s) in {od.path}", file=sys.stderr)
+            return 1
+        print(f"ok: {od.path} ({len(od.committed_units())} unit files verified)")
+        return 0
+    if args.command == "prepare":
+        n = prepare_jsonl(args.input, args.output, column=args.column, id_column=args.id_column, fmt=args.format)
+        print(f"wrote {n} prompts to {args.output}")
+        return 0
+    raise AssertionError(args.command)  # pragma: no cover - argparse rejects unknown commands
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

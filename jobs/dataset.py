@@ -1,0 +1,384 @@
+"""Input discovery, validation and work units: everything checked before any work starts.
+
+`input.path` may be
+- a local Parquet file, or a directory (every *.parquet below it, recursively, sorted by
+  relative path; names starting with "." or "_" are skipped, like Spark/Hive do);
+- a glob ("data/part-*.parquet", "data/**/*.parquet"); its root is the directory part
+  before the first component holding a wildcard;
+- a URI that pyarrow.fs understands (file://, s3://, gs://, hdfs://...): a file, a
+  "directory" prefix or a glob, resolved the same way;
+- `package://NAME`: a file shipped in jobs/data/ (the demo's prompts).
+
+Prompt ids: str(value of input.id_column) when it is set, else "<relative file>:<row>",
+the file's path relative to the input root (the directory, the glob's base, or the file's
+own directory for a single file), so ids survive moving the dataset.
+
+Units: each file is cut into ceil(rows / cluster.unit_rows) units of consecutive rows;
+unit indices count up across files in sorted order, so they are stable for a given input.
+
+Errors: jobs.errors.InputError (exit code 2) naming the file and the column for anything
+that stops the job: no input, unreadable/corrupt Parquet, a missing or mistyped column,
+files whose schemas disagree, a duplicate prompt id. Per-row problems (null or empty
+prompts, malformed chat messages, bad token ids) are not errors here: they become error
+rows (see jobs.task).
+"""
+from __future__ import annotations
+
+import fnmatch
+import glob as globlib
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from cluster.task import WorkUnit
+from jobs.errors import InputError, SpecError
+from jobs.output import type_str
+from jobs.spec import PACKAGE_PREFIX, JobSpec
+
+log = logging.getLogger("batchgen")
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+FINGERPRINT_VERSION = 1
+_GLOB_CHARS = "*?["
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One input Parquet file.
+
+    path: how a worker opens it (absolute local path, URI, or package://NAME);
+    name: its path relative to the input root (used in prompt ids and the fingerprint);
+    size: bytes; num_rows: rows; schema: its Arrow schema.
+    """
+
+    path: str
+    name: str
+    size: int
+    num_rows: int
+    schema: pa.Schema
+
+
+@dataclass
+class JobPlan:
+    """What a job will do: its files, its units, and the fingerprint that identifies its output.
+
+    fingerprint: sha256 hex of the canonical JSON of `fingerprint_data` (spec fields that
+    decide the rows + each input file's name, size and row count).
+    passthrough_fields: the Arrow fields of input.passthrough, as the output will store them.
+    """
+
+    units: list[WorkUnit]
+    files: list[InputFile]
+    fingerprint: str
+    num_prompts: int
+    root: str = ""
+    fingerprint_data: dict[str, Any] = field(default_factory=dict)
+    passthrough_fields: list[pa.Field] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def file_of(self, source: str) -> InputFile:
+        for f in self.files:
+            if f.path == source:
+                return f
+        raise KeyError(source)
+
+
+# ---------------------------------------------------------------- filesystems
+
+def _is_uri(path: str) -> bool:
+    return "://" in path and not path.startswith(PACKAGE_PREFIX)
+
+
+def resolve(path: str) -> tuple[pafs.FileSystem, str, str]:
+    """(filesystem, path inside it, canonical source string) for an input or output path.
+
+    Relative local paths resolve against the current working directory. Raises InputError
+    for an unknown package:// name or a URI pyarrow cannot handle.
+    """
+    if path.startswith(PACKAGE_PREFIX):
+        name = path[len(PACKAGE_PREFIX):]
+        local = DATA_DIR / name
+        if not name or not local.exists():
+            avail = sorted(p.name for p in DATA_DIR.glob("*.parquet")) if DATA_DIR.exists() else []
+            raise InputError(f"{path}: no such packaged file (available: {', '.join(avail) or 'none'})")
+        return pafs.LocalFileSystem(), str(local), path
+    if _is_uri(path):
+        scheme = path.split("://", 1)[0]
+        try:
+            if any(c in path for c in _GLOB_CHARS):
+                cut = min(path.find(c) for c in _GLOB_CHARS if c in path)
+                base_uri = path[: path.rfind("/", 0, cut)]
+                fs, base = pafs.FileSystem.from_uri(base_uri)
+                p = base + path[len(base_uri):]
+            else:
+                fs, p = pafs.FileSystem.from_uri(path)
+        except (pa.ArrowException, ValueError, OSError) as e:
+            raise InputError(f"{path}: cannot open this URI: {e}") from None
+        if isinstance(fs, pafs.LocalFileSystem):
+            return fs, p, p
+        return fs, p, f"{scheme}://{p}"
+    p = os.path.abspath(os.path.expanduser(path))
+    return pafs.LocalFileSystem(), p, p
+
+
+def _source_for(canonical_root: str, fs_root: str, fs_path: str) -> str:
+    """The source string of a file found under a root (keeps the root's scheme)."""
+    if canonical_root.startswith(PACKAGE_PREFIX):
+        return PACKAGE_PREFIX + os.path.relpath(fs_path, DATA_DIR).replace(os.sep, "/")
+    if "://" in canonical_root:
+        scheme = canonical_root.split("://", 1)[0]
+        return f"{scheme}://{fs_path}"
+    return fs_path
+
+
+def open_input(source: str) -> pa.NativeFile:
+    """Open an input file (a WorkUnit.source / InputFile.path) for random access reads."""
+    fs, p, _ = resolve(source)
+    return fs.open_input_file(p)
+
+
+def _hidden(rel: str) -> bool:
+    return any(part.startswith((".", "_")) for part in rel.split("/"))
+
+
+def discover(path: str) -> tuple[str, list[tuple[str, str, int]]]:
+    """Find the input files of `input.path`: (root, [(source, relative name, size bytes)]), sorted.
+
+    Raises InputError when the path does not exist or matches no Parquet file.
+    """
+    fs, p, canonical = resolve(path)
+    found: list[tuple[str, str, int]] = []
+    if any(c in p for c in _GLOB_CHARS):
+        cut = min(p.find(c) for c in _GLOB_CHARS if c in p)
+        base = p[:cut].rsplit("/", 1)[0] if "/" in p[:cut] else ""
+        try:
+            if isinstance(fs, pafs.LocalFileSystem):
+                matches = [m for m in globlib.glob(p, recursive=True) if os.path.isfile(m)]
+                infos = [(os.path.abspath(m), os.path.getsize(m)) for m in matches]
+            else:
+                sel = pafs.FileSelector(base, recursive=True, allow_not_found=True)
+                infos = [(i.path, i.size) for i in fs.get_file_info(sel)
+                         if i.type == pafs.FileType.File and fnmatch.fnmatchcase(i.path, p)]
+        except (OSError, pa.ArrowException) as e:
+            raise InputError(f"input.path {path}: cannot list files: {e}") from None
+        root = os.path.abspath(base) if isinstance(fs, pafs.LocalFileSystem) else base
+        for fp, size in infos:
+            rel = os.path.relpath(fp, root) if isinstance(fs, pafs.LocalFileSystem) else fp[len(base):].lstrip("/")
+            rel = rel.replace(os.sep, "/")
+            found.append((_source_for(canonical, base, fp), rel, int(size or 0)))
+        if not found:
+            raise InputError(f"input.path {path}: the pattern matches no files")
+        return root, sorted(found, key=lambda t: t[1])
+    try:
+        info = fs.get_file_info(p)
+    except (OSError, pa.ArrowException) as e:
+        raise InputError(f"input.path {path}: cannot access: {e}") from None
+    if info.type == pafs.FileType.NotFound:
+        raise InputError(f"input.path {path}: no such file or directory"
+                         + (f" (resolved to {p}; relative paths are relative to the current directory)"
+                            if not os.path.isabs(path) and "://" not in path else ""))
+    if info.type == pafs.FileType.File:
+        root = p.rsplit("/", 1)[0] if "/" in p else ""
+        name = p.rsplit("/", 1)[-1]
+        return root, [(canonical, name, int(info.size or 0))]
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(p, recursive=True))
+    except (OSError, pa.ArrowException) as e:
+        raise InputError(f"input.path {path}: cannot list directory: {e}") from None
+    for i in infos:
+        rel = i.path[len(p):].lstrip("/")
+        if i.type == pafs.FileType.File and rel.endswith(".parquet") and not _hidden(rel):
+            found.append((_source_for(canonical, p, i.path), rel, int(i.size or 0)))
+    if not found:
+        raise InputError(f"input.path {path}: directory holds no *.parquet files")
+    return p, sorted(found, key=lambda t: t[1])
+
+
+# ---------------------------------------------------------------- schema checks
+
+def _is_string(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
+def _describe_expected(fmt: str) -> str:
+    return {"text": "string", "tokens": "list<integer>",
+            "chat": "list<struct<role: string, content: string>>"}[fmt]
+
+
+def check_prompt_type(fmt: str, t: pa.DataType) -> bool:
+    """Whether an Arrow type can hold prompts of input.format `fmt`."""
+    if fmt == "text":
+        return _is_string(t)
+    if fmt == "tokens":
+        return _is_list(t) and pa.types.is_integer(t.value_type)
+    if _is_list(t) and pa.types.is_struct(t.value_type):
+        st = t.value_type
+        names = [st.field(i).name for i in range(st.num_fields)]
+        return ("role" in names and "content" in names and _is_string(st.field("role").type)
+                and _is_string(st.field("content").type))
+    return False
+
+
+def _normalize(t: pa.DataType) -> str:
+    """Type text with string/large_string and list/large_list unified (for cross-file checks)."""
+    return type_str(t).replace("large_string", "string").replace("large_list", "list")
+
+
+def _check_file_schema(spec: JobSpec, name: str, schema: pa.Schema) -> None:
+    cols = schema.names
+    inp = spec.input
+
+    def missing(col: str, key: str) -> InputError:
+        return InputError(f"{name}: column {col!r} ({key}) not found; the file has columns: {', '.join(cols)}")
+
+    if inp.column not in cols:
+        hint = ""
+        if inp.format == "chat" and "prompt" in cols:
+            hint = " (a text column? set input.format: text)"
+        elif inp.format == "text" and "messages" in cols:
+            hint = " (a chat column? set input.format: chat)"
+        raise InputError(str(missing(inp.column, "input.column")) + hint)
+    t = schema.field(inp.column).type
+    if not check_prompt_type(inp.format, t):
+        raise InputError(f"{name}: column {inp.column!r} has type {type_str(t)}, but input.format {inp.format} needs "
+                         f"{_describe_expected(inp.format)}")
+    if inp.id_column is not None:
+        if inp.id_column not in cols:
+            raise missing(inp.id_column, "input.id_column")
+        it = schema.field(inp.id_column).type
+        if not (_is_string(it) or pa.types.is_integer(it)):
+            raise InputError(f"{name}: id column {inp.id_column!r} has type {type_str(it)}; expected a string or integer column")
+    for col in inp.passthrough:
+        if col not in cols:
+            raise missing(col, "input.passthrough")
+
+
+def _read_metadata(source: str, name: str) -> tuple[int, pa.Schema]:
+    try:
+        with open_input(source) as f:
+            pf = pq.ParquetFile(f)
+            return pf.metadata.num_rows, pf.schema_arrow
+    except InputError:
+        raise
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise InputError(f"{name}: not a readable Parquet file ({source}): {e}") from None
+
+
+def read_rows(source: str, row_start: int, row_end: int, columns: list[str]) -> pa.Table:
+    """Rows [row_start, row_end) of one input file, only `columns`.
+
+    Reads only the row groups that overlap the range. Raises pyarrow/OS errors for a file
+    that cannot be read (the caller's unit then fails and is retried).
+    """
+    with open_input(source) as f:
+        pf = pq.ParquetFile(f)
+        md = pf.metadata
+        groups, first_row, pos = [], None, 0
+        for g in range(md.num_row_groups):
+            n = md.row_group(g).num_rows
+            if pos + n > row_start and pos < row_end:
+                groups.append(g)
+                if first_row is None:
+                    first_row = pos
+            pos += n
+        if not groups:
+            return pf.schema_arrow.empty_table().select(columns)
+        table = pf.read_row_groups(groups, columns=columns)
+    return table.slice(row_start - first_row, row_end - row_start)
+
+
+def _check_duplicate_ids(spec: JobSpec, files: list[InputFile]) -> None:
+    col = spec.input.id_column
+    seen: dict[str, tuple[str, int]] = {}
+    for f in files:
+        if f.num_rows == 0:
+            continue
+        try:
+            with open_input(f.path) as fh:
+                pf = pq.ParquetFile(fh)
+                row = 0
+                for batch in pf.iter_batches(columns=[col], batch_size=65536):
+                    for v in batch.column(0).to_pylist():
+                        if v is not None:
+                            key = str(v)
+                            prev = seen.get(key)
+                            if prev is not None:
+                                raise InputError(
+                                    f"duplicate prompt id {key!r} (input.id_column {col!r}): {prev[0]} row {prev[1]} "
+                                    f"and {f.name} row {row}")
+                            seen[key] = (f.name, row)
+                        row += 1
+        except InputError:
+            raise
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"{f.name}: cannot read column {col!r}: {e}") from None
+
+
+# ---------------------------------------------------------------- planning
+
+def fingerprint_of(data: dict[str, Any]) -> str:
+    """sha256 hex of the canonical JSON of `data` (sorted keys, no whitespace)."""
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def plan_job(spec: JobSpec) -> JobPlan:
+    """Find and validate the job's inputs, cut them into units, and fingerprint the job.
+
+    Reads only Parquet footers (plus the id column, to reject duplicate ids). Raises
+    InputError naming the file and column for anything that stops the job, SpecError for a
+    model path that does not exist. Zero-row files are allowed (they yield no units and a
+    warning in `plan.warnings` and the log).
+    """
+    mp = spec.model.path
+    if mp != "demo" and "://" not in mp and not os.path.exists(mp):
+        raise SpecError(f"{spec.source}: model.path: {mp!r} does not exist (expected a checkpoint directory or 'demo')")
+    if spec.model.tokenizer is not None and "://" not in spec.model.tokenizer and not os.path.exists(spec.model.tokenizer):
+        raise SpecError(f"{spec.source}: model.tokenizer: {spec.model.tokenizer!r} does not exist")
+    root, found = discover(spec.input.path)
+    files: list[InputFile] = []
+    warnings: list[str] = []
+    first: tuple[str, dict[str, str]] | None = None
+    needed = [spec.input.column] + ([spec.input.id_column] if spec.input.id_column else []) + list(spec.input.passthrough)
+    for source, name, size in found:
+        num_rows, schema = _read_metadata(source, name)
+        _check_file_schema(spec, name, schema)
+        types = {c: _normalize(schema.field(c).type) if c == spec.input.column else type_str(schema.field(c).type)
+                 for c in dict.fromkeys(needed)}
+        if first is None:
+            first = (name, types)
+        else:
+            for c, t in types.items():
+                if first[1][c] != t:
+                    raise InputError(f"{name}: column {c!r} has type {t}, but {first[0]} has {first[1][c]} "
+                                     f"(all input files must share the schema of the columns a job reads)")
+        if num_rows == 0:
+            msg = f"{name}: 0 rows (no units)"
+            warnings.append(msg)
+            log.warning("input file %s", msg)
+        files.append(InputFile(path=source, name=name, size=size, num_rows=num_rows, schema=schema))
+    if spec.input.id_column:
+        _check_duplicate_ids(spec, files)
+    units: list[WorkUnit] = []
+    step = spec.cluster.unit_rows
+    for f in files:
+        for start in range(0, f.num_rows, step):
+            units.append(WorkUnit(index=len(units), source=f.path, row_start=start, row_end=min(start + step, f.num_rows)))
+    data = {"version": FINGERPRINT_VERSION, **spec.fingerprint_dict()}
+    data["input"] = {**data["input"], "files": [[f.name, f.size, f.num_rows] for f in files]}
+    pt_schema = files[0].schema if files else pa.schema([])
+    passthrough_fields = [pt_schema.field(c) for c in spec.input.passthrough]
+    return JobPlan(units=units, files=files, fingerprint=fingerprint_of(data), num_prompts=sum(f.num_rows for f in files),
+                   root=root, fingerprint_data=data, passthrough_fields=passthrough_fields, warnings=warnings)

@@ -1,0 +1,444 @@
+"""The job spec: a YAML file validated with pydantic before any work starts.
+
+    model:    {path: demo, dtype: auto, device: auto, tokenizer: null, max_num_seqs: 256,
+               kv_cache_gb: null, max_seq_len: null}
+    input:    {path: prompts.parquet, format: text, column: prompt, id_column: null, passthrough: []}
+    output:   {path: out/demo}
+    sampling: {num_samples: 4, max_tokens: 256, temperature: 1.0, top_k: 50, top_p: 1.0,
+               min_p: 0.0, seed: 0, stop_token_ids: null}
+    tools:    {calculator: true}
+    cluster:  {address: null, num_workers: 1, gpus_per_worker: 0, cpus_per_worker: 1,
+               unit_rows: 256, max_unit_attempts: 3}
+
+Every section and key is optional (the defaults above apply); unknown keys are errors.
+
+Paths:
+- `input.path` and `output.path` may be local paths or URIs (file://, s3://, gs://, ...).
+  Relative local paths resolve against the current working directory of the process that
+  runs `batchgen` (not the directory of the YAML file), like any command-line tool.
+- `input.path` may also be `package://NAME`, a file shipped inside batchgen (jobs/data/);
+  `package://demo_prompts.parquet` is the demo's 64 chat prompts.
+- `model.path` "demo" is the engine's built-in demo model; anything else is a checkpoint
+  directory (see engine/checkpoint.py).
+
+`input.column` defaults to "prompt" for the text and tokens formats and "messages" for chat.
+
+Errors: every problem raises jobs.errors.SpecError (exit code 2) whose message names the
+file and the dotted key, e.g. "configs/x.yaml: sampling.top_p: must be in (0, 1], got 1.5".
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from jobs.errors import SpecError
+
+if TYPE_CHECKING:
+    from engine.params import SamplingParams
+
+# Output columns a passthrough column may not shadow (kept in sync with jobs.output.OUTPUT_SCHEMA).
+RESERVED_COLUMNS = ("prompt_id", "sample_index", "prompt_tokens", "tokens", "mask", "logprobs", "text",
+                    "finish_reason", "tool_calls", "num_prompt_tokens", "num_tokens", "seed", "error")
+
+DEFAULT_COLUMNS = {"text": "prompt", "tokens": "prompt", "chat": "messages"}
+
+PACKAGE_PREFIX = "package://"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_int(v: Any, lo: int | None = None, what: str = "") -> Any:
+    if not _is_int(v) or (lo is not None and v < lo):
+        raise ValueError(f"must be an integer{what}, got {v!r}")
+    return v
+
+
+def _check_number(v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"must be a number, got {v!r}")
+
+
+class ModelSpec(_Section):
+    """Which checkpoint to load and how (engine.load_engine arguments)."""
+
+    path: str = "demo"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = "auto"
+    device: str = "auto"
+    tokenizer: str | None = None
+    max_num_seqs: Any = 256
+    kv_cache_gb: Any = None
+    max_seq_len: Any = None
+
+    @field_validator("path", "device")
+    @classmethod
+    def _nonempty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("max_num_seqs")
+    @classmethod
+    def _seqs(cls, v: Any) -> Any:
+        return _check_int(v, 1, " >= 1")
+
+    @field_validator("max_seq_len")
+    @classmethod
+    def _seq_len(cls, v: Any) -> Any:
+        return v if v is None else _check_int(v, 1, " >= 1 (or null for the model's context window)")
+
+    @field_validator("kv_cache_gb")
+    @classmethod
+    def _kv(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        _check_number(v)
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"must be a number of GiB > 0 (or null for automatic), got {v!r}")
+        return float(v)
+
+
+class InputSpec(_Section):
+    """Where the prompts are and how to read them."""
+
+    path: str = "prompts.parquet"
+    format: Literal["text", "chat", "tokens"] = "text"
+    column: str | None = None
+    id_column: str | None = None
+    passthrough: list[str] = Field(default_factory=list)
+
+    @field_validator("path")
+    @classmethod
+    def _nonempty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("passthrough")
+    @classmethod
+    def _pass(cls, v: list[str]) -> list[str]:
+        seen = set()
+        for name in v:
+            if name in seen:
+                raise ValueError(f"column {name!r} is listed twice")
+            if name in RESERVED_COLUMNS:
+                raise ValueError(f"column {name!r} would overwrite the output column of the same name")
+            seen.add(name)
+        return v
+
+    @model_validator(mode="after")
+    def _default_column(self) -> "InputSpec":
+        if self.column is None:
+            self.column = DEFAULT_COLUMNS[self.format]
+        return self
+
+
+class OutputSpec(_Section):
+    path: str = "out/demo"
+
+    @field_validator("path")
+    @classmethod
+    def _nonempty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+
+class SamplingSpec(_Section):
+    """The job's sampling parameters; the same ranges as engine.params.SamplingParams."""
+
+    num_samples: Any = 4
+    max_tokens: Any = 256
+    temperature: Any = 1.0
+    top_k: Any = 50
+    top_p: Any = 1.0
+    min_p: Any = 0.0
+    seed: Any = 0
+    stop_token_ids: Any = None
+
+    @field_validator("num_samples", "max_tokens")
+    @classmethod
+    def _pos(cls, v: Any) -> Any:
+        return _check_int(v, 1, " >= 1")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temp(cls, v: Any) -> Any:
+        _check_number(v)
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"must be a finite number >= 0 (0 is greedy), got {v!r}")
+        return float(v)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: Any) -> Any:
+        if v is None:
+            return 0
+        return _check_int(v, 0, " >= 0 (0 disables it)")
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: Any) -> Any:
+        _check_number(v)
+        if not (0.0 < v <= 1.0):
+            raise ValueError(f"must be in (0, 1], got {v!r}")
+        return float(v)
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, v: Any) -> Any:
+        _check_number(v)
+        if not (0.0 <= v < 1.0):
+            raise ValueError(f"must be in [0, 1), got {v!r}")
+        return float(v)
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: Any) -> Any:
+        if not _is_int(v) or not (-(2**63) <= v < 2**63):
+            raise ValueError(f"must be a 64-bit integer, got {v!r}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stops(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        if not isinstance(v, list) or any(not _is_int(t) or t < 0 for t in v):
+            raise ValueError(f"must be a list of non-negative token ids (or null for the model's default), got {v!r}")
+        return v
+
+
+class ToolsSpec(_Section):
+    calculator: bool = True
+
+
+class ClusterSpec(_Section):
+    """Where and how wide to run. None of these change the generated dataset."""
+
+    address: str | None = None
+    num_workers: Any = 1
+    gpus_per_worker: Any = 0
+    cpus_per_worker: Any = 1
+    unit_rows: Any = 256
+    max_unit_attempts: Any = 3
+
+    @field_validator("num_workers", "unit_rows", "max_unit_attempts")
+    @classmethod
+    def _pos(cls, v: Any) -> Any:
+        return _check_int(v, 1, " >= 1")
+
+    @field_validator("gpus_per_worker")
+    @classmethod
+    def _gpus(cls, v: Any) -> Any:
+        _check_number(v)
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"must be a number >= 0 (fractions share a GPU), got {v!r}")
+        return v
+
+    @field_validator("cpus_per_worker")
+    @classmethod
+    def _cpus(cls, v: Any) -> Any:
+        _check_number(v)
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"must be a number > 0, got {v!r}")
+        return v
+
+
+class JobSpec(_Section):
+    """A validated job config. Build it with load_spec (or JobSpec.from_dict)."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    input: InputSpec = Field(default_factory=InputSpec)
+    output: OutputSpec = Field(default_factory=OutputSpec)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    tools: ToolsSpec = Field(default_factory=ToolsSpec)
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    # Where the spec came from (for messages); not part of the YAML.
+    source: str = "<spec>"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, source: str = "<spec>") -> "JobSpec":
+        """Validate a config dict (the parsed YAML). Raises SpecError naming `source` and the key."""
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise SpecError(f"{source}: expected a mapping of sections (model, input, output, sampling, tools, "
+                            f"cluster), got {type(data).__name__}")
+        if "source" in data:
+            raise SpecError(f"{source}: unknown key source")
+        try:
+            return cls.model_validate({**data, "source": source})
+        except ValidationError as e:
+            raise SpecError(f"{source}: {_format_validation_error(e)}") from None
+
+    def sampling_params(self) -> "SamplingParams":
+        """The engine's SamplingParams for this job (calculator from tools.calculator)."""
+        from engine.params import SamplingParams  # lazy: `batchgen status/verify/prepare` need no engine
+
+        s = self.sampling
+        return SamplingParams(num_samples=s.num_samples, max_tokens=s.max_tokens, temperature=s.temperature,
+                              top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed,
+                              stop_token_ids=None if s.stop_token_ids is None else tuple(s.stop_token_ids),
+                              calculator=self.tools.calculator)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for engine.load_engine: path, device, dtype, tokenizer, max_num_seqs,
+        kv_cache_bytes (kv_cache_gb * 2**30, or None) and max_seq_len."""
+        m = self.model
+        return {"path": m.path, "device": m.device, "dtype": m.dtype, "tokenizer": m.tokenizer,
+                "max_num_seqs": m.max_num_seqs,
+                "kv_cache_bytes": None if m.kv_cache_gb is None else int(m.kv_cache_gb * 2**30),
+                "max_seq_len": m.max_seq_len}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a plain dict (YAML/JSON-able), without `source`."""
+        return self.model_dump(mode="json", exclude={"source"})
+
+    def fingerprint_dict(self) -> dict[str, Any]:
+        """The part of the spec that decides the generated rows (jobs.dataset adds the input files).
+
+        Included: model identity (see model_identity), dtype, max_seq_len, sampling, tools,
+        input format/column/id_column/passthrough, unit_rows. Excluded: output.path, the
+        cluster's address/width/resources, device, max_num_seqs, kv_cache_gb (sampling is
+        keyed per sample, so batch composition and worker count do not change the rows).
+        """
+        return {
+            "model": {**model_identity(self.model.path, self.model.tokenizer), "dtype": self.model.dtype,
+                      "max_seq_len": self.model.max_seq_len},
+            "sampling": self.sampling.model_dump(mode="json"),
+            "tools": self.tools.model_dump(mode="json"),
+            "input": {"format": self.input.format, "column": self.input.column, "id_column": self.input.id_column,
+                      "passthrough": list(self.input.passthrough)},
+            "unit_rows": self.cluster.unit_rows,
+        }
+
+
+def _listing(path: str) -> list[list[Any]] | str:
+    """[name, size] of every file under a local checkpoint path (recursive), or a marker string."""
+    p = Path(path)
+    if not p.exists():
+        return "missing"
+    if p.is_file():
+        return [[p.name, p.stat().st_size]]
+    out = []
+    for f in sorted(p.rglob("*")):
+        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts):
+            out.append([f.relative_to(p).as_posix(), f.stat().st_size])
+    return out
+
+
+def model_identity(path: str, tokenizer: str | None = None) -> dict[str, Any]:
+    """What identifies a checkpoint across copies: its file names and sizes (not mtimes, not
+    the directory it sits in). "demo" is itself; the tokenizer override is included likewise."""
+    ident: dict[str, Any] = {"path": "demo"} if path == "demo" else {"files": _listing(path)}
+    if tokenizer is not None:
+        ident["tokenizer_files"] = _listing(tokenizer)
+    return ident
+
+
+def _format_validation_error(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        typ = err["type"]
+        if typ == "extra_forbidden":
+            parts.append(f"unknown key {loc}")
+            continue
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        elif typ not in ("missing",):
+            msg = f"{msg}, got {err.get('input')!r}"
+        if typ == "model_type" or typ == "dict_type":
+            msg = f"must be a mapping, got {err.get('input')!r}"
+        parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)
+
+
+def _sections() -> dict[str, type[BaseModel]]:
+    return {name: f.annotation for name, f in JobSpec.model_fields.items() if name != "source"}  # type: ignore[misc]
+
+
+def apply_override(data: dict[str, Any], override: str, source: str = "--set") -> None:
+    """Apply one `a.b=value` override to the raw config dict in place.
+
+    The value is parsed with yaml.safe_load ("0.7" -> 0.7, "[1,2]" -> [1, 2], "null" -> None,
+    "" -> None). Raises SpecError for a malformed override or an unknown key path.
+    """
+    if "=" not in override:
+        raise SpecError(f"--set {override!r}: expected KEY=VALUE, e.g. sampling.temperature=0.7")
+    key, _, raw = override.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if len(parts) != 2 or not all(parts):
+        raise SpecError(f"--set {override!r}: expected SECTION.KEY=VALUE (e.g. sampling.temperature=0.7), got key {key!r}")
+    section, name = parts
+    sections = _sections()
+    if section not in sections:
+        raise SpecError(f"--set {override!r}: unknown key {key} (sections: {', '.join(sections)})")
+    fields = sections[section].model_fields
+    if name not in fields:
+        raise SpecError(f"--set {override!r}: unknown key {key} (keys of {section}: {', '.join(fields)})")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise SpecError(f"--set {override!r}: {key}: value is not valid YAML: {e}") from None
+    if isinstance(value, (int, float, bool)) and fields[name].annotation in (str, str | None):
+        value = raw.strip()  # `--set output.path=2024` means the string
+    sec = data.get(section)
+    if sec is None:
+        sec = data[section] = {}
+    if not isinstance(sec, dict):
+        raise SpecError(f"{source}: {section}: must be a mapping, got {sec!r}")
+    sec[name] = value
+
+
+def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
+    """Read, override and validate a job config.
+
+    path: the YAML file. overrides: "section.key=value" strings (the CLI's --set), applied
+    in order after reading. Nothing is checked on disk except the file itself (inputs are
+    checked by jobs.dataset.plan_job). Raises SpecError (exit code 2) for a missing or
+    unreadable file, invalid YAML (with line and column), an unknown key or a bad value;
+    the message names the file and the dotted key.
+    """
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{source}: config file not found") from None
+    except IsADirectoryError:
+        raise SpecError(f"{source}: is a directory, expected a YAML config file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"{source}: cannot read config: {e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise SpecError(f"{source}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a mapping of sections (model, input, output, sampling, tools, "
+                        f"cluster), got {type(data).__name__}")
+    for key, value in data.items():
+        if key not in _sections():
+            raise SpecError(f"{source}: unknown key {key} (sections: {', '.join(_sections())})")
+        if value is not None and not isinstance(value, dict):
+            raise SpecError(f"{source}: {key}: must be a mapping, got {value!r}")
+        if value is None:
+            data[key] = {}
+    for ov in overrides:
+        apply_override(data, ov, source)
+    return JobSpec.from_dict(data, source)

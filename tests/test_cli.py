@@ -1,0 +1,163 @@
+"""jobs.cli: prepare / status / verify / run / submit via main([...]) and exit codes via subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+def cli(*args, cwd=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=120)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_prepare_text_keeps_scalar_fields(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"question": "1+1?", "answer": "2", "n": 1, "tags": ["x"]}, "",
+                                             {"question": "2+2?", "answer": "4", "n": 2}])
+    assert main(["prepare", str(src), str(tmp_path / "o" / "p.parquet"), "--column", "question"]) == 0
+    assert "wrote 2 prompts" in capsys.readouterr().out
+    t = pq.read_table(tmp_path / "o" / "p.parquet")
+    assert t.column_names == ["prompt", "answer", "n"]
+    assert t.to_pylist() == [{"prompt": "1+1?", "answer": "2", "n": 1}, {"prompt": "2+2?", "answer": "4", "n": 2}]
+
+
+def test_prepare_chat_with_id_column(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"q": "hi", "id": "a"}, {"q": "yo", "id": "b"}])
+    assert main(["prepare", str(src), str(tmp_path / "p.parquet"), "--column", "q", "--format", "chat",
+                 "--id-column", "id"]) == 0
+    t = pq.read_table(tmp_path / "p.parquet")
+    assert t.to_pylist()[1] == {"messages": [{"role": "user", "content": "yo"}], "id": "b"}
+    assert str(t.schema.field("messages").type) == "list<element: struct<role: string, content: string>>"
+    # a generated id column from line numbers when no line has the field
+    assert main(["prepare", str(src), str(tmp_path / "p2.parquet"), "--column", "q", "--id-column", "row"]) == 0
+    assert pq.read_table(tmp_path / "p2.parquet").column("row").to_pylist() == [1, 2]
+
+
+@pytest.mark.parametrize("lines, args, fragment", [
+    (['{"q": "a"}', "{not json"], [], "in.jsonl:2: invalid JSON"),
+    (['[1, 2]'], [], "in.jsonl:1: expected a JSON object, got list"),
+    (['{"x": "a"}'], [], "in.jsonl:1: no field 'q'"),
+    (['{"q": 5}'], [], "in.jsonl:1: field 'q' must be a string, got int"),
+    (['{"q": "a", "id": 1}', '{"q": "b", "id": 1}'], ["--id-column", "id"], "in.jsonl:2: duplicate id 1 (also on line 1)"),
+    (['{"q": "a", "id": 1}', '{"q": "b"}'], ["--id-column", "id"], "in.jsonl:2: id field 'id' is missing"),
+    (['{"q": "a", "k": 1}', '{"q": "b", "k": "x"}'], [], "field 'k' has values of different types"),
+])
+def test_prepare_errors_exit_2(tmp_path, capsys, lines, args, fragment):
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    assert main(["prepare", str(src), str(tmp_path / "p.parquet"), "--column", "q", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and fragment in err, err
+    assert not (tmp_path / "p.parquet").exists()
+
+
+def test_prepare_missing_file(tmp_path, capsys):
+    assert main(["prepare", str(tmp_path / "nope.jsonl"), str(tmp_path / "p.parquet")]) == 2
+    assert "nope.jsonl: cannot open" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not GSM8K.exists(), reason="needs ../shared/data/gsm8k")
+def test_prepare_gsm8k_then_plan(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare", str(GSM8K), "out/gsm8k_prompts.parquet", "--column", "question", "--format", "chat"]) == 0
+    from jobs.dataset import plan_job
+    from jobs.spec import load_spec
+
+    spec = load_spec(ROOT / "configs" / "gsm8k.yaml")
+    plan = plan_job(spec)
+    assert plan.num_prompts == 1319 and [f.name for f in plan.passthrough_fields] == ["answer"]
+
+
+def _job(tmp_path):
+    from test_output import make_job, run_all  # noqa: E402 - shared fixtures of the output tests
+
+    spec, plan, task, od = make_job(tmp_path)
+    run_all(spec, plan, task, od)
+    return od
+
+
+def test_status_and_verify_commands(tmp_path, capsys):
+    od = _job(tmp_path)
+    assert main(["status", od.path]) == 0
+    out = capsys.readouterr().out
+    assert "units:            3/3 committed (100.0%)" in out and "rows:             20/20" in out
+    assert main(["status", od.path, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["units_done"] == 3 and st["error_rows"] == 2
+    assert main(["verify", od.path]) == 0
+    assert "ok:" in capsys.readouterr().out
+    (Path(od.path) / "junk.bin").write_bytes(b"x")
+    assert main(["verify", od.path]) == 1
+    assert "junk.bin: unexpected file" in capsys.readouterr().out
+
+
+def test_exit_codes_via_subprocess(tmp_path):
+    od = _job(tmp_path)
+    r = cli("verify", od.path)
+    assert r.returncode == 0, r.stderr
+    os.remove(Path(od.path) / "part-000001.parquet")
+    od.mark_success({})
+    r = cli("verify", od.path)
+    assert r.returncode == 1 and "_SUCCESS is present" in r.stdout
+    r = cli("status", tmp_path / "nowhere")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "not a batchgen output directory" in r.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sampling: {top_p: 1.5}\n")
+    r = cli("run", bad)
+    assert r.returncode == 2 and f"error: {bad}: sampling.top_p: must be in (0, 1], got 1.5" in r.stderr
+    r = cli("run", bad, "--set", "sampling.top_p=0.9", "--set", "sampling.nope=1")
+    assert r.returncode == 2 and "unknown key sampling.nope" in r.stderr
+    r = cli("prepare", write_jsonl(tmp_path / "x.jsonl", ["{"]), tmp_path / "x.parquet")
+    assert r.returncode == 2 and "x.jsonl:1: invalid JSON" in r.stderr
+    r = cli("frobnicate")
+    assert r.returncode == 2  # argparse usage error
+
+
+def test_run_calls_run_job(tmp_path, monkeypatch):
+    calls = []
+    fake = types.ModuleType("jobs.runner")
+    fake.run_job = lambda spec, overwrite=False: calls.append((spec, overwrite)) or 0
+    monkeypatch.setitem(sys.modules, "jobs.runner", fake)
+    cfg = tmp_path / "j.yaml"
+    cfg.write_text("sampling: {num_samples: 1}\n")
+    assert main(["run", str(cfg), "--set", "sampling.seed=3", "--overwrite"]) == 0
+    spec, overwrite = calls[0]
+    assert spec.sampling.seed == 3 and spec.sampling.num_samples == 1 and overwrite is True
+
+    from jobs.errors import JobFailed
+
+    def failing(spec, overwrite=False):
+        raise JobFailed("unit 3 failed 3 times")
+
+    fake.run_job = failing
+    assert main(["run", str(cfg)]) == 1
+
+
+def test_submit_validates_first(tmp_path, monkeypatch, capsys):
+    calls = []
+    fake = types.ModuleType("jobs.submit")
+    fake.submit_job = lambda config, address, overrides=(), overwrite=False: calls.append((config, address, overrides)) or 0
+    monkeypatch.setitem(sys.modules, "jobs.submit", fake)
+    cfg = tmp_path / "j.yaml"
+    cfg.write_text("sampling: {num_samples: 0}\n")
+    assert main(["submit", str(cfg), "--address", "http://h:8265"]) == 2
+    assert calls == []
+    cfg.write_text("")
+    assert main(["submit", str(cfg), "--address", "http://h:8265", "--set", "sampling.seed=1"]) == 0
+    assert calls == [(str(cfg), "http://h:8265", ["sampling.seed=1"])]

@@ -1,0 +1,158 @@
+"""jobs.dataset: input discovery (files, directories, globs, URIs), schema checks, units, ids."""
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.dataset import discover, plan_job, read_rows
+from jobs.errors import InputError
+from jobs.spec import JobSpec
+
+
+def write_prompts(path, prompts, row_group_size=None, **cols):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    table = pa.table({"prompt": pa.array(prompts, type=pa.string()), **cols})
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
+def spec_for(path, **over):
+    d = {"input": {"path": str(path)}, "cluster": {"unit_rows": 4}}
+    for k, v in over.items():
+        sec, key = k.split("__")
+        d.setdefault(sec, {})[key] = v
+    return JobSpec.from_dict(d, "test.yaml")
+
+
+def test_single_file_units(tmp_path):
+    f = write_prompts(str(tmp_path / "p.parquet"), [f"q{i}" for i in range(10)])
+    plan = plan_job(spec_for(f))
+    assert plan.num_prompts == 10
+    assert [(u.index, u.row_start, u.row_end) for u in plan.units] == [(0, 0, 4), (1, 4, 8), (2, 8, 10)]
+    assert all(u.source == f for u in plan.units)
+    assert plan.files[0].name == "p.parquet" and plan.files[0].num_rows == 10
+    assert plan.files[0].size == os.path.getsize(f)
+    assert len(plan.fingerprint) == 64
+
+
+def test_directory_recursive_sorted_and_global_unit_index(tmp_path):
+    write_prompts(str(tmp_path / "d" / "b.parquet"), ["x"] * 5)
+    write_prompts(str(tmp_path / "d" / "a.parquet"), ["y"] * 3)
+    write_prompts(str(tmp_path / "d" / "sub" / "c.parquet"), ["z"] * 4)
+    write_prompts(str(tmp_path / "d" / "_hidden" / "h.parquet"), ["h"])
+    (tmp_path / "d" / "notes.txt").write_text("ignored")
+    plan = plan_job(spec_for(tmp_path / "d"))
+    assert [f.name for f in plan.files] == ["a.parquet", "b.parquet", "sub/c.parquet"]
+    assert [(u.index, os.path.basename(u.source), u.row_start, u.row_end) for u in plan.units] == [
+        (0, "a.parquet", 0, 3), (1, "b.parquet", 0, 4), (2, "b.parquet", 4, 5), (3, "c.parquet", 0, 4)]
+
+
+def test_glob_and_relative_root(tmp_path, monkeypatch):
+    write_prompts(str(tmp_path / "data" / "part-1.parquet"), ["a"])
+    write_prompts(str(tmp_path / "data" / "part-2.parquet"), ["b"])
+    write_prompts(str(tmp_path / "data" / "other.parquet"), ["c"])
+    monkeypatch.chdir(tmp_path)
+    root, found = discover("data/part-*.parquet")
+    assert root == str(tmp_path / "data")
+    assert [name for _, name, _ in found] == ["part-1.parquet", "part-2.parquet"]
+    with pytest.raises(InputError, match="matches no files"):
+        discover("data/nothing-*.parquet")
+
+
+def test_file_uri(tmp_path):
+    f = write_prompts(str(tmp_path / "p.parquet"), ["a", "b"])
+    plan = plan_job(spec_for("file://" + f))
+    assert plan.num_prompts == 2 and plan.units[0].source == f
+
+
+def test_prompt_ids_default_and_id_column(tmp_path):
+    from jobs.task import JobTask
+
+    class Tok:
+        vocab_size = 300
+        bos_token_id = None
+
+        def encode(self, s):
+            return list(s.encode())
+
+    d = tmp_path / "root"
+    write_prompts(str(d / "sub" / "a.parquet"), ["hi", "yo"], ident=pa.array([7, 8]))
+    spec = spec_for(d)
+    plan = plan_job(spec)
+    reqs = JobTask(spec, plan, str(tmp_path / "out")).read_unit(plan.units[0], Tok())
+    assert [r.prompt_id for r in reqs] == ["sub/a.parquet:0", "sub/a.parquet:1"]
+    spec = spec_for(d, input__id_column="ident")
+    plan = plan_job(spec)
+    reqs = JobTask(spec, plan, str(tmp_path / "out")).read_unit(plan.units[0], Tok())
+    assert [r.prompt_id for r in reqs] == ["7", "8"]
+
+
+def test_ids_and_fingerprint_stable_when_dataset_moves(tmp_path):
+    write_prompts(str(tmp_path / "a" / "x.parquet"), ["p", "q"])
+    fp1 = plan_job(spec_for(tmp_path / "a")).fingerprint
+    os.rename(tmp_path / "a", tmp_path / "b")
+    fp2 = plan_job(spec_for(tmp_path / "b", output__path="elsewhere", cluster__num_workers=2)).fingerprint
+    assert fp1 == fp2
+    assert plan_job(spec_for(tmp_path / "b", cluster__unit_rows=1)).fingerprint != fp1
+    assert plan_job(spec_for(tmp_path / "b", sampling__seed=5)).fingerprint != fp1
+
+
+def test_fingerprint_changes_with_input_contents(tmp_path):
+    f = write_prompts(str(tmp_path / "p.parquet"), ["a", "b"])
+    fp1 = plan_job(spec_for(f)).fingerprint
+    write_prompts(f, ["a", "b", "c"])
+    assert plan_job(spec_for(f)).fingerprint != fp1
+
+
+def test_zero_row_file_warns_and_has_no_units(tmp_path, caplog):
+    write_prompts(str(tmp_path / "d" / "a.parquet"), [])
+    write_prompts(str(tmp_path / "d" / "b.parquet"), ["x"])
+    plan = plan_job(spec_for(tmp_path / "d"))
+    assert len(plan.units) == 1 and plan.units[0].source.endswith("b.parquet")
+    assert any("a.parquet: 0 rows" in w for w in plan.warnings)
+
+
+def test_read_rows_reads_only_the_range_across_row_groups(tmp_path):
+    f = write_prompts(str(tmp_path / "p.parquet"), [f"q{i}" for i in range(50)], row_group_size=7,
+                      other=pa.array(range(50)))
+    t = read_rows(f, 12, 23, ["prompt"])
+    assert t.column_names == ["prompt"]
+    assert t.column(0).to_pylist() == [f"q{i}" for i in range(12, 23)]
+    assert read_rows(f, 49, 50, ["other"]).column(0).to_pylist() == [49]
+
+
+def test_chat_and_tokens_schemas_accepted(tmp_path):
+    msgs = pa.array([[{"role": "user", "content": "hi"}]],
+                    type=pa.large_list(pa.struct([("role", pa.large_string()), ("content", pa.string()),
+                                                  ("name", pa.string())])))
+    pq.write_table(pa.table({"messages": msgs}), tmp_path / "c.parquet")
+    assert plan_job(spec_for(tmp_path / "c.parquet", input__format="chat")).num_prompts == 1
+    pq.write_table(pa.table({"prompt": pa.array([[1, 2]], type=pa.list_(pa.int64()))}), tmp_path / "t.parquet")
+    assert plan_job(spec_for(tmp_path / "t.parquet", input__format="tokens")).num_prompts == 1
+
+
+def test_string_and_large_string_files_mix(tmp_path):
+    write_prompts(str(tmp_path / "d" / "a.parquet"), ["x"])
+    pq.write_table(pa.table({"prompt": pa.array(["y"], type=pa.large_string())}), tmp_path / "d" / "b.parquet")
+    assert plan_job(spec_for(tmp_path / "d")).num_prompts == 2
+
+
+def test_package_input():
+    spec = JobSpec.from_dict({"input": {"path": "package://demo_prompts.parquet", "format": "chat",
+                                        "id_column": "id", "passthrough": ["category"]},
+                              "cluster": {"unit_rows": 16}})
+    plan = plan_job(spec)
+    assert plan.num_prompts == 64 and len(plan.units) == 4
+    assert plan.units[0].source == "package://demo_prompts.parquet"
+    assert [f.name for f in plan.passthrough_fields] == ["category"]
+    with pytest.raises(InputError, match="no such packaged file"):
+        plan_job(JobSpec.from_dict({"input": {"path": "package://nope.parquet"}}))
+
+
+def test_demo_data_is_small():
+    from jobs.dataset import DATA_DIR
+
+    assert (DATA_DIR / "demo_prompts.parquet").stat().st_size < 50_000

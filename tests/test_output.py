@@ -1,0 +1,310 @@
+"""jobs.output + jobs.task.write_unit: atomic unit files, manifest resume/mismatch/overwrite,
+status and verify catching each kind of corruption."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine.params import RequestOutput, Sample, ToolCall, error_output
+from jobs.dataset import plan_job
+from jobs.errors import OutputError
+from jobs.output import MANIFEST, OUTPUT_SCHEMA, SUCCESS, OutputDir, part_name
+from jobs.spec import JobSpec
+from jobs.task import JobTask
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class FakeTok:
+    vocab_size = 300
+    bos_token_id = 1
+    prepend_bos = False
+
+    def encode(self, s):
+        return [b + 10 for b in s.encode()]
+
+    def decode(self, ids):
+        return bytes(i - 10 for i in ids if i >= 10).decode(errors="replace")
+
+
+def make_job(tmp_path, n=10, unit_rows=4, num_samples=2, **over):
+    inp = tmp_path / "in.parquet"
+    if not inp.exists():
+        pq.write_table(pa.table({"prompt": [f"q{i}" if i != 3 else None for i in range(n)],
+                                 "answer": list(range(n))}), inp)
+    d = {"input": {"path": str(inp), "passthrough": ["answer"]}, "output": {"path": str(tmp_path / "out")},
+         "sampling": {"num_samples": num_samples}, "cluster": {"unit_rows": unit_rows}}
+    for k, v in over.items():
+        sec, key = k.split("__")
+        d.setdefault(sec, {})[key] = v
+    spec = JobSpec.from_dict(d, "job.yaml")
+    plan = plan_job(spec)
+    return spec, plan, JobTask(spec, plan), OutputDir(spec.output.path)
+
+
+def fake_outputs(task, reqs):
+    outs = []
+    for r in reqs:
+        if r.prompt_tokens is None:
+            outs.append(error_output(None, r.prompt_id, None, task.params, r.error))
+            continue
+        samples = [Sample(prompt_id=r.prompt_id, sample_index=j, tokens=[10 + 72, 10 + 105, 11], mask=[1, 0, 1],
+                          logprobs=[-0.5, None, -1.25], finish_reason="stop",
+                          tool_calls=[ToolCall(0, 2, "1+1", "2", None), ToolCall(2, 3, "1/0", None, "ZeroDivisionError")],
+                          num_prompt_tokens=len(r.prompt_tokens), seed=task.params.seed)
+                   for j in range(task.params.num_samples)]
+        outs.append(RequestOutput(request_id=None, prompt_id=r.prompt_id, prompt_tokens=r.prompt_tokens, samples=samples))
+    return outs
+
+
+def run_unit(task, unit, tok=None):
+    tok = tok or FakeTok()
+    reqs = task.read_unit(unit, tok)
+    return task.write_unit(unit, reqs, fake_outputs(task, reqs), tok)
+
+
+def run_all(spec, plan, task, od):
+    od.prepare(plan, spec)
+    return [run_unit(task, u) for u in plan.units]
+
+
+def test_write_unit_schema_rows_and_counts(tmp_path):
+    spec, plan, task, od = make_job(tmp_path)
+    assert od.prepare(plan, spec) == "new"
+    res = run_unit(task, plan.units[0])
+    assert res.index == 0 and res.path == str(tmp_path / "out" / "part-000000.parquet")
+    assert (res.prompts, res.rows, res.generated_tokens, res.tool_calls, res.tool_errors, res.error_rows) == (4, 8, 18, 12, 6, 2)
+    assert res.prompt_tokens == 3 * 2  # "q0","q1","q2" -> 2 tokens each; the null row has none
+    t = pq.read_table(res.path)
+    assert t.schema.names == OUTPUT_SCHEMA.names + ["answer"]
+    for f in OUTPUT_SCHEMA:
+        assert t.schema.field(f.name).type.equals(f.type) or str(f.type).replace("item", "element") == str(
+            t.schema.field(f.name).type), f.name
+    rows = t.to_pylist()
+    assert [(r["prompt_id"], r["sample_index"]) for r in rows] == [
+        (f"in.parquet:{i}", j) for i in range(4) for j in range(2)]
+    r0 = rows[0]
+    assert r0["tokens"] == [82, 115, 11] and r0["mask"] == [1, 0, 1] and r0["logprobs"] == [-0.5, None, -1.25]
+    assert r0["text"] == "Hi\x01" and r0["finish_reason"] == "stop" and r0["num_tokens"] == 3
+    assert r0["tool_calls"][1] == {"start": 2, "end": 3, "expr": "1/0", "output": None, "error": "ZeroDivisionError"}
+    assert r0["answer"] == 0 and r0["error"] is None and r0["prompt_tokens"] == [10 + ord("q"), 10 + ord("0")]
+    bad = rows[6]
+    assert bad["finish_reason"] == "error" and "in.parquet row 3 column 'prompt': prompt is null" in bad["error"]
+    assert bad["prompt_tokens"] is None and bad["text"] is None and bad["answer"] == 3
+    meta = pq.read_schema(res.path).metadata
+    assert meta[b"batchgen.fingerprint"].decode() == plan.fingerprint
+    assert json.loads(meta[b"batchgen.unit"])["row_start"] == 0
+
+
+def test_write_unit_rejects_mismatched_outputs(tmp_path):
+    spec, plan, task, od = make_job(tmp_path)
+    od.prepare(plan, spec)
+    reqs = task.read_unit(plan.units[0], FakeTok())
+    outs = fake_outputs(task, reqs)
+    with pytest.raises(ValueError):
+        task.write_unit(plan.units[0], reqs, outs[:-1], FakeTok())
+    outs[0].samples.pop()
+    with pytest.raises(ValueError, match="expected 0..1"):
+        task.write_unit(plan.units[0], reqs, outs, FakeTok())
+    assert od.committed_units() == set()
+
+
+def test_task_pickles_small(tmp_path):
+    import pickle
+
+    spec, plan, task, od = make_job(tmp_path)
+    clone = pickle.loads(pickle.dumps(task))
+    assert clone.fingerprint == task.fingerprint and len(pickle.dumps(task)) < 10_000
+
+
+KILLER = """
+import os, sys
+sys.path.insert(0, {root!r})
+import jobs.output as out
+import pyarrow as pa
+def die(*a):
+    os._exit(9)
+out.os.replace = die
+out.write_part({path!r}, 3, pa.table({{"x": [1, 2]}}))
+"""
+
+
+def test_kill_between_write_and_rename_leaves_no_part_file(tmp_path):
+    spec, plan, task, od = make_job(tmp_path)
+    od.prepare(plan, spec)
+    proc = subprocess.run([sys.executable, "-c", KILLER.format(root=str(ROOT), path=od.path)])
+    assert proc.returncode == 9
+    names = os.listdir(od.path)
+    assert not any(n.startswith("part-") for n in names)
+    assert len([n for n in names if n.startswith(".tmp-part-000003-")]) == 1
+    assert od.committed_units() == set()
+    assert od.status()["temp_files"] == 1
+    assert any("orphan temporary file" in p for p in od.verify())
+    # resuming (same job) removes the orphan
+    assert od.prepare(plan, spec) == "resume"
+    assert od.temp_files() == [] and od.verify() == []
+
+
+def test_failed_write_removes_temp(tmp_path, monkeypatch):
+    spec, plan, task, od = make_job(tmp_path)
+    od.prepare(plan, spec)
+
+    def boom(*a):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("jobs.output.os.replace", boom)
+    with pytest.raises(OSError):
+        run_unit(task, plan.units[0])
+    assert [n for n in os.listdir(od.path) if not n.startswith("_")] == []
+
+
+def test_status_and_verify_clean(tmp_path):
+    spec, plan, task, od = make_job(tmp_path)
+    run_all(spec, plan, task, od)
+    st = od.status()
+    assert (st["units_done"], st["units_total"], st["rows"], st["rows_expected"], st["prompts"]) == (3, 3, 20, 20, 10)
+    assert st["error_rows"] == 2 and st["tool_calls"] == 36 and st["success"] is False
+    assert od.verify() == []
+    od.mark_success({"rows": 20})
+    assert od.status()["success"] and od.status()["summary"] == {"rows": 20}
+    assert od.verify() == []
+
+
+def test_manifest_contents(tmp_path):
+    spec, plan, task, od = make_job(tmp_path)
+    od.prepare(plan, spec)
+    m = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    assert m["fingerprint"] == plan.fingerprint and m["spec"]["sampling"]["num_samples"] == 2
+    assert [u["expected_rows"] for u in m["units"]] == [8, 8, 4]
+    assert m["files"][0]["num_rows"] == 10 and m["batchgen_version"] and m["created"]
+
+
+def corrupt(kind, tmp_path, od, plan, task):
+    out = Path(od.path)
+    if kind == "rows":
+        t = pq.read_table(out / part_name(0))
+        pq.write_table(t.slice(0, 5).replace_schema_metadata(t.schema.metadata), out / part_name(0))
+        return "part-000000.parquet: 5 rows, expected 8"
+    if kind == "fingerprint":
+        t = pq.read_table(out / part_name(1))
+        meta = dict(t.schema.metadata)
+        meta[b"batchgen.fingerprint"] = b"0" * 64
+        pq.write_table(t.replace_schema_metadata(meta), out / part_name(1))
+        return "part-000001.parquet: fingerprint 000000000000 does not match"
+    if kind == "schema":
+        t = pq.read_table(out / part_name(2))
+        pq.write_table(t.drop_columns(["text"]).replace_schema_metadata(t.schema.metadata), out / part_name(2))
+        return "part-000002.parquet: schema mismatch"
+    if kind == "duplicate":
+        t = pq.read_table(out / part_name(0))
+        pq.write_table(t, out / part_name(1))  # same prompt ids in another unit
+        return "duplicate row prompt_id='in.parquet:0' sample_index=0"
+    if kind == "orphan":
+        (out / ".tmp-part-000001-abcdef.parquet").write_bytes(b"partial")
+        return ".tmp-part-000001-abcdef.parquet: orphan temporary file"
+    if kind == "unexpected":
+        (out / "notes.txt").write_text("hi")
+        return "notes.txt: unexpected file"
+    if kind == "extra_unit":
+        (out / "part-000099.parquet").write_bytes((out / part_name(0)).read_bytes())
+        return "part-000099.parquet: unexpected file"
+    if kind == "success_missing":
+        od.mark_success({})
+        os.remove(out / part_name(2))
+        return "_SUCCESS is present but 1 of 3 units are missing"
+    if kind == "truncated":
+        data = (out / part_name(0)).read_bytes()
+        (out / part_name(0)).write_bytes(data[: len(data) // 2])
+        return "part-000000.parquet: unreadable Parquet file"
+    if kind == "no_manifest":
+        os.remove(out / MANIFEST)
+        return "manifest _batchgen/manifest.json is missing"
+    if kind == "bad_manifest":
+        (out / MANIFEST).write_text("{not json")
+        return "manifest.json is unreadable"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["rows", "fingerprint", "schema", "duplicate", "orphan", "unexpected", "extra_unit",
+                                  "success_missing", "truncated", "no_manifest", "bad_manifest"])
+def test_verify_catches(tmp_path, kind):
+    spec, plan, task, od = make_job(tmp_path)
+    run_all(spec, plan, task, od)
+    assert od.verify() == []
+    expected = corrupt(kind, tmp_path, od, plan, task)
+    problems = od.verify()
+    assert any(expected in p for p in problems), problems
+
+
+def test_status_counts_only_committed_and_reports_unreadable(tmp_path):
+    spec, plan, task, od = make_job(tmp_path)
+    od.prepare(plan, spec)
+    run_unit(task, plan.units[2])
+    st = od.status()
+    assert (st["units_done"], st["rows"], st["prompts"]) == (1, 4, 2)
+    (Path(od.path) / part_name(0)).write_bytes(b"garbage")
+    assert od.status()["unreadable_units"] and od.status()["units_done"] == 1
+    os.remove(Path(od.path) / MANIFEST)
+    with pytest.raises(OutputError, match="no _batchgen/manifest.json"):
+        od.status()
+
+
+def test_resume_keeps_committed_units(tmp_path):
+    spec, plan, task, od = make_job(tmp_path)
+    od.prepare(plan, spec)
+    run_unit(task, plan.units[0])
+    spec2, plan2, task2, od2 = make_job(tmp_path, cluster__num_workers=2, cluster__address="auto")
+    assert plan2.fingerprint == plan.fingerprint
+    assert od2.prepare(plan2, spec2) == "resume"
+    assert od2.committed_units() == {0}
+
+
+def test_mismatch_names_differing_keys_and_overwrite_clears(tmp_path):
+    spec, plan, task, od = make_job(tmp_path)
+    run_all(spec, plan, task, od)
+    od.mark_success({})
+    spec2, plan2, task2, od2 = make_job(tmp_path, sampling__temperature=0.5, sampling__max_tokens=7)
+    with pytest.raises(OutputError) as e:
+        od2.prepare(plan2, spec2)
+    msg = str(e.value)
+    assert "sampling.temperature: 1.0 -> 0.5" in msg and "sampling.max_tokens: 256 -> 7" in msg
+    assert plan.fingerprint[:12] in msg and plan2.fingerprint[:12] in msg and e.value.exit_code == 2
+    assert od2.committed_units() == {0, 1, 2}  # nothing touched
+    (Path(od.path) / "keep.txt").write_text("user file")
+    assert od2.prepare(plan2, spec2, overwrite=True) == "overwrite"
+    assert od2.committed_units() == set() and not (Path(od.path) / SUCCESS).exists()
+    assert (Path(od.path) / "keep.txt").exists()
+    assert json.loads((Path(od.path) / MANIFEST).read_text())["fingerprint"] == plan2.fingerprint
+
+
+def test_mismatch_names_changed_input_file(tmp_path):
+    spec, plan, task, od = make_job(tmp_path)
+    od.prepare(plan, spec)
+    pq.write_table(pa.table({"prompt": ["a"], "answer": [1]}), tmp_path / "in.parquet")
+    spec2, plan2, _, od2 = make_job(tmp_path)
+    with pytest.raises(OutputError, match=r"input file in.parquet: \d+ bytes/10 rows -> \d+ bytes/1 rows"):
+        od2.prepare(plan2, spec2)
+
+
+def test_non_empty_dir_without_manifest(tmp_path):
+    spec, plan, task, od = make_job(tmp_path)
+    os.makedirs(od.path)
+    (Path(od.path) / "stuff.csv").write_text("x")
+    with pytest.raises(OutputError, match="is not empty and has no batchgen manifest"):
+        od.prepare(plan, spec)
+    assert od.prepare(plan, spec, overwrite=True) == "overwrite"
+
+
+def test_unwritable_output(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    spec, plan, task, _ = make_job(tmp_path, output__path=str(tmp_path / "afile" / "out"))
+    with pytest.raises(OutputError, match="cannot create directory") as e:
+        OutputDir(spec.output.path).prepare(plan, spec)
+    assert e.value.exit_code == 2

@@ -1,0 +1,178 @@
+"""jobs.spec: YAML loading, defaults, --set overrides, validation messages, engine arguments."""
+from __future__ import annotations
+
+import pytest
+
+from jobs.errors import SpecError
+from jobs.spec import JobSpec, apply_override, load_spec
+
+
+def write(tmp_path, text: str, name: str = "job.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_defaults_from_empty_file(tmp_path):
+    spec = load_spec(write(tmp_path, ""))
+    d = spec.to_dict()
+    assert d["model"] == {"path": "demo", "dtype": "auto", "device": "auto", "tokenizer": None, "max_num_seqs": 256,
+                          "kv_cache_gb": None, "max_seq_len": None}
+    assert d["input"] == {"path": "prompts.parquet", "format": "text", "column": "prompt", "id_column": None,
+                          "passthrough": []}
+    assert d["output"] == {"path": "out/demo"}
+    assert d["sampling"] == {"num_samples": 4, "max_tokens": 256, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+                             "min_p": 0.0, "seed": 0, "stop_token_ids": None}
+    assert d["tools"] == {"calculator": True}
+    assert d["cluster"] == {"address": None, "num_workers": 1, "gpus_per_worker": 0, "cpus_per_worker": 1,
+                            "unit_rows": 256, "max_unit_attempts": 3}
+
+
+def test_chat_default_column(tmp_path):
+    spec = load_spec(write(tmp_path, "input: {format: chat}\n"))
+    assert spec.input.column == "messages"
+    spec = load_spec(write(tmp_path, "input: {format: chat, column: conv}\n"))
+    assert spec.input.column == "conv"
+
+
+def test_overrides_parse_yaml_values(tmp_path):
+    p = write(tmp_path, "sampling: {temperature: 1.0}\n")
+    spec = load_spec(p, ["sampling.temperature=0.7", "cluster.address=auto", "sampling.stop_token_ids=[1,2]",
+                         "model.kv_cache_gb=1.5", "output.path=2024", "model.max_seq_len=null"])
+    assert spec.sampling.temperature == 0.7
+    assert spec.cluster.address == "auto"
+    assert spec.sampling.stop_token_ids == [1, 2]
+    assert spec.output.path == "2024"
+    assert spec.engine_kwargs()["kv_cache_bytes"] == int(1.5 * 2**30)
+    assert spec.model.max_seq_len is None
+
+
+def test_overrides_apply_in_order_and_create_sections():
+    d: dict = {}
+    apply_override(d, "sampling.seed=1")
+    apply_override(d, "sampling.seed=2")
+    assert JobSpec.from_dict(d).sampling.seed == 2
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("sampling.temprature=1", "unknown key sampling.temprature"),
+    ("samplin.temperature=1", "unknown key samplin.temperature"),
+    ("temperature=1", "expected SECTION.KEY=VALUE"),
+    ("sampling.temperature", "expected KEY=VALUE"),
+    ("sampling.top_p=1.5", "sampling.top_p: must be in (0, 1], got 1.5"),
+    ("sampling.stop_token_ids=[1, -2]", "sampling.stop_token_ids: must be a list of non-negative token ids"),
+    ("sampling.temperature=[unclosed", "sampling.temperature: value is not valid YAML"),
+])
+def test_bad_overrides(tmp_path, override, fragment):
+    with pytest.raises(SpecError) as e:
+        load_spec(write(tmp_path, ""), [override])
+    assert fragment in str(e.value)
+    assert e.value.exit_code == 2
+
+
+@pytest.mark.parametrize("yaml_text, fragment", [
+    ("sampling: {top_p: 1.5}", "sampling.top_p: must be in (0, 1], got 1.5"),
+    ("sampling: {top_p: 0}", "sampling.top_p: must be in (0, 1], got 0"),
+    ("sampling: {temperature: -1}", "sampling.temperature: must be a finite number >= 0"),
+    ("sampling: {temperature: .nan}", "sampling.temperature: must be a finite number >= 0"),
+    ("sampling: {temperature: .inf}", "sampling.temperature: must be a finite number >= 0"),
+    ("sampling: {top_k: -1}", "sampling.top_k: must be an integer >= 0"),
+    ("sampling: {min_p: 1.0}", "sampling.min_p: must be in [0, 1), got 1.0"),
+    ("sampling: {max_tokens: 0}", "sampling.max_tokens: must be an integer >= 1, got 0"),
+    ("sampling: {num_samples: 0}", "sampling.num_samples: must be an integer >= 1, got 0"),
+    ("sampling: {num_samples: 2.5}", "sampling.num_samples: must be an integer >= 1, got 2.5"),
+    ("sampling: {num_samples: true}", "sampling.num_samples: must be an integer >= 1, got True"),
+    ("sampling: {seed: 99999999999999999999}", "sampling.seed: must be a 64-bit integer"),
+    ("sampling: {temprature: 1}", "unknown key sampling.temprature"),
+    ("cluster: {num_workers: 0}", "cluster.num_workers: must be an integer >= 1, got 0"),
+    ("cluster: {unit_rows: 0}", "cluster.unit_rows: must be an integer >= 1, got 0"),
+    ("cluster: {max_unit_attempts: 0}", "cluster.max_unit_attempts: must be an integer >= 1"),
+    ("cluster: {gpus_per_worker: -1}", "cluster.gpus_per_worker: must be a number >= 0"),
+    ("cluster: {cpus_per_worker: 0}", "cluster.cpus_per_worker: must be a number > 0"),
+    ("model: {max_num_seqs: 0}", "model.max_num_seqs: must be an integer >= 1"),
+    ("model: {kv_cache_gb: 0}", "model.kv_cache_gb: must be a number of GiB > 0"),
+    ("model: {dtype: int8}", "model.dtype: Input should be"),
+    ("model: {path: ''}", "model.path: must not be empty"),
+    ("input: {format: xml}", "input.format: Input should be 'text', 'chat' or 'tokens'"),
+    ("input: {passthrough: [a, a]}", "input.passthrough: column 'a' is listed twice"),
+    ("input: {passthrough: [text]}", "input.passthrough: column 'text' would overwrite the output column"),
+    ("tools: {calculator: maybe}", "tools.calculator: Input should be a valid boolean"),
+    ("tool: {calculator: true}", "unknown key tool"),
+    ("sampling: 3", "sampling: must be a mapping, got 3"),
+    ("- a\n- b", "expected a mapping of sections"),
+])
+def test_validation_messages_name_file_and_key(tmp_path, yaml_text, fragment):
+    p = write(tmp_path, yaml_text)
+    with pytest.raises(SpecError) as e:
+        load_spec(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}: "), msg
+    assert fragment in msg, msg
+
+
+def test_several_errors_reported_together(tmp_path):
+    with pytest.raises(SpecError) as e:
+        load_spec(write(tmp_path, "sampling: {top_p: 2, temprature: 1}\ncluster: {num_workers: 0}\n"))
+    msg = str(e.value)
+    assert "sampling.top_p" in msg and "unknown key sampling.temprature" in msg and "cluster.num_workers" in msg
+
+
+def test_missing_file_and_invalid_yaml(tmp_path):
+    with pytest.raises(SpecError, match="config file not found"):
+        load_spec(tmp_path / "nope.yaml")
+    p = write(tmp_path, "sampling:\n  temperature: 1.0\n   top_p: [\n")
+    with pytest.raises(SpecError) as e:
+        load_spec(p)
+    assert "invalid YAML at line" in str(e.value) and str(p) in str(e.value)
+    with pytest.raises(SpecError, match="is a directory"):
+        load_spec(tmp_path)
+
+
+def test_sampling_params_and_engine_kwargs(tmp_path):
+    spec = load_spec(write(tmp_path, "sampling: {num_samples: 2, max_tokens: 9, temperature: 0, top_k: 0, "
+                                     "stop_token_ids: [5]}\ntools: {calculator: false}\n"
+                                     "model: {path: demo, device: cpu, dtype: float32, max_num_seqs: 8, "
+                                     "max_seq_len: 128}\n"))
+    sp = spec.sampling_params()
+    assert (sp.num_samples, sp.max_tokens, sp.temperature, sp.top_k, sp.stop_token_ids, sp.calculator) == \
+        (2, 9, 0.0, 0, (5,), False)
+    assert spec.engine_kwargs() == {"path": "demo", "device": "cpu", "dtype": "float32", "tokenizer": None,
+                                    "max_num_seqs": 8, "kv_cache_bytes": None, "max_seq_len": 128}
+
+
+def test_fingerprint_dict_ignores_placement(tmp_path):
+    a = load_spec(write(tmp_path, ""), ["output.path=x", "cluster.num_workers=1"]).fingerprint_dict()
+    b = load_spec(write(tmp_path, ""), ["output.path=y", "cluster.num_workers=2", "cluster.address=auto",
+                                        "model.max_num_seqs=3", "model.device=cpu"]).fingerprint_dict()
+    assert a == b
+    c = load_spec(write(tmp_path, ""), ["sampling.seed=1"]).fingerprint_dict()
+    d = load_spec(write(tmp_path, ""), ["cluster.unit_rows=7"]).fingerprint_dict()
+    assert a != c and a != d
+
+
+def test_model_identity_uses_names_and_sizes(tmp_path):
+    import os
+    import shutil
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "model_000001.pt").write_bytes(b"x" * 10)
+    (ck / "meta_000001.json").write_text("{}")
+    copy = tmp_path / "copy"
+    shutil.copytree(ck, copy)
+    os.utime(copy / "model_000001.pt", (1, 1))
+    fa = JobSpec.from_dict({"model": {"path": str(ck)}}).fingerprint_dict()
+    fb = JobSpec.from_dict({"model": {"path": str(copy)}}).fingerprint_dict()
+    assert fa == fb
+    (copy / "model_000001.pt").write_bytes(b"x" * 11)
+    assert JobSpec.from_dict({"model": {"path": str(copy)}}).fingerprint_dict() != fa
+
+
+def test_shipped_configs_validate():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    demo = load_spec(root / "configs" / "demo.yaml")
+    assert demo.input.path == "package://demo_prompts.parquet" and demo.model.path == "demo"
+    gsm = load_spec(root / "configs" / "gsm8k.yaml")
+    assert gsm.input.format == "chat" and gsm.input.passthrough == ["answer"] and gsm.tools.calculator
