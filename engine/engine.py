@@ -127,9 +127,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit and prefill, decode one token for every running sample; return finished requests."""
         done, self._ready = self._ready, []
-        groups = self.scheduler.schedule()
-        if groups:
-            self._prefill(groups)
+        for chunk in self._by_length(self.scheduler.schedule()):
+            self._prefill(chunk)
         active = [s for s in self.running.values() if s.finish_reason is None]
         if active:
             self._decode(active)
@@ -138,6 +137,24 @@ class Engine:
             if out is not None:
                 done.append(out)
         return done
+
+    @staticmethod
+    def _by_length(groups: list[PrefillGroup], max_padding: float = 0.25) -> list[list[PrefillGroup]]:
+        """Split one step's admissions into prefill batches of similar prompt lengths, so
+        right-padding wastes at most about `max_padding` of the batch's tokens."""
+        chunks: list[list[PrefillGroup]] = []
+        cur: list[PrefillGroup] = []
+        real = 0
+        for g in sorted(groups, key=lambda g: len(g.request.prompt_tokens)):
+            n = len(g.request.prompt_tokens)
+            if cur and n * (len(cur) + 1) > (1 + max_padding) * (real + n):
+                chunks.append(cur)
+                cur, real = [], 0
+            cur.append(g)
+            real += n
+        if cur:
+            chunks.append(cur)
+        return chunks
 
     def _prefill(self, groups: list[PrefillGroup]) -> None:
         lengths = [len(g.request.prompt_tokens) for g in groups]
