@@ -8,6 +8,15 @@
 Single-process and framework-free: no Ray, no Parquet (those live in cluster/ and jobs/).
 """
 from engine.params import RequestOutput, Sample, SamplingParams, ToolCall, error_output
-from engine.engine import Engine, load_engine
 
 __all__ = ["Engine", "load_engine", "SamplingParams", "Sample", "ToolCall", "RequestOutput", "error_output"]
+
+
+def __getattr__(name: str):
+    # Engine and load_engine import torch; loading them lazily keeps `import engine.params`
+    # (used by jobs/ for the config rules and result types) light for the CLI's status/verify/prepare.
+    if name in ("Engine", "load_engine"):
+        from engine import engine as _engine
+
+        return getattr(_engine, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -46,30 +46,66 @@ class SamplingParams:
     calculator: bool = True
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+        for name in SAMPLING_FIELDS:
+            try:
+                object.__setattr__(self, name, check_sampling_value(name, getattr(self, name)))
+            except ValueError as e:
+                raise ValueError(f"SamplingParams.{name}: {e}") from None
 
-        if isinstance(self.num_samples, bool) or not isinstance(self.num_samples, int) or self.num_samples < 1:
-            raise bad("num_samples", "must be an integer >= 1")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "must be a finite number >= 0 (0 is greedy)")
-        top_k = 0 if self.top_k is None else self.top_k
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise bad("top_k", "must be an integer >= 0 (0 disables it)")
-        object.__setattr__(self, "top_k", top_k)
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.min_p, (int, float)) or not (0.0 <= self.min_p < 1.0):
-            raise bad("min_p", "must be in [0, 1)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (-(2**63) <= self.seed < 2**63):
-            raise bad("seed", "must be a 64-bit integer")
-        if self.stop_token_ids is not None:
-            ids = tuple(self.stop_token_ids)
-            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
-                raise bad("stop_token_ids", "must be a list of non-negative token ids")
-            object.__setattr__(self, "stop_token_ids", ids)
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_sampling_value(name: str, v: Any) -> Any:
+    """Validate and normalise one sampling field; the one set of rules for the engine's
+    SamplingParams and the job spec's `sampling` section.
+
+    Returns the normalised value (top_k None -> 0, stop_token_ids list -> tuple, floats as
+    float). Raises ValueError("must be ..., got X") for a bad value, KeyError for an unknown name.
+    """
+    if name in ("num_samples", "max_tokens"):
+        if not _is_int(v) or v < 1:
+            raise ValueError(f"must be an integer >= 1, got {v!r}")
+    elif name == "temperature":
+        if not _is_number(v) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"must be a finite number >= 0 (0 is greedy), got {v!r}")
+        return float(v)
+    elif name == "top_k":
+        v = 0 if v is None else v
+        if not _is_int(v) or v < 0:
+            raise ValueError(f"must be an integer >= 0 (0 disables it), got {v!r}")
+    elif name == "top_p":
+        if not _is_number(v) or not 0.0 < v <= 1.0:
+            raise ValueError(f"must be in (0, 1], got {v!r}")
+        return float(v)
+    elif name == "min_p":
+        if not _is_number(v) or not 0.0 <= v < 1.0:
+            raise ValueError(f"must be in [0, 1), got {v!r}")
+        return float(v)
+    elif name == "seed":
+        if not _is_int(v) or not -(2**63) <= v < 2**63:
+            raise ValueError(f"must be a 64-bit integer, got {v!r}")
+    elif name == "stop_token_ids":
+        if v is None:
+            return None
+        if not isinstance(v, (list, tuple)) or any(not _is_int(t) or t < 0 for t in v):
+            raise ValueError(f"must be a list of non-negative token ids (or null for the model's default), got {v!r}")
+        return tuple(v)
+    elif name == "calculator":
+        if not isinstance(v, bool):
+            raise ValueError(f"must be true or false, got {v!r}")
+    else:
+        raise KeyError(name)
+    return v
+
+
+SAMPLING_FIELDS = ("num_samples", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
+                   "stop_token_ids", "calculator")
 
 
 @dataclass(slots=True)

@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from engine.params import check_sampling_value
 from jobs.errors import SpecError
 
 if TYPE_CHECKING:
@@ -165,57 +166,14 @@ class SamplingSpec(_Section):
     seed: Any = 0
     stop_token_ids: Any = None
 
-    @field_validator("num_samples", "max_tokens")
+    @field_validator("num_samples", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
+                     "stop_token_ids")
     @classmethod
-    def _pos(cls, v: Any) -> Any:
-        return _check_int(v, 1, " >= 1")
-
-    @field_validator("temperature")
-    @classmethod
-    def _temp(cls, v: Any) -> Any:
-        _check_number(v)
-        if not math.isfinite(v) or v < 0:
-            raise ValueError(f"must be a finite number >= 0 (0 is greedy), got {v!r}")
-        return float(v)
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: Any) -> Any:
-        if v is None:
-            return 0
-        return _check_int(v, 0, " >= 0 (0 disables it)")
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: Any) -> Any:
-        _check_number(v)
-        if not (0.0 < v <= 1.0):
-            raise ValueError(f"must be in (0, 1], got {v!r}")
-        return float(v)
-
-    @field_validator("min_p")
-    @classmethod
-    def _min_p(cls, v: Any) -> Any:
-        _check_number(v)
-        if not (0.0 <= v < 1.0):
-            raise ValueError(f"must be in [0, 1), got {v!r}")
-        return float(v)
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v: Any) -> Any:
-        if not _is_int(v) or not (-(2**63) <= v < 2**63):
-            raise ValueError(f"must be a 64-bit integer, got {v!r}")
-        return v
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stops(cls, v: Any) -> Any:
-        if v is None:
-            return None
-        if not isinstance(v, list) or any(not _is_int(t) or t < 0 for t in v):
-            raise ValueError(f"must be a list of non-negative token ids (or null for the model's default), got {v!r}")
-        return v
+    def _check(cls, v: Any, info: ValidationInfo) -> Any:
+        # The engine's rules (engine.params.check_sampling_value), so a job can never accept
+        # what the engine would refuse, or the other way round.
+        v = check_sampling_value(info.field_name, v)
+        return list(v) if isinstance(v, tuple) else v
 
 
 class ToolsSpec(_Section):
