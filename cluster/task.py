@@ -7,9 +7,10 @@ pickled to every worker, so it holds only plain data (spec values, paths).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from engine.params import RequestOutput, SamplingParams
+if TYPE_CHECKING:  # annotations only: importing cluster.task must not load the engine
+    from engine.params import RequestOutput, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +72,8 @@ class UnitTask(Protocol):
         a UnitRequest with an error, never an exception. Raises only when the unit cannot
         be read at all (the unit is then retried, then the job fails).
     write_unit: commit the unit's output atomically (write to a temporary name, then
-        rename), one row per sample; `outputs[i]` belongs to `requests[i]`. Returns counts.
+        rename), one row per sample; `outputs[i]` belongs to `requests[i]`; `tokenizer`
+        (the worker's engine tokenizer) decodes the text columns. Returns counts.
     """
 
     engine_kwargs: dict[str, Any]
@@ -79,4 +81,5 @@ class UnitTask(Protocol):
 
     def read_unit(self, unit: WorkUnit, tokenizer: Any) -> list[UnitRequest]: ...
 
-    def write_unit(self, unit: WorkUnit, requests: list[UnitRequest], outputs: list[RequestOutput]) -> UnitResult: ...
+    def write_unit(self, unit: WorkUnit, requests: list[UnitRequest], outputs: list[RequestOutput],
+                   tokenizer: Any) -> UnitResult: ...

@@ -1,0 +1,201 @@
+"""`run_job(spec)`: plan, resume, run the units on Ray workers, progress bar, summary.
+
+    from jobs.spec import load_spec
+    from jobs.runner import run_job
+    run_job(load_spec("configs/demo.yaml"))      # 0 on success
+
+Order of work (every check that can refuse the job happens before Ray starts):
+1. plan_job: input files, schemas, units, fingerprint (InputError, exit 2);
+2. OutputDir.prepare: new / resume / overwrite, fingerprint check (OutputError, exit 2);
+3. skip committed units (resume), remove temp files of interrupted writes;
+4. connect Ray: cluster.address None starts a private local instance sized for the workers
+   (shut down at the end); "auto", "host:port" or "ray://..." joins a cluster (left
+   running). A Ray instance already initialised in this process is reused as is.
+5. cluster.pool.run_units with a tqdm bar over rows; UnitFailed becomes JobFailed (exit 1);
+6. summary (from the output directory, so it covers every run of a resumed job) printed
+   and written to _SUCCESS.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any, Callable
+
+from jobs.errors import JobFailed
+
+log = logging.getLogger(__name__)
+
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What a cluster run ships when the driver is not inside a `ray job submit` job (Ray Client).
+SHIP_EXCLUDES = [".git", ".venv", "out", "**/__pycache__", "*.parquet", "bench", "tests"]
+
+
+def _runtime_env(address: str | None) -> dict | None:
+    """How workers import batchgen: see the module docstring of jobs.submit for clusters."""
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        return None  # inside `ray job submit`: the job's runtime_env (working_dir) already ships the code
+    if address is not None and address.startswith("ray://"):
+        # Ray Client: the cluster does not share our filesystem; ship the packages.
+        return {"py_modules": [os.path.join(PROJECT_ROOT, p) for p in ("engine", "cluster", "jobs")],
+                "excludes": ["**/__pycache__"]}
+    # local instance, or a cluster whose nodes share this checkout / have batchgen installed
+    path = os.environ.get("PYTHONPATH")
+    return {"env_vars": {"PYTHONPATH": PROJECT_ROOT + (os.pathsep + path if path else "")}}
+
+
+def connect_ray(spec: Any) -> bool:
+    """Initialise Ray for `spec`; returns True if this call started it (caller shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    c = spec.cluster
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, configure_logging=True,
+                                  logging_level=logging.WARNING)
+    env = _runtime_env(c.address)
+    if env is not None:
+        kwargs["runtime_env"] = env
+    if c.address is None:
+        # "local": always a new private instance, even when `ray start` left an address in
+        # /tmp/ray/ray_current_cluster (a plain ray.init() would join that cluster)
+        kwargs["address"] = "local"
+        kwargs["num_cpus"] = max(1, int(c.num_workers * c.cpus_per_worker + 0.999))
+        if c.gpus_per_worker:
+            kwargs["num_gpus"] = int(c.num_workers * c.gpus_per_worker + 0.999)
+    else:
+        kwargs["address"] = c.address
+        kwargs.pop("include_dashboard")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    ray.init(**kwargs)
+    return True
+
+
+class _Progress:
+    """tqdm bar over output rows; postfix: generated tokens/s of this run."""
+
+    def __init__(self, total_rows: int, done_rows: int, disable: bool | None = None):
+        from tqdm import tqdm
+
+        self.start = time.time()
+        self.bar = tqdm(total=total_rows, initial=done_rows, unit="row", dynamic_ncols=True, smoothing=0.1,
+                        desc="batchgen", disable=disable, file=sys.stderr, mininterval=0.5)
+        self.tokens_committed = 0
+        self.tokens_live = 0
+        self.next_log = self.start + 30.0
+        self.rows, self.total_rows = done_rows, total_rows  # a disabled tqdm does not count
+
+    def on_result(self, r: Any) -> None:
+        self.tokens_committed += r.generated_tokens
+        self.rows += r.rows
+        self.bar.update(r.rows)
+        self._postfix()
+
+    def on_progress(self, info: dict) -> None:
+        self.tokens_live = int(info.get("generated_tokens", 0))
+        self._postfix()
+
+    def tokens(self) -> int:
+        return max(self.tokens_live, self.tokens_committed)
+
+    def _postfix(self) -> None:
+        now = time.time()
+        dt = max(1e-6, now - self.start)
+        self.bar.set_postfix_str(f"{self.tokens():,} tok, {self.tokens() / dt:,.0f} tok/s", refresh=False)
+        if self.bar.disable and now >= self.next_log:  # no terminal (e.g. `ray job logs`): a line now and then
+            self.next_log = now + 30.0
+            log.info("progress: %s rows, %s generated tokens (%.0f tok/s), %.0fs elapsed",
+                     f"{self.rows:,}/{self.total_rows:,}", f"{self.tokens():,}", self.tokens() / dt, dt)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
+            task_factory: Callable[[Any, Any], Any] | None = None) -> int:
+    """Run (or resume) the job; returns 0 when every unit is committed.
+
+    Raises InputError / OutputError (exit code 2) before any work starts and JobFailed
+    (exit code 1) when a unit keeps failing or workers cannot start. `progress=False` hides
+    the bar (None: shown only when stderr is a terminal). task_factory(spec, plan): the
+    UnitTask to run (default jobs.task.JobTask; tests inject faults through it).
+    """
+    from cluster.pool import UnitFailed, run_units
+    from jobs.dataset import plan_job
+    from jobs.output import OutputDir
+    from jobs.task import JobTask
+
+    t0 = time.time()
+    plan = plan_job(spec)
+    out = OutputDir(spec.output.path)
+    mode = out.prepare(plan, spec, overwrite=overwrite)
+    out.cleanup_temp_files()
+    committed = out.committed_units()
+    todo = [u for u in plan.units if u.index not in committed]
+    n = spec.sampling.num_samples
+    total_rows = sum(u.num_rows for u in plan.units) * n
+    done_rows = total_rows - sum(u.num_rows for u in todo) * n
+    log.info("job %s: %d prompts, %d units (%d committed, %d to run), output %s (%s)", plan.fingerprint[:12],
+             plan.num_prompts, len(plan.units), len(plan.units) - len(todo), len(todo), out.path, mode)
+
+    results = []
+    tokens_this_run = 0
+    if todo:
+        c = spec.cluster
+        task = (task_factory or JobTask)(spec, plan)
+        started = connect_ray(spec)
+        bar = _Progress(total_rows, done_rows, disable=None if progress is None else not progress)
+        try:
+            results = run_units(task, todo, num_workers=int(c.num_workers), num_cpus=c.cpus_per_worker,
+                                num_gpus=c.gpus_per_worker, max_unit_attempts=int(c.max_unit_attempts),
+                                on_result=bar.on_result, on_progress=bar.on_progress)
+            tokens_this_run = bar.tokens_committed
+        except UnitFailed as e:
+            raise JobFailed(f"job failed after {time.time() - t0:.0f}s: {e}. Committed units are kept; "
+                            f"rerun the same command to resume.") from None
+        finally:
+            bar.close()
+            if started:
+                import ray
+
+                ray.shutdown()
+
+    # a worker killed while writing leaves a temporary file; no writer is left now
+    out.cleanup_temp_files()
+    wall = time.time() - t0
+    st = out.status()
+    summary = {
+        "output": out.path,
+        "fingerprint": plan.fingerprint,
+        "prompts": st["prompts"],
+        "samples": st["rows"],
+        "generated_tokens": st["generated_tokens"],
+        "prompt_tokens": st["prompt_tokens"],
+        "tool_calls": st["tool_calls"],
+        "tool_errors": st["tool_errors"],
+        "error_rows": st["error_rows"],
+        "units": st["units_total"],
+        "units_this_run": len(results),
+        "generated_tokens_this_run": tokens_this_run,
+        "wall_s": round(wall, 3),
+        "tokens_per_s_this_run": round(tokens_this_run / wall, 1) if wall > 0 else 0.0,
+    }
+    if st["units_done"] != st["units_total"]:  # pragma: no cover - run_units returned without error
+        raise JobFailed(f"{st['units_total'] - st['units_done']} units missing after the run; rerun to resume")
+    out.mark_success(summary)
+    print(format_summary(summary))
+    return 0
+
+
+def format_summary(s: dict) -> str:
+    return "\n".join([
+        f"done: {s['output']}",
+        f"  prompts:          {s['prompts']:,}",
+        f"  samples (rows):   {s['samples']:,} ({s['error_rows']:,} error rows)",
+        f"  generated tokens: {s['generated_tokens']:,} ({s['generated_tokens_this_run']:,} this run, "
+        f"{s['tokens_per_s_this_run']:,.1f} tok/s)",
+        f"  tool calls:       {s['tool_calls']:,} ({s['tool_errors']:,} with errors)",
+        f"  units:            {s['units']:,} ({s['units_this_run']:,} run now)",
+        f"  wall time:        {s['wall_s']:.1f}s",
+    ])

@@ -1,0 +1,80 @@
+"""`batchgen submit`: run a job on a Ray cluster through its job server (the dashboard port).
+
+    batchgen submit configs/demo.yaml --address http://HEAD:8265 [--set KEY=VALUE ...]
+
+The config is validated here first (exit 2 before anything is submitted). The job's
+entrypoint is `python -m jobs.cli run <config> [--set ...]`, run on the head node inside a
+`runtime_env` whose working_dir is this project directory (engine/, cluster/, jobs/,
+configs/... minus .git, .venv, outputs and other bulk), so the cluster needs batchgen's
+dependencies (torch, ray, pyarrow, pydantic, tiktoken, ...; e.g. a Ray image with
+`pip install batchgen`'s requirements) but not batchgen itself, and the driver and every
+worker import the submitted code. Consequences:
+- the config file must lie inside the project directory (it travels with it);
+- relative paths in the config resolve inside the shipped directory on the head node, so
+  input.path / output.path should be absolute paths on storage every node shares, or URIs
+  (s3://..., gs://...); cluster.address is forced to "auto" (the submitting cluster).
+"""
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import Any, Sequence
+
+from jobs.errors import SpecError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+EXCLUDES = [".git", ".venv", "venv", "out", "**/__pycache__", ".pytest_cache", "bench", "*.egg-info"]
+
+
+def build_entrypoint(config_rel: str, overrides: Sequence[str], overwrite: bool) -> str:
+    args = ["python", "-m", "jobs.cli", "run", config_rel]
+    for o in list(overrides) + ["cluster.address=auto"]:
+        args += ["--set", o]
+    if overwrite:
+        args.append("--overwrite")
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def submit_job(config_path: str, address: str, overrides: Sequence[str] = (), overwrite: bool = False,
+               *, client: Any = None) -> int:
+    """Validate the config, submit it, print the job id and how to follow it; returns 0.
+
+    Raises SpecError (exit code 2) for an invalid config or one outside the project directory.
+    `client`: a JobSubmissionClient-like object (tests); default JobSubmissionClient(address).
+    """
+    from jobs.spec import load_spec
+
+    spec = load_spec(config_path, overrides)  # exit 2 before contacting the cluster
+    cfg = Path(config_path).resolve()
+    try:
+        config_rel = cfg.relative_to(PROJECT_ROOT).as_posix()
+    except ValueError:
+        raise SpecError(f"{config_path}: `submit` ships the project directory {PROJECT_ROOT} to the cluster, and "
+                        f"the config must be inside it; copy it there (e.g. to configs/)") from None
+    excludes = list(EXCLUDES)
+    out = spec.output.path
+    if "://" not in out:
+        try:  # never upload a previous run's output
+            excludes.append(Path(os.path.abspath(out)).relative_to(PROJECT_ROOT).as_posix())
+        except ValueError:
+            pass
+    entrypoint = build_entrypoint(config_rel, overrides, overwrite)
+    runtime_env = {"working_dir": str(PROJECT_ROOT), "excludes": excludes}
+    if client is None:
+        from ray.job_submission import JobSubmissionClient
+
+        try:
+            client = JobSubmissionClient(address)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            from jobs.errors import JobError
+
+            raise JobError(f"cannot reach the Ray job server at {address}: {e}") from None
+    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
+                               metadata={"batchgen_config": config_rel, "output": str(out)})
+    print(f"submitted job {job_id} to {address}")
+    print(f"  entrypoint: {entrypoint}")
+    print(f"  follow:     ray job logs --follow {job_id} --address {address}")
+    print(f"  status:     ray job status {job_id} --address {address}")
+    print(f"  stop:       ray job stop {job_id} --address {address}")
+    return 0

@@ -1,0 +1,351 @@
+"""cluster/ (worker, pool) and jobs.runner on a real local Ray instance (one per module).
+
+The jobs are tiny (demo model, a few prompts, max_tokens 4) so the module stays fast on
+2 cores; most of its time is Ray and worker start-up (each worker imports torch).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from cluster.pool import UnitFailed, run_units  # noqa: E402
+from cluster.task import UnitRequest, UnitResult, WorkUnit  # noqa: E402
+from cluster.worker import GenerationWorker  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ shared helpers
+
+def write_inputs(d: Path, sizes=(7, 5)) -> Path:
+    """Two Parquet files (a multi-file input) with ids, a passthrough column and one null prompt."""
+    d.mkdir(parents=True, exist_ok=True)
+    for k, n in enumerate(sizes):
+        prompts = [f"Question {k}.{i}: what is {i} + {k}?" for i in range(n)]
+        if k == 0:
+            prompts[2] = None  # an error row, never an exception
+        pq.write_table(pa.table({"id": [f"f{k}-{i:03d}" for i in range(n)], "prompt": prompts,
+                                 "extra": list(range(n))}), d / f"part-{k}.parquet")
+    return d
+
+
+def make_spec(inp: Path, out: Path, num_workers: int = 1, **sampling):
+    from jobs.spec import JobSpec
+
+    return JobSpec.from_dict({
+        "model": {"path": "demo", "max_num_seqs": 32},
+        "input": {"path": str(inp), "format": "text", "column": "prompt", "id_column": "id",
+                  "passthrough": ["extra"]},
+        "output": {"path": str(out)},
+        "sampling": {"num_samples": 2, "max_tokens": 4, "temperature": 1.0, "top_k": 0, "seed": 7, **sampling},
+        "cluster": {"num_workers": num_workers, "cpus_per_worker": 1, "unit_rows": 3, "max_unit_attempts": 3},
+    })
+
+
+def read_dataset(out: Path) -> list[dict]:
+    rows = []
+    for f in sorted(out.glob("part-*.parquet")):
+        rows.extend(pq.read_table(f).to_pylist())
+    return sorted(rows, key=lambda r: (r["prompt_id"], r["sample_index"]))
+
+
+def assert_same_dataset(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    assert [(r["prompt_id"], r["sample_index"]) for r in a] == [(r["prompt_id"], r["sample_index"]) for r in b]
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            if k == "logprobs":  # batch composition may move the last float bits
+                assert x[k] == pytest.approx(y[k], abs=1e-3), (x["prompt_id"], k)
+            else:
+                assert x[k] == y[k], (x["prompt_id"], x["sample_index"], k)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}})
+    yield
+    ray.shutdown()
+
+
+# ------------------------------------------------------------------ fakes (no torch in the worker)
+# Pickled by value so that a worker unpickling them imports neither this module nor torch.
+
+@dataclass
+class FakeOut:
+    request_id: object
+    prompt_id: str
+    prompt_tokens: list
+    samples: list
+
+
+class FakeTokenizer:
+    vocab_size = 256
+
+    def encode(self, s):
+        return list(s.encode())
+
+    def decode(self, t):
+        return bytes(t).decode(errors="replace")
+
+
+class FakeEngine:
+    """Finishes one request per step; a request's 'sample' is its reversed prompt."""
+
+    def __init__(self):
+        self.tokenizer = FakeTokenizer()
+        self.q = []
+        self.num_generated_tokens = 0
+
+    def add_request(self, prompt_tokens, params, prompt_id, request_id=None):
+        self.q.append((request_id, prompt_id, list(prompt_tokens)))
+
+    def has_unfinished_requests(self):
+        return bool(self.q)
+
+    def step(self):
+        rid, pid, toks = self.q.pop(0)
+        self.num_generated_tokens += len(toks)
+        return [FakeOut(rid, pid, toks, [toks[::-1]])]
+
+
+@dataclass
+class FakeParams:
+    num_samples: int = 1
+    seed: int = 0
+
+
+@dataclass
+class FakeTask:
+    """Units over an in-memory list of prompts; writes part-<index>.txt atomically.
+
+    fail: unit index -> "once" (fails its first attempt; a marker file records it),
+    "always" (read_unit raises). broken_engine: the worker's engine cannot load.
+    """
+
+    out_dir: str
+    prompts: list
+    fail: dict = field(default_factory=dict)
+    broken_engine: bool = False
+    engine_kwargs: dict = field(default_factory=dict)
+    params: FakeParams = field(default_factory=FakeParams)
+
+    def load_engine(self):
+        if self.broken_engine:
+            raise FileNotFoundError("checkpoint /nowhere/model.pt not found")
+        return FakeEngine()
+
+    def read_unit(self, unit, tokenizer):
+        mode = self.fail.get(unit.index)
+        marker = os.path.join(self.out_dir, f"failed-{unit.index}")
+        if mode == "always" or (mode == "once" and not os.path.exists(marker)):
+            open(marker, "w").close()
+            raise ValueError(f"cannot read unit {unit.index}")
+        return [UnitRequest(prompt_id=str(unit.row_start + i), prompt_tokens=tokenizer.encode(p))
+                for i, p in enumerate(self.prompts[unit.row_start:unit.row_end])]
+
+    def write_unit(self, unit, requests, outputs, tokenizer):
+        text = "\n".join(f"{o.prompt_id}\t{tokenizer.decode(o.samples[0])}" for o in outputs)
+        path = os.path.join(self.out_dir, f"part-{unit.index}.txt")
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+        return UnitResult(index=unit.index, path=path, prompts=len(requests), rows=len(outputs))
+
+
+def _by_value():
+    import ray.cloudpickle as cp
+
+    cp.register_pickle_by_value(sys.modules[__name__])
+
+
+def fake_units(n_prompts: int, unit_rows: int) -> list[WorkUnit]:
+    return [WorkUnit(i, "mem", a, min(a + unit_rows, n_prompts)) for i, a in enumerate(range(0, n_prompts, unit_rows))]
+
+
+# ------------------------------------------------------------------ worker, directly (no Ray)
+
+def test_worker_takes_a_second_unit_while_the_first_is_in_flight(tmp_path):
+    """A unit boundary does not drain the engine: unit 1's prompts join the running batch
+    while unit 0 still decodes, and both units come out complete and committed."""
+    from jobs.dataset import plan_job
+    from jobs.output import OutputDir
+    from jobs.task import JobTask
+
+    spec = make_spec(write_inputs(tmp_path / "in"), tmp_path / "out", max_tokens=8)
+    plan = plan_job(spec)
+    OutputDir(spec.output.path).prepare(plan, spec)
+    w = GenerationWorker(JobTask(spec, plan), "w0", num_threads=1)
+    eng = w.engine
+    log: list[set[int]] = []  # units with unfinished requests at each step
+    active: dict[tuple, int] = {}
+    unit0_in = threading.Event()
+    real_add, real_step = eng.add_request, eng.step
+
+    def add_request(tokens, params, prompt_id, request_id=None):
+        active[request_id] = request_id[0]
+        real_add(tokens, params, prompt_id, request_id=request_id)
+        if request_id[0] == 0:
+            unit0_in.set()
+
+    def step():
+        log.append(set(active.values()))
+        outs = real_step()
+        for o in outs:
+            active.pop(o.request_id, None)
+        return outs
+
+    eng.add_request, eng.step = add_request, step
+    u0, u1 = plan.units[0], plan.units[1]
+    results = {}
+    t0 = threading.Thread(target=lambda: results.__setitem__(0, w.run_unit(u0)))
+    t0.start()
+    assert unit0_in.wait(60)
+    t1 = threading.Thread(target=lambda: results.__setitem__(1, w.run_unit(u1)))
+    t1.start()
+    t0.join(120)
+    t1.join(120)
+    assert set(results) == {0, 1}
+    assert any(s == {0, 1} for s in log), "unit 1 never ran alongside unit 0"
+    assert not any(s == set() for s in log)  # the loop never stepped an empty engine
+    assert results[0].rows == u0.num_rows * 2 and results[1].rows == u1.num_rows * 2
+    p = w.progress()
+    assert p["finished_units"] == 2 and p["generated_tokens"] > 0 and p["active_units"] == 0
+    assert OutputDir(spec.output.path).committed_units() == {0, 1}
+    w.shutdown()
+
+
+def test_worker_engine_failure_fails_the_units_not_hangs(tmp_path):
+    task = FakeTask(str(tmp_path), ["boom", "ok"])
+    w = GenerationWorker(task, "w0")
+
+    def bad_step():
+        raise RuntimeError("CUDA error: device-side assert")
+
+    w.engine.step = bad_step
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        w.run_unit(WorkUnit(0, "mem", 0, 2))
+    # the engine was rebuilt: the worker goes on
+    assert w.run_unit(WorkUnit(1, "mem", 0, 2)).rows == 2
+    w.shutdown()
+
+
+# ------------------------------------------------------------------ pool (Ray, fake task)
+
+def test_pool_dispatch_retry_and_failures(ray_local, tmp_path):
+    _by_value()
+    prompts = [f"prompt {i}" for i in range(23)]
+    units = fake_units(len(prompts), 3)
+    seen = []
+    progress = []
+    res = run_units(FakeTask(str(tmp_path), prompts, fail={2: "once"}), units, num_workers=2, num_cpus=1,
+                    num_gpus=0, max_unit_attempts=2, on_result=seen.append, on_progress=progress.append,
+                    progress_interval_s=0.05)
+    assert sorted(r.index for r in res) == list(range(len(units))) == sorted(r.index for r in seen)
+    assert all(r.worker.startswith("worker-") for r in res)
+    assert os.path.exists(tmp_path / "failed-2")  # unit 2 failed once, then succeeded
+    lines = [ln for u in units for ln in (tmp_path / f"part-{u.index}.txt").read_text().splitlines()]
+    assert lines == [f"{i}\t{p[::-1]}" for i, p in enumerate(prompts)]
+    assert progress and progress[-1]["generated_tokens"] > 0
+
+    # a unit that keeps failing fails the run, naming the unit and the error
+    t = time.time()
+    with pytest.raises(UnitFailed, match=r"unit 1 \(mem rows 3-6\) failed 2 times.*cannot read unit 1"):
+        run_units(FakeTask(str(tmp_path), prompts, fail={1: "always"}), units, num_workers=2, num_cpus=1,
+                  num_gpus=0, max_unit_attempts=2, on_result=None, on_progress=None)
+    # a worker that cannot load its model fails the run at once, with the load error
+    with pytest.raises(UnitFailed, match="could not start: FileNotFoundError: checkpoint /nowhere/model.pt not found"):
+        run_units(FakeTask(str(tmp_path), prompts, broken_engine=True), units, num_workers=2, num_cpus=1,
+                  num_gpus=0, max_unit_attempts=3, on_result=None, on_progress=None)
+    assert time.time() - t < 120
+
+
+# ------------------------------------------------------------------ run_job end to end
+
+def test_run_job_one_and_two_workers_resume_and_fingerprint(ray_local, tmp_path, capsys):
+    from jobs.errors import OutputError
+    from jobs.output import OutputDir
+    from jobs.runner import run_job
+
+    inp = write_inputs(tmp_path / "in")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_job(make_spec(inp, one, num_workers=1)) == 0
+    assert run_job(make_spec(inp, two, num_workers=2)) == 0
+    a, b = read_dataset(one), read_dataset(two)
+    assert len(a) == 12 * 2
+    assert_same_dataset(a, b)
+    assert sum(r["finish_reason"] == "error" for r in a) == 2  # the null prompt, both samples
+    for out in (one, two):
+        od = OutputDir(str(out))
+        assert od.verify() == []
+        st = od.status()
+        assert st["success"] and st["units_done"] == st["units_total"] == 5 and st["rows"] == 24
+    assert "samples (rows):   24" in capsys.readouterr().out
+
+    # rerun: a no-op resume (no unit runs again, files untouched)
+    before = {f.name: f.stat().st_mtime_ns for f in one.glob("part-*.parquet")}
+    assert run_job(make_spec(inp, one, num_workers=1)) == 0
+    assert {f.name: f.stat().st_mtime_ns for f in one.glob("part-*.parquet")} == before
+    assert OutputDir(str(one)).status()["summary"]["units_this_run"] == 0
+
+    # another job's output: refused (exit code 2) before any work, unless overwrite
+    with pytest.raises(OutputError, match="another job") as e:
+        run_job(make_spec(inp, one, seed=8))
+    assert e.value.exit_code == 2
+    assert {f.name: f.stat().st_mtime_ns for f in one.glob("part-*.parquet")} == before
+    assert run_job(make_spec(inp, one, num_workers=2, seed=8), overwrite=True) == 0
+    assert OutputDir(str(one)).verify() == []
+    c = read_dataset(one)
+    assert len(c) == 24 and [r["tokens"] for r in c] != [r["tokens"] for r in a]
+
+
+# ------------------------------------------------------------------ submit (mocked job server)
+
+def test_submit_job_with_a_mocked_client(tmp_path, monkeypatch, capsys):
+    import ray.job_submission
+
+    from jobs.cli import main
+    from jobs.errors import SpecError
+    from jobs.submit import submit_job
+
+    calls = []
+
+    class FakeClient:
+        def __init__(self, address):
+            calls.append(("init", address))
+
+        def submit_job(self, **kw):
+            calls.append(("submit", kw))
+            return "raysubmit_123"
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", FakeClient)
+    assert main(["submit", str(ROOT / "configs/demo.yaml"), "--address", "http://head:8265",
+                 "--set", "sampling.max_tokens=8"]) == 0
+    (_, addr), (_, kw) = calls
+    assert addr == "http://head:8265"
+    assert kw["entrypoint"] == ("python -m jobs.cli run configs/demo.yaml --set sampling.max_tokens=8 "
+                                "--set cluster.address=auto")
+    env = kw["runtime_env"]
+    assert env["working_dir"] == str(ROOT) and ".git" in env["excludes"] and "out/demo" in env["excludes"]
+    printed = capsys.readouterr().out
+    assert "raysubmit_123" in printed and "ray job logs --follow raysubmit_123 --address http://head:8265" in printed
+
+    # a bad config fails (exit 2) before anything is submitted
+    calls.clear()
+    assert main(["submit", str(ROOT / "configs/demo.yaml"), "--address", "http://head:8265", "--set", "sampling.nope=1"]) == 2
+    outside = tmp_path / "job.yaml"
+    outside.write_text((ROOT / "configs/demo.yaml").read_text())
+    with pytest.raises(SpecError, match="inside"):
+        submit_job(str(outside), "http://head:8265", [])
+    assert calls == []

@@ -1,0 +1,248 @@
+"""Fault injection (issue 4) on a real local Ray instance: killed workers, a killed driver,
+a crash between writing a unit file and committing it, workers that keep dying.
+
+Every test compares against `reference`: the same job run in-process, unit by unit, by a
+GenerationWorker without Ray. Exactly-once means: every (prompt_id, sample_index) once,
+and the rows equal the uninterrupted run's.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray")
+
+from cluster.pool import UnitFailed, run_units  # noqa: E402
+from jobs.task import JobTask  # noqa: E402
+from test_cluster import ROOT, assert_same_dataset, make_spec, read_dataset, write_inputs  # noqa: E402
+
+N_FILES, ROWS = 3, 8  # 24 prompts, unit_rows 2 -> 12 units
+
+
+def job_spec(inp: Path, out: Path, **cluster):
+    spec = make_spec(inp, out, num_workers=cluster.pop("num_workers", 2), max_tokens=4)
+    return spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"unit_rows": 2, **cluster})})
+
+
+def prepared(spec):
+    from jobs.dataset import plan_job
+    from jobs.output import OutputDir
+
+    plan = plan_job(spec)
+    out = OutputDir(spec.output.path)
+    out.prepare(plan, spec)
+    return plan, out
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}})
+    import ray.cloudpickle as cp
+
+    cp.register_pickle_by_value(sys.modules[__name__])  # the fault-injecting tasks below
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return write_inputs(tmp_path_factory.mktemp("in"), sizes=(ROWS,) * N_FILES)
+
+
+@pytest.fixture(scope="module")
+def reference(inputs, tmp_path_factory):
+    """The uninterrupted run, in this process: one unit at a time through one worker."""
+    from cluster.worker import GenerationWorker
+
+    out = tmp_path_factory.mktemp("reference")
+    spec = job_spec(inputs, out)
+    plan, _ = prepared(spec)
+    w = GenerationWorker(JobTask(spec, plan), "reference", num_threads=1)
+    for u in plan.units:
+        w.run_unit(u)
+    w.shutdown()
+    rows = read_dataset(out)
+    assert len(rows) == N_FILES * ROWS * 2
+    return rows
+
+
+def check_exactly_once(out: Path, reference: list[dict]) -> None:
+    from jobs.output import OutputDir
+
+    assert OutputDir(str(out)).verify() == []
+    rows = read_dataset(out)
+    keys = [(r["prompt_id"], r["sample_index"]) for r in rows]
+    assert len(keys) == len(set(keys))
+    assert_same_dataset(rows, reference)
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        return b"GenerationWorker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------ kill -9 workers mid-unit
+
+def test_kill_workers_mid_unit(ray_local, inputs, reference, tmp_path):
+    spec = job_spec(inputs, tmp_path / "out", max_unit_attempts=6)
+    plan, out = prepared(spec)
+    live: dict[str, dict] = {}
+    killed: list[int] = []
+
+    def on_progress(info):
+        live.clear()
+        live.update(info["workers"])
+
+    def on_result(result):
+        # after the 1st, 3rd and 5th commit, SIGKILL a worker that holds units right now
+        if len(killed) < 3 and on_result.n in (1, 3, 5):
+            for p in live.values():
+                if p["active_units"] and p["pid"] not in killed and _is_worker(p["pid"]):
+                    os.kill(p["pid"], signal.SIGKILL)
+                    killed.append(p["pid"])
+                    break
+        on_result.n += 1
+
+    on_result.n = 0
+    results = run_units(JobTask(spec, plan), plan.units, num_workers=2, num_cpus=1, num_gpus=0,
+                        max_unit_attempts=6, on_result=on_result, on_progress=on_progress,
+                        progress_interval_s=0.1)
+    assert len(killed) >= 2, killed
+    assert sorted(r.index for r in results) == [u.index for u in plan.units]
+    out.cleanup_temp_files()  # a kill during a write leaves a temp file (run_job does this too)
+    check_exactly_once(tmp_path / "out", reference)
+
+
+# ------------------------------------------------------------------ crash between write and commit
+
+class CrashBeforeCommit(JobTask):
+    """Writes unit `crash_unit`'s temporary file completely, then the process dies before
+    the rename that commits it (once: a marker file remembers)."""
+
+    def __init__(self, spec, plan, crash_unit, marker):
+        super().__init__(spec, plan)
+        self.crash_unit, self.marker = crash_unit, marker
+
+    def write_unit(self, unit, requests, outputs, tokenizer=None):
+        if unit.index == self.crash_unit and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+
+            def die_instead_of_rename(src, dst):
+                assert os.path.getsize(src) > 0  # the temp file was fully written
+                os._exit(17)
+
+            os.replace = die_instead_of_rename
+        return super().write_unit(unit, requests, outputs, tokenizer)
+
+
+def test_crash_between_write_and_commit_then_rerun(ray_local, inputs, reference, tmp_path):
+    from jobs.runner import run_job
+
+    spec = job_spec(inputs, tmp_path / "out", num_workers=1)
+    plan, out = prepared(spec)
+    marker = str(tmp_path / "crashed")
+    with pytest.raises(UnitFailed, match="unit 3 .* failed 1 times"):
+        run_units(CrashBeforeCommit(spec, plan, 3, marker), plan.units, num_workers=1, num_cpus=1, num_gpus=0,
+                  max_unit_attempts=1, on_result=None, on_progress=None)
+    assert os.path.exists(marker)
+    # the half-committed unit is invisible: a temp file, no part file, nothing duplicated
+    assert 3 not in out.committed_units()
+    assert len(out.temp_files()) >= 1 and all(t.startswith(".tmp-part-000003-") for t in out.temp_files())
+    partial = read_dataset(tmp_path / "out")
+    assert len({(r["prompt_id"], r["sample_index"]) for r in partial}) == len(partial)
+    # rerun (resume) completes and equals the uninterrupted run
+    assert run_job(spec) == 0
+    assert out.temp_files() == []
+    check_exactly_once(tmp_path / "out", reference)
+
+
+# ------------------------------------------------------------------ workers that keep dying
+
+class DieOnRead(JobTask):
+    def read_unit(self, unit, tokenizer):
+        os._exit(3)
+
+
+def test_workers_that_keep_dying_fail_the_job(ray_local, inputs, tmp_path):
+    from jobs.errors import JobFailed
+    from jobs.runner import run_job
+
+    spec = job_spec(inputs, tmp_path / "out", num_workers=1, max_unit_attempts=2)
+    t = time.time()
+    with pytest.raises(JobFailed, match=r"unit [01] .* failed 2 times \(max_unit_attempts=2\).*died") as e:
+        run_job(spec, task_factory=DieOnRead)
+    assert e.value.exit_code == 1
+    assert time.time() - t < 150
+
+
+# ------------------------------------------------------------------ kill the driver, rerun
+
+def test_kill_driver_then_rerun(inputs, reference, tmp_path):
+    """`batchgen run` in a subprocess with its own Ray instance, SIGKILLed once a unit is
+    committed; the same command again resumes and completes the dataset."""
+    out = tmp_path / "out"
+    spec = job_spec(inputs, out, num_workers=1)
+    cfg = tmp_path / "job.yaml"
+    data = spec.to_dict()
+    cfg.write_text(yaml.safe_dump(data))
+    cmd = [sys.executable, "-m", "jobs.cli", "run", str(cfg)]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    ray_procs: list[int] = []
+    try:
+        deadline = time.time() + 180
+        while not list(out.glob("part-*.parquet")):  # bounded poll for the first committed unit
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.time() < deadline, "no unit committed within 180s"
+            time.sleep(0.1)
+        # the driver and, with it, its private Ray instance (GCS, raylet, workers: Ray shares
+        # their fate with the driver, but lazily; an orphan must not commit while we count)
+        ray_procs = _descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        for p in _descendants(proc.pid) + ray_procs:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    from jobs.output import OutputDir
+
+    committed = OutputDir(str(out)).committed_units()
+    assert 1 <= len(committed)
+    assert not (out / "_SUCCESS").exists()
+    rerun = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                           start_new_session=True)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
+    st = OutputDir(str(out)).status()
+    assert st["success"] and st["summary"]["units_this_run"] == 12 - len(committed)
+    check_exactly_once(out, reference)

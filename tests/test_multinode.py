@@ -1,0 +1,84 @@
+"""A node lost mid-job: ray.cluster_utils.Cluster with a head and 2 worker nodes (its own Ray,
+so its own module). Each worker node hosts one GenerationWorker (custom resource "gen");
+removing one while it holds units sends them back to the queue and the job completes,
+every row exactly once and equal to the uninterrupted run."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from cluster.pool import run_units  # noqa: E402
+from jobs.task import JobTask  # noqa: E402
+from test_cluster import ROOT, assert_same_dataset, read_dataset, write_inputs  # noqa: E402
+from test_faults import job_spec, prepared  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        nodes = [c.add_node(num_cpus=1, resources={"gen": 1}) for _ in range(2)]
+        c.wait_for_nodes()
+        ray.init(address=c.address, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}})
+        yield c, nodes
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        # the head wrote its address to /tmp/ray/ray_current_cluster, where a later plain
+        # ray.init() would try (and hang) to join the dead cluster
+        marker = "/tmp/ray/ray_current_cluster"
+        try:
+            if open(marker).read().strip() == c.address:
+                os.remove(marker)
+        except OSError:
+            pass
+
+
+def test_remove_a_node_holding_units(cluster, tmp_path):
+    from cluster.worker import GenerationWorker
+    from jobs.output import OutputDir
+
+    c, nodes = cluster
+    inp = write_inputs(tmp_path / "in", sizes=(8, 8, 8))
+    spec = job_spec(inp, tmp_path / "out", num_workers=2, max_unit_attempts=3)
+    plan, out = prepared(spec)
+    workers: dict[str, dict] = {}
+    removed = []
+
+    def on_progress(info):
+        workers.update(info["workers"])
+
+    def on_result(result):
+        # at the first commit, take away the node of the *other* worker (it holds 2 units)
+        if removed:
+            return
+        victim = next((w for name, w in workers.items() if name != result.worker and w["active_units"]), None)
+        if victim is None:
+            return
+        node = next(n for n in nodes if n.node_id == victim["node_id"])
+        c.remove_node(node, allow_graceful=False)
+        removed.append(victim)
+
+    results = run_units(JobTask(spec, plan), plan.units, num_workers=2, num_cpus=1, num_gpus=0,
+                        max_unit_attempts=3, on_result=on_result, on_progress=on_progress,
+                        progress_interval_s=0.1, actor_options={"resources": {"gen": 1}})
+    assert removed, "no node was removed while holding units"
+    assert sorted(r.index for r in results) == [u.index for u in plan.units]
+    out.cleanup_temp_files()
+    assert OutputDir(str(tmp_path / "out")).verify() == []
+
+    # the uninterrupted run, in this process
+    ref_spec = job_spec(inp, tmp_path / "ref")
+    ref_plan, _ = prepared(ref_spec)
+    w = GenerationWorker(JobTask(ref_spec, ref_plan), "reference", num_threads=1)
+    for u in ref_plan.units:
+        w.run_unit(u)
+    w.shutdown()
+    rows = read_dataset(tmp_path / "out")
+    assert len({(r["prompt_id"], r["sample_index"]) for r in rows}) == len(rows) == 48
+    assert_same_dataset(rows, read_dataset(tmp_path / "ref"))
