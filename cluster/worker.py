@@ -46,30 +46,24 @@ class _UnitState:
     in_engine: bool = False  # its requests were handed to the engine (guarded by _cv)
 
 
-def _load_engine(task: UnitTask) -> Any:
+def _load_engine(task: UnitTask, num_threads: int | None) -> Any:
     # A task may build its own engine (tests use tiny fakes); the default is engine.load_engine.
     factory = getattr(task, "load_engine", None)
     if callable(factory):
         return factory()
     from engine import load_engine
 
-    return load_engine(**task.engine_kwargs)
+    return load_engine(**task.engine_kwargs, num_threads=num_threads)
 
 
 class GenerationWorker:
     """Loads the engine once and runs units through it (see the module docstring)."""
 
     def __init__(self, task: UnitTask, worker_name: str, num_threads: int | None = None) -> None:
-        if num_threads:
-            try:
-                import torch
-
-                torch.set_num_threads(max(1, int(num_threads)))
-            except ImportError:  # pragma: no cover - torch is a dependency
-                pass
         self.task = task
         self.name = worker_name
-        self.engine = _load_engine(task)
+        self.num_threads = num_threads
+        self.engine = _load_engine(task, num_threads)
         self.tokenizer = self.engine.tokenizer
         self._cv = threading.Condition()
         self._inbox: list[tuple[_UnitState, list[tuple[Any, Any]]]] = []  # guarded by _cv
@@ -180,7 +174,7 @@ class GenerationWorker:
                 busy = False
                 try:
                     self._tokens_base += int(getattr(eng, "num_generated_tokens", 0))
-                    eng = self.engine = _load_engine(self.task)
+                    eng = self.engine = _load_engine(self.task, self.num_threads)
                 except BaseException as load_exc:  # noqa: BLE001
                     with self._cv:
                         self._loop_error = load_exc

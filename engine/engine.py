@@ -291,14 +291,19 @@ class Engine:
 
 def load_engine(path: str | Path = "demo", device: str = "auto", dtype: str = "auto", *, tokenizer=None,
                 step: int | None = None, max_num_seqs: int = 256, kv_cache_bytes: int | None = None,
-                max_seq_len: int | None = None, max_prefill_tokens: int = 8192) -> Engine:
+                max_seq_len: int | None = None, max_prefill_tokens: int = 8192,
+                num_threads: int | None = None) -> Engine:
     """Load a checkpoint (engine/checkpoint.py: "demo", HF GPT-2, nanochat) into an Engine.
 
     device: "auto" | "cpu" | "cuda[:n]"; dtype: "auto" | "float32" | "bfloat16".
+    num_threads: CPU threads for torch in this process (a worker's share of the cores);
+        None leaves torch's default.
     Raises FileNotFoundError / CheckpointError for bad checkpoints (see engine/checkpoint.py).
     """
     from engine.checkpoint import load_checkpoint
 
+    if num_threads:
+        torch.set_num_threads(max(1, int(num_threads)))
     model, tok = load_checkpoint(path, device=device, dtype=dtype, tokenizer=tokenizer, step=step)
     return Engine(model, tok, max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes, max_seq_len=max_seq_len,
                   max_prefill_tokens=max_prefill_tokens)
