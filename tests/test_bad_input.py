@@ -6,9 +6,10 @@ file is written (the runner's pool is never reached). Row-level problems become 
 UnitRequest with prompt_tokens None and an error naming the file, row and column; the rows
 around them are unaffected.
 
-Not covered here (need the engine; the lead's tests): a prompt longer than the model's
-context window, num_samples x max_tokens beyond the KV-cache budget, a corrupt checkpoint,
-a tokenizer/model vocabulary mismatch.
+Cases only the engine can judge (a prompt longer than the context window, token ids past
+the model's vocabulary, num_samples x max_tokens beyond the KV-cache budget) run as real
+job units in tests/test_bad_input_engine.py; checkpoint problems are in test_gpt2.py and
+test_nanochat.py.
 """
 from __future__ import annotations
 
