@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Iterable, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from engine.params import check_sampling_value
 from jobs.errors import SpecError
@@ -48,6 +48,15 @@ RESERVED_COLUMNS = ("prompt_id", "sample_index", "prompt_tokens", "tokens", "mas
 DEFAULT_COLUMNS = {"text": "prompt", "tokens": "prompt", "chat": "messages"}
 
 PACKAGE_PREFIX = "package://"
+
+
+def _nonempty(v: str) -> str:
+    if not v.strip():
+        raise ValueError("must not be empty")
+    return v
+
+
+NonEmptyStr = Annotated[str, AfterValidator(_nonempty)]
 
 
 class _Section(BaseModel):
@@ -72,20 +81,13 @@ def _check_number(v: Any) -> None:
 class ModelSpec(_Section):
     """Which checkpoint to load and how (engine.load_engine arguments)."""
 
-    path: str = "demo"
+    path: NonEmptyStr = "demo"
     dtype: Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = "auto"
-    device: str = "auto"
+    device: NonEmptyStr = "auto"
     tokenizer: str | None = None
     max_num_seqs: Any = 256
     kv_cache_gb: Any = None
     max_seq_len: Any = None
-
-    @field_validator("path", "device")
-    @classmethod
-    def _nonempty(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must not be empty")
-        return v
 
     @field_validator("max_num_seqs")
     @classmethod
@@ -111,18 +113,11 @@ class ModelSpec(_Section):
 class InputSpec(_Section):
     """Where the prompts are and how to read them."""
 
-    path: str = "prompts.parquet"
+    path: NonEmptyStr = "prompts.parquet"
     format: Literal["text", "chat", "tokens"] = "text"
     column: str | None = None
     id_column: str | None = None
     passthrough: list[str] = Field(default_factory=list)
-
-    @field_validator("path")
-    @classmethod
-    def _nonempty(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must not be empty")
-        return v
 
     @field_validator("passthrough")
     @classmethod
@@ -144,14 +139,7 @@ class InputSpec(_Section):
 
 
 class OutputSpec(_Section):
-    path: str = "out/demo"
-
-    @field_validator("path")
-    @classmethod
-    def _nonempty(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must not be empty")
-        return v
+    path: NonEmptyStr = "out/demo"
 
 
 class SamplingSpec(_Section):

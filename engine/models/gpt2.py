@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.checkpoint import CheckpointError
+from engine.checkpoint import CheckpointError, check_keys
 from engine.kv_cache import KVCache, StepBatch
 from engine.models.base import CausalLM, ModelInfo
 
@@ -251,17 +251,8 @@ def load_gpt2_checkpoint(directory: Path, device: torch.device, dtype: torch.dty
                     "mlp.c_fc.bias": (inner,), "mlp.c_proj.weight": (inner, C), "mlp.c_proj.bias": (C,)}
     for i in range(L):
         expected.update({f"h.{i}.{k}": s for k, s in layer_shapes.items()})
-    optional = {"lm_head.weight"}
-    unknown = sorted(k for k in sd if k not in expected and k not in optional)
-    missing = sorted(k for k in expected if k not in sd)
-    if unknown or missing:
-        parts = []
-        if missing:
-            parts.append(f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        if unknown:
-            parts.append(f"unknown keys {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
-        raise CheckpointError(f"{where}: {'; '.join(parts)} for a GPT-2 with n_layer={L} "
-                              f"(config.json in {directory})")
+    check_keys(sd, expected, where, f"for a GPT-2 with n_layer={L} (config.json in {directory})",
+               optional={"lm_head.weight"})
     wte = sd["wte.weight"]
     if wte.ndim != 2 or wte.shape[1] != C or wte.shape[0] < V:
         raise CheckpointError(f"{where}: wte.weight has shape {tuple(wte.shape)}, expected ({V}, {C}) "

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.checkpoint import CheckpointError
+from engine.checkpoint import CheckpointError, check_keys
 from engine.kv_cache import KVCache, StepBatch
 from engine.models.base import CausalLM, ModelInfo
 
@@ -442,16 +442,7 @@ def _detect_features(cfg: dict, sd: dict[str, torch.Tensor], model_path: Path) -
     if has_backout:
         expected["backout_lambda"] = (1,)
 
-    unknown = sorted(keys - set(expected))
-    missing = sorted(set(expected) - keys)
-    if unknown or missing:
-        parts = []
-        if unknown:
-            parts.append(f"unknown keys {unknown}")
-        if missing:
-            parts.append(f"missing keys {missing}")
-        raise CheckpointError(f"{model_path}: state dict does not match a nanochat GPT with "
-                              f"n_layer={L}: " + "; ".join(parts))
+    check_keys(keys, expected, str(model_path), f"for a nanochat GPT with n_layer={L}")
     bad = [f"{k} {tuple(sd[k].shape)} (expected {shape})" for k, shape in expected.items()
            if tuple(sd[k].shape) != shape]
     if bad:
