@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_cache import KVCache, StepBatch
@@ -45,6 +46,22 @@ class CausalLM(nn.Module):
     """Interface of the engine's models (see the module docstring)."""
 
     info: ModelInfo
+    _head_out: torch.Tensor | None = None
+
+    def project_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T for the output head: x (B, C), weight (N, C) -> (B, N).
+
+        In float32 the result lands in a buffer reused by every step (the vocabulary-sized
+        logits are a decode step's largest allocation: reusing them saves the page faults of a
+        fresh 25-100 MB tensor per step). The result is only valid until the next call.
+        """
+        if x.dtype != torch.float32 or x.dim() != 2:
+            return F.linear(x, weight)
+        B, N = x.shape[0], weight.shape[0]
+        buf = self._head_out
+        if buf is None or buf.shape[0] < B or buf.shape[1] != N or buf.device != x.device:
+            buf = self._head_out = torch.empty(max(B, 64), N, device=x.device)
+        return torch.mm(x, weight.t(), out=buf[:B])
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError

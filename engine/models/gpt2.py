@@ -120,7 +120,7 @@ class GPT2(CausalLM):
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         x = F.layer_norm(x, (self.n_embd,), self.lnf_w, self.lnf_b, self.eps)
-        return F.linear(x, self.lm_head[:self.vocab_size]).float()
+        return self.project_head(x, self.lm_head[:self.vocab_size]).float()
 
     # ------------------------------------------------------------------ CausalLM
     @torch.no_grad()

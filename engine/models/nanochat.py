@@ -271,7 +271,7 @@ class NanochatGPT(CausalLM):
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(_norm(x), self.lm_head)[..., :self.config.vocab_size].float()
+        logits = self.project_head(_norm(x), self.lm_head)[..., :self.config.vocab_size].float()
         s = self.config.softcap
         # s * tanh(logits / s), in place: the same operations in the same order as nanochat,
         # without allocating three more vocabulary-sized tensors per step
