@@ -1,6 +1,6 @@
 """Engine properties on the real architectures: the built-in demo (nanochat 2026, sliding
-windows, smear, value embeddings), a late-2025 nanochat checkpoint and a GPT-2 written by
-transformers. For each: KV-cached decode equals a full forward at every step, logprobs equal
+windows, smear, value embeddings), a late-2025 nanochat checkpoint and two GPT-2s written by
+transformers (one wide enough for the oneDNN output head). For each: KV-cached decode equals a full forward at every step, logprobs equal
 the full forward's log-softmax, fanned-out samples equal samples run alone, and a request's
 tokens do not depend on the batch size or its neighbours.
 """
@@ -15,16 +15,16 @@ from engine.engine import Engine
 FIXTURES = Path(__file__).parent / "fixtures" / "nanochat"
 
 
-def _gpt2_dir(tmp_path_factory):
+def _gpt2_dir(tmp_path_factory, n_embd=64, n_layer=2):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=265)
+    cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, n_positions=128, vocab_size=265)
     d = tmp_path_factory.mktemp("gpt2")
     transformers.GPT2LMHeadModel(cfg).save_pretrained(d)
     return d
 
 
-@pytest.fixture(scope="module", params=["demo", "nanochat-2025", "gpt2"])
+@pytest.fixture(scope="module", params=["demo", "nanochat-2025", "gpt2", "gpt2-wide"])
 def engine_parts(request, tmp_path_factory):
     """(model, tokenizer, vocab) for each architecture, loaded the way users load them."""
     if request.param == "demo":
@@ -33,7 +33,8 @@ def engine_parts(request, tmp_path_factory):
         d = next(p for p in FIXTURES.iterdir() if p.name.endswith("16788ee"))
         eng = load_engine(d, device="cpu", dtype="float32", tokenizer=_byte_tokenizer_dir(tmp_path_factory))
     else:
-        d = _gpt2_dir(tmp_path_factory)
+        # "gpt2-wide" (hidden size 512) takes the oneDNN output-head path (CausalLM.project_head)
+        d = _gpt2_dir(tmp_path_factory, *((512, 1) if request.param == "gpt2-wide" else (64, 2)))
         eng = load_engine(d, device="cpu", dtype="float32", tokenizer=_byte_tokenizer_dir(tmp_path_factory))
     return eng.model, eng.tokenizer
 
@@ -102,3 +103,17 @@ def test_neighbours_do_not_matter(engine_parts):
     ref = tokens(generate(model, tok))
     mixed = generate(model, tok, prompts=[[9] * 11, PROMPTS[3], [2, 3, 4], PROMPTS[0]], ids=["x", "p3", "y", "p0"])
     assert tokens(mixed)[1] == ref[3] and tokens(mixed)[3] == ref[0]
+
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_wide_model_uses_the_onednn_head(tmp_path_factory):
+    """A model with hidden size >= 512 takes the oneDNN output-head path (so the gpt2-wide
+    case above checks that path), and its logits match a plain matmul."""
+    d = _gpt2_dir(tmp_path_factory, 512, 1)
+    eng = load_engine(d, device="cpu", dtype="float32", tokenizer=_byte_tokenizer_dir(tmp_path_factory))
+    eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert eng.model._head_packed is not None and eng.model._head_packed[1] is not None
+    x = torch.randn(5, 512)
+    w = eng.model.lm_head[:265]
+    assert torch.allclose(eng.model.project_head(x, w), x @ w.T, atol=1e-4)

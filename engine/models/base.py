@@ -47,21 +47,53 @@ class CausalLM(nn.Module):
 
     info: ModelInfo
     _head_out: torch.Tensor | None = None
+    _head_packed: tuple | None = None  # (weight's data_ptr and shape, packed weight or None)
 
     def project_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T for the output head: x (B, C), weight (N, C) -> (B, N).
+        """x @ weight.T for the output head of a step: x (B, C), weight (N, C) -> (B, N).
 
-        In float32 the result lands in a buffer reused by every step (the vocabulary-sized
-        logits are a decode step's largest allocation: reusing them saves the page faults of a
-        fresh 25-100 MB tensor per step). The result is only valid until the next call.
+        The head (N = the vocabulary) is the largest matmul of a decode step. In float32 on
+        CPU, for hidden sizes C >= 512, it runs through oneDNN with the weight reordered once
+        into its blocked layout (torch's mkldnn linear, the kernel inductor uses): about 1.8x
+        faster than the plain matmul for 128 rows of GPT-2 and, as measured, bit-identical
+        whatever the number of rows, which helps batch-independent sampling. For small C the
+        matmul is cheap and allocating its output dominates, so (as on GPU, in bf16, or
+        without oneDNN) the result is a plain matmul into a buffer reused by every step.
+        The rule depends only on the model, so one model always takes the same path. Either way the result
+        may differ from F.linear in the last bits (about 1e-6 relative); it is valid until
+        the next call.
         """
         if x.dtype != torch.float32 or x.dim() != 2:
             return F.linear(x, weight)
+        packed = self._packed_head(weight) if x.device.type == "cpu" and x.shape[1] >= 512 else None
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         B, N = x.shape[0], weight.shape[0]
         buf = self._head_out
         if buf is None or buf.shape[0] < B or buf.shape[1] != N or buf.device != x.device:
             buf = self._head_out = torch.empty(max(B, 64), N, device=x.device)
         return torch.mm(x, weight.t(), out=buf[:B])
+
+    def _packed_head(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The oneDNN-reordered head weight, made once; None when oneDNN is unavailable or
+        its result does not match F.linear (a private torch API: checked, never trusted)."""
+        key = (weight.data_ptr(), tuple(weight.shape))
+        if self._head_packed is not None and self._head_packed[0] == key:
+            return self._head_packed[1]
+        packed = None
+        try:
+            if torch.backends.mkldnn.is_available():
+                w = weight.detach().contiguous()
+                cand = torch.ops.mkldnn._reorder_linear_weight(w, 128)
+                probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0))
+                got = torch.ops.mkldnn._linear_pointwise(probe, cand, None, "none", [], "")
+                want = F.linear(probe, w)
+                if torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+                    packed = cand
+        except (AttributeError, RuntimeError, TypeError):
+            packed = None
+        self._head_packed = (key, packed)
+        return packed
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
