@@ -73,6 +73,9 @@ def _check_int(v: Any, lo: int | None = None, what: str = "") -> Any:
     return v
 
 
+PositiveInt = Annotated[Any, AfterValidator(lambda v: _check_int(v, 1, " >= 1"))]
+
+
 def _check_number(v: Any) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError(f"must be a number, got {v!r}")
@@ -85,14 +88,9 @@ class ModelSpec(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = "auto"
     device: NonEmptyStr = "auto"
     tokenizer: str | None = None
-    max_num_seqs: Any = 256
+    max_num_seqs: PositiveInt = 256
     kv_cache_gb: Any = None
     max_seq_len: Any = None
-
-    @field_validator("max_num_seqs")
-    @classmethod
-    def _seqs(cls, v: Any) -> Any:
-        return _check_int(v, 1, " >= 1")
 
     @field_validator("max_seq_len")
     @classmethod
@@ -172,16 +170,11 @@ class ClusterSpec(_Section):
     """Where and how wide to run. None of these change the generated dataset."""
 
     address: str | None = None
-    num_workers: Any = 1
+    num_workers: PositiveInt = 1
     gpus_per_worker: Any = 0
     cpus_per_worker: Any = 1
-    unit_rows: Any = 256
-    max_unit_attempts: Any = 3
-
-    @field_validator("num_workers", "unit_rows", "max_unit_attempts")
-    @classmethod
-    def _pos(cls, v: Any) -> Any:
-        return _check_int(v, 1, " >= 1")
+    unit_rows: PositiveInt = 256
+    max_unit_attempts: PositiveInt = 3
 
     @field_validator("gpus_per_worker")
     @classmethod
