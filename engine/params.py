@@ -9,7 +9,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-FINISH_REASONS = ("stop", "length", "error")
 
 
 @dataclass(slots=True, frozen=True)
