@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How to sample one prompt's continuations (per request; one batch may mix them).
