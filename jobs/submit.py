@@ -21,7 +21,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Sequence
 
-from jobs.errors import SpecError
+from jobs.errors import JobError, SpecError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 EXCLUDES = [".git", ".venv", "venv", "out", "**/__pycache__", ".pytest_cache", "bench", "*.egg-info"]
@@ -61,20 +61,36 @@ def submit_job(config_path: str, address: str, overrides: Sequence[str] = (), ov
             pass
     entrypoint = build_entrypoint(config_rel, overrides, overwrite)
     runtime_env = {"working_dir": str(PROJECT_ROOT), "excludes": excludes}
-    if client is None:
-        from ray.job_submission import JobSubmissionClient
+    try:
+        if client is None:
+            from ray.job_submission import JobSubmissionClient
 
-        try:
             client = JobSubmissionClient(address)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            from jobs.errors import JobError
-
-            raise JobError(f"cannot reach the Ray job server at {address}: {e}") from None
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
-                               metadata={"batchgen_config": config_rel, "output": str(out)})
+        job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
+                                   metadata={"batchgen_config": config_rel, "output": str(out)})
+    except Exception as e:  # noqa: BLE001 - the client's errors have no common base; name the cause
+        raise JobError(_explain_client_error(e, address)) from None
     print(f"submitted job {job_id} to {address}")
     print(f"  entrypoint: {entrypoint}")
     print(f"  follow:     ray job logs --follow {job_id} --address {address}")
     print(f"  status:     ray job status {job_id} --address {address}")
     print(f"  stop:       ray job stop {job_id} --address {address}")
     return 0
+
+
+def _explain_client_error(e: Exception, address: str) -> str:
+    """One message for a failed submission: what failed, and for the usual causes what to do."""
+    name = type(e).__name__
+    first = (str(e).strip().splitlines() or [""])[0]
+    msg = f"cannot submit to the Ray job server at {address}: {name}: {first}"
+    if name == "AuthenticationError":
+        # Ray >= 2.59 turns token auth on by default for clusters started on a machine that has
+        # a token (~/.ray/auth_token), while clients send it only with RAY_AUTH_MODE=token.
+        msg += ("\n  the cluster uses Ray token authentication: run with RAY_AUTH_MODE=token and the "
+                "cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN "
+                "(`ray get-auth-token` on the head prints it; "
+                "https://docs.ray.io/en/latest/ray-security/token-auth.html)")
+    elif isinstance(e, (ConnectionError, OSError)) or "onnect" in name:
+        msg += ("\n  is the head running with its dashboard (`ray start --head`, ray[default] installed) "
+                "and is the address its dashboard port (8265 by default)?")
+    return msg

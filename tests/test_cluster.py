@@ -316,7 +316,7 @@ def test_submit_job_with_a_mocked_client(tmp_path, monkeypatch, capsys):
     import ray.job_submission
 
     from jobs.cli import main
-    from jobs.errors import SpecError
+    from jobs.errors import JobError, SpecError
     from jobs.submit import submit_job
 
     calls = []
@@ -349,3 +349,13 @@ def test_submit_job_with_a_mocked_client(tmp_path, monkeypatch, capsys):
     with pytest.raises(SpecError, match="inside"):
         submit_job(str(outside), "http://head:8265", [])
     assert calls == []
+
+    # an unreachable job server: one clear line and a hint, exit 1, no traceback
+    class Unreachable:
+        def submit_job(self, **kw):
+            raise ConnectionError("Failed to connect to Ray at address: http://head:8265.")
+
+    with pytest.raises(JobError, match=r"(?s)cannot submit to the Ray job server at http://head:8265: "
+                                       r"ConnectionError: Failed to connect.*dashboard port") as e:
+        submit_job(str(ROOT / "configs/demo.yaml"), "http://head:8265", [], client=Unreachable())
+    assert e.value.exit_code == 1

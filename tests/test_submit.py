@@ -1,0 +1,129 @@
+"""Cluster job submission against a real Ray head, as a cluster user runs it.
+
+A head is started with `ray start --head` (dashboard and job server included, token
+authentication on, as Ray >= 2.59 does by default), then:
+- `batchgen submit` uploads the project through the Ray Jobs API and the job runs to a
+  verified dataset on the cluster;
+- `batchgen run --set cluster.address=HOST:PORT` joins the same cluster from outside and
+  writes the same dataset, row for row;
+- a client without the cluster's token gets a message that says how to pass it, exit 1.
+Everything runs in subprocesses (the CLI as users call it); waiting is `ray job logs
+--follow`, which returns when the job ends.
+"""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+pytest.importorskip("aiohttp", reason="the Ray job server needs ray[default]")
+
+from test_cluster import ROOT, assert_same_dataset, read_dataset  # noqa: E402
+
+BIN = Path(sys.executable).parent
+OVERRIDES = ["--set", "sampling.num_samples=2", "--set", "sampling.max_tokens=8", "--set", "cluster.unit_rows=32"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """A Ray head in its own process group; yields (env with the token, GCS address, job server URL)."""
+    tmp = tmp_path_factory.mktemp("head")
+    token = tmp / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
+               PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
+    env.pop("RAY_ADDRESS", None)
+    gcs_port, dash_port = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", "--port", str(gcs_port), "--num-cpus", "2",
+         "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash_port),
+         "--disable-usage-stats"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True, cwd=tmp)
+    log = []
+    for line in proc.stdout:  # `ray start --block` prints "--block" once the head is up
+        log.append(line)
+        if "--block" in line:
+            break
+    else:
+        pytest.fail("ray start --head failed:\n" + "".join(log[-30:]))
+    try:
+        yield env, f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash_port}"
+    finally:
+        # SIGKILL the whole group: `ray stop` would stop every Ray instance on the machine,
+        # and SIGTERM makes the head linger for about 40 s.
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)  # waiting for the kernel to reap the group, not for work to happen
+        # `ray stop` would also forget the head's address, which `ray.init("auto")` reads
+        current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+        if current.exists() and current.read_text().strip().endswith(f":{gcs_port}"):
+            current.unlink()
+
+
+def batchgen(*args: str, env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def test_submit_then_run_on_the_same_cluster(head, tmp_path):
+    from jobs.output import OutputDir
+
+    env, gcs, url = head
+    submitted, joined = tmp_path / "submitted", tmp_path / "joined"
+
+    r = batchgen("submit", "configs/demo.yaml", "--address", url, "--set", f"output.path={submitted}", *OVERRIDES,
+                 env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = re.search(r"submitted job (\S+) to ", r.stdout).group(1)
+    assert f"ray job logs --follow {job_id} --address {url}" in r.stdout
+
+    logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--follow", job_id, "--address", url], env=env,
+                          text=True, capture_output=True, timeout=300)
+    status = subprocess.run([str(BIN / "ray"), "job", "status", job_id, "--address", url], env=env,
+                            text=True, capture_output=True, timeout=60)
+    said = re.sub(r"\x1b\[[0-9;]*m", "", status.stdout + status.stderr)  # colours off
+    assert f"Job '{job_id}' succeeded" in said, said + logs.stdout[-3000:] + logs.stderr[-3000:]
+    assert "samples (rows):   128 (0 error rows)" in logs.stdout, logs.stdout[-3000:]
+    assert OutputDir(str(submitted)).verify() == []
+
+    # the same job from outside the cluster, joining it by address: the same dataset
+    r = batchgen("run", "configs/demo.yaml", "--set", f"output.path={joined}", "--set", f"cluster.address={gcs}",
+                 *OVERRIDES, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert OutputDir(str(joined)).verify() == []
+    rows = read_dataset(joined)
+    assert len(rows) == 128
+    assert_same_dataset(rows, read_dataset(submitted))
+
+
+def test_submit_without_the_token_says_how_to_pass_it(head, tmp_path):
+    env, _, url = head
+    no_token = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH_")}
+    no_token["HOME"] = str(tmp_path)  # no ~/.ray/auth_token either
+    r = batchgen("submit", "configs/demo.yaml", "--address", url, "--set", f"output.path={tmp_path / 'out'}",
+                 env=no_token, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"cannot submit to the Ray job server at {url}: AuthenticationError" in r.stderr
+    assert "RAY_AUTH_MODE=token" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
