@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine import SamplingParams, load_engine
 from engine.engine import Engine
@@ -107,13 +108,24 @@ def test_neighbours_do_not_matter(engine_parts):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-def test_wide_model_uses_the_onednn_head(tmp_path_factory):
-    """A model with hidden size >= 512 takes the oneDNN output-head path (so the gpt2-wide
-    case above checks that path), and its logits match a plain matmul."""
+def test_wide_model_uses_onednn(tmp_path_factory):
+    """A model with hidden size >= 512 takes the oneDNN path for its output head and every
+    layer projection (so the gpt2-wide case above checks that path); each matches F.linear,
+    and a row's result does not depend on how many rows share the call."""
     d = _gpt2_dir(tmp_path_factory, 512, 1)
     eng = load_engine(d, device="cpu", dtype="float32", tokenizer=_byte_tokenizer_dir(tmp_path_factory))
     eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
-    assert eng.model._head_packed is not None and eng.model._head_packed[1] is not None
-    x = torch.randn(5, 512)
-    w = eng.model.lm_head[:265]
-    assert torch.allclose(eng.model.project_head(x, w), x @ w.T, atol=1e-4)
+    m = eng.model
+    blk = m.blocks[0]
+    weights = [m.lm_head[:265], blk.qkv_w, blk.proj_w, blk.fc_w, blk.fc2_w]
+    assert all(m._packed_weight(w) is not None for w in weights)
+    assert len(m._packed_weights) == len(weights)  # packed once each, during generate
+    x = torch.randn(33, 512)
+    assert torch.allclose(m.project_head(x, weights[0]), x @ weights[0].T, atol=1e-4)
+    for w, b in [(blk.qkv_w, blk.qkv_b), (blk.fc_w, blk.fc_b)]:
+        full = m.linear(x, w, b)
+        assert torch.allclose(full, F.linear(x, w, b), atol=1e-4)
+        for n in (1, 4, 17):
+            assert torch.equal(m.linear(x[:n], w, b), full[:n])
+    h = torch.randn(2, 5, 2048)  # (B, T, C) input, as in a prefill
+    assert torch.allclose(m.linear(h, blk.fc2_w, blk.fc2_b), F.linear(h, blk.fc2_w, blk.fc2_b), atol=1e-4)

@@ -93,13 +93,24 @@ def ckpt_bin(tmp_path_factory):
     return d, hf
 
 
+@pytest.fixture(scope="module")
+def ckpt_wide(tmp_path_factory):
+    """safetensors, 2 layers x 512 wide, 8 heads: wide enough (>= PACK_MIN_IN_FEATURES) that on
+    CPU every projection and the head run through oneDNN (engine/models/base.py)."""
+    d = tmp_path_factory.mktemp("gpt2_wide")
+    hf = make_hf(2, n_embd=512, n_layer=2, n_head=8)
+    hf.save_pretrained(d)
+    write_tokenizer(d)
+    return d, hf
+
+
 def _prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = [1, 5, 17, 9, 30, 2, 12, 23, 7, 14][:n]
     return [torch.randint(0, VOCAB, (L,), generator=g).tolist() for L in lens]
 
 
-@pytest.mark.parametrize("which", ["ckpt_st", "ckpt_bin"])
+@pytest.mark.parametrize("which", ["ckpt_st", "ckpt_bin", "ckpt_wide"])
 def test_logits_match_transformers(which, request, record_property):
     d, hf = request.getfixturevalue(which)
     model = load_gpt2_checkpoint(d, CPU, torch.float32)
@@ -155,7 +166,7 @@ def _run_cached(model, prompts, slots, slot_start, steps, num_slots=8):
     return worst
 
 
-@pytest.mark.parametrize("which", ["ckpt_st", "ckpt_bin"])
+@pytest.mark.parametrize("which", ["ckpt_st", "ckpt_bin", "ckpt_wide"])
 @pytest.mark.parametrize("contiguous", [True, False], ids=["slot_start", "gather"])
 def test_cached_path_matches_forward(which, contiguous, request):
     d, _ = request.getfixturevalue(which)

@@ -11,7 +11,7 @@ gelu (tanh approximation for "gelu_new"), tied lm_head, attention scale 1/sqrt(h
 (scale_attn_by_inverse_layer_idx / scale_attn_weights=False are supported by pre-scaling q).
 
 HF's Conv1D stores weights as (in, out); they are transposed once at load into nn.Linear's
-(out, in) so every projection is one F.linear call.
+(out, in) so every projection is one `linear` call (F.linear, or oneDNN on CPU: models/base.py).
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ class GPT2(CausalLM):
         """x (B, T, C) -> q, k, v each (B, H, T, D) (strided views of one fused matmul)."""
         B, T, C = x.shape
         h = F.layer_norm(x, (C,), blk.ln1_w, blk.ln1_b, self.eps)
-        qkv = F.linear(h, blk.qkv_w, blk.qkv_b).view(B, T, 3, self.n_head, self.head_dim)
+        qkv = self.linear(h, blk.qkv_w, blk.qkv_b).view(B, T, 3, self.n_head, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         s = self.q_scale[layer]
         if s != 1.0:
@@ -112,11 +112,11 @@ class GPT2(CausalLM):
         before the MLP (the last layer of a step only needs each row's last token).
         """
         B, H, T, D = y.shape
-        x = x + F.linear(y.transpose(1, 2).reshape(B, T, H * D), blk.proj_w, blk.proj_b)
+        x = x + self.linear(y.transpose(1, 2).reshape(B, T, H * D), blk.proj_w, blk.proj_b)
         if rows is not None:
             x = x[torch.arange(B, device=x.device), rows].unsqueeze(1)
         h = F.layer_norm(x, (self.n_embd,), blk.ln2_w, blk.ln2_b, self.eps)
-        return x + F.linear(self.act(F.linear(h, blk.fc_w, blk.fc_b)), blk.fc2_w, blk.fc2_b)
+        return x + self.linear(self.act(self.linear(h, blk.fc_w, blk.fc_b)), blk.fc2_w, blk.fc2_b)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         x = F.layer_norm(x, (self.n_embd,), self.lnf_w, self.lnf_b, self.eps)

@@ -238,9 +238,9 @@ class NanochatGPT(CausalLM):
                    attend) -> torch.Tensor:
         c, blk = self.config, self.blocks[i]
         B, T, C = x.shape
-        q = F.linear(x, blk.c_q).view(B, T, c.n_head, c.head_dim)
-        k = F.linear(x, blk.c_k).view(B, T, c.n_kv_head, c.head_dim)
-        v = F.linear(x, blk.c_v).view(B, T, c.n_kv_head, c.head_dim)
+        q = self.linear(x, blk.c_q).view(B, T, c.n_head, c.head_dim)
+        k = self.linear(x, blk.c_k).view(B, T, c.n_kv_head, c.head_dim)
+        v = self.linear(x, blk.c_v).view(B, T, c.n_kv_head, c.head_dim)
         if blk.ve is not None:
             ve = F.embedding(tokens, blk.ve).to(x.dtype).view(B, T, c.n_kv_head, c.head_dim)
             gate = c.ve_gate_scale * torch.sigmoid(F.linear(x[..., :c.ve_gate_channels].contiguous(), blk.ve_gate))
@@ -252,7 +252,7 @@ class NanochatGPT(CausalLM):
             k = k * c.qk_scale
         y = attend(i, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, T, D)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return F.linear(y, blk.c_proj)
+        return self.linear(y, blk.c_proj)
 
     def _trunk(self, x: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
         x0 = x
@@ -262,8 +262,8 @@ class NanochatGPT(CausalLM):
             if self.resid_lambdas is not None:
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             x = x + self._attention(i, _norm(x), tokens, cos, sin, attend)
-            h = F.relu(F.linear(_norm(x), blk.c_fc)).square()
-            x = x + F.linear(h, blk.mlp_proj)
+            h = F.relu(self.linear(_norm(x), blk.c_fc)).square()
+            x = x + self.linear(h, blk.mlp_proj)
             if i == backout_layer:
                 x_backout = x
         if self.backout_lambda is not None:
