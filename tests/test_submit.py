@@ -4,8 +4,9 @@ A head is started with `ray start --head` (dashboard and job server included, to
 authentication on, as Ray >= 2.59 does by default), then:
 - `batchgen submit` uploads the project through the Ray Jobs API and the job runs to a
   verified dataset on the cluster;
-- `batchgen run --set cluster.address=HOST:PORT` joins the same cluster from outside and
-  writes the same dataset, row for row;
+- `batchgen run --set cluster.address=HOST:PORT` joins the same cluster from outside, and
+  `--set cluster.address=ray://HOST:PORT` reaches it through Ray Client (the code shipped as
+  py_modules); both write the same dataset, row for row;
 - a client without the cluster's token gets a message that says how to pass it, exit 1.
 Everything runs in subprocesses (the CLI as users call it); waiting is `ray job logs
 --follow`, which returns when the job ends.
@@ -41,18 +42,20 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
-    """A Ray head in its own process group; yields (env with the token, GCS address, job server URL)."""
+    """A Ray head in its own process group; yields (env with the token, GCS address, job server
+    URL, Ray Client address)."""
     tmp = tmp_path_factory.mktemp("head")
     token = tmp / "auth_token"
     token.write_text(secrets.token_hex(32))
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
                PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
     env.pop("RAY_ADDRESS", None)
-    gcs_port, dash_port = _free_port(), _free_port()
+    # ephemeral ports: outside the worker port range (10002-19999) that `ray start` reserves
+    gcs_port, dash_port, client_port = _free_port(), _free_port(), _free_port()
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--port", str(gcs_port), "--num-cpus", "2",
          "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash_port),
-         "--disable-usage-stats"],
+         "--ray-client-server-port", str(client_port), "--disable-usage-stats"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True, cwd=tmp)
     log = []
     for line in proc.stdout:  # `ray start --block` prints "--block" once the head is up
@@ -62,7 +65,7 @@ def head(tmp_path_factory):
     else:
         pytest.fail("ray start --head failed:\n" + "".join(log[-30:]))
     try:
-        yield env, f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash_port}"
+        yield env, f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash_port}", f"ray://127.0.0.1:{client_port}"
     finally:
         # SIGKILL the whole group: `ray stop` would stop every Ray instance on the machine,
         # and SIGTERM makes the head linger for about 40 s.
@@ -89,8 +92,8 @@ def batchgen(*args: str, env: dict, timeout: float = 240) -> subprocess.Complete
 def test_submit_then_run_on_the_same_cluster(head, tmp_path):
     from jobs.output import OutputDir
 
-    env, gcs, url = head
-    submitted, joined = tmp_path / "submitted", tmp_path / "joined"
+    env, gcs, url, client = head
+    submitted = tmp_path / "submitted"
 
     r = batchgen("submit", "configs/demo.yaml", "--address", url, "--set", f"output.path={submitted}", *OVERRIDES,
                  env=env)
@@ -107,18 +110,21 @@ def test_submit_then_run_on_the_same_cluster(head, tmp_path):
     assert "samples (rows):   128 (0 error rows)" in logs.stdout, logs.stdout[-3000:]
     assert OutputDir(str(submitted)).verify() == []
 
-    # the same job from outside the cluster, joining it by address: the same dataset
-    r = batchgen("run", "configs/demo.yaml", "--set", f"output.path={joined}", "--set", f"cluster.address={gcs}",
-                 *OVERRIDES, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert OutputDir(str(joined)).verify() == []
-    rows = read_dataset(joined)
-    assert len(rows) == 128
-    assert_same_dataset(rows, read_dataset(submitted))
+    # the same job from outside the cluster, joining it by address and through Ray Client:
+    # the same dataset
+    for name, address in [("joined", gcs), ("client", client)]:
+        out = tmp_path / name
+        r = batchgen("run", "configs/demo.yaml", "--set", f"output.path={out}", "--set", f"cluster.address={address}",
+                     *OVERRIDES, env=env)
+        assert r.returncode == 0, (address, r.stdout[-3000:] + r.stderr[-3000:])
+        assert OutputDir(str(out)).verify() == []
+        rows = read_dataset(out)
+        assert len(rows) == 128
+        assert_same_dataset(rows, read_dataset(submitted))
 
 
 def test_submit_without_the_token_says_how_to_pass_it(head, tmp_path):
-    env, _, url = head
+    env, _, url, _ = head
     no_token = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH_")}
     no_token["HOME"] = str(tmp_path)  # no ~/.ray/auth_token either
     r = batchgen("submit", "configs/demo.yaml", "--address", url, "--set", f"output.path={tmp_path / 'out'}",
