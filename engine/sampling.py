@@ -118,5 +118,18 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, inplace: bool = F
     if not inplace:
         return picked - torch.logsumexp(logits, dim=-1)
     m = logits.amax(dim=-1, keepdim=True)
-    lse = logits.sub_(m).exp_().sum(dim=-1).log_() + m[:, 0]
+    lse = _row_sums(logits.sub_(m).exp_()).log_() + m[:, 0]
     return picked - lse
+
+
+def _row_sums(x: torch.Tensor) -> torch.Tensor:
+    """x.sum(dim=-1) for x (B, V), added up in the same order whatever B is.
+
+    On CPU, torch sums a lone row (an output of one element) by splitting it across threads
+    (its two-pass reduction), while the rows of a larger batch are each summed by one
+    thread; the two orders differ in the last bits, so a batch of one is summed as two
+    copies of its row.
+    """
+    if x.shape[0] == 1 and x.device.type == "cpu":
+        return x.repeat(2, 1).sum(dim=-1)[:1]
+    return x.sum(dim=-1)

@@ -1,7 +1,7 @@
 """The job spec: a YAML file validated with pydantic before any work starts.
 
     model:    {path: demo, dtype: auto, device: auto, tokenizer: null, max_num_seqs: 256,
-               kv_cache_gb: null, max_seq_len: null}
+               kv_cache_gb: null, max_seq_len: null, batch_invariant: true}
     input:    {path: prompts.parquet, format: text, column: prompt, id_column: null, passthrough: []}
     output:   {path: out/demo}
     sampling: {num_samples: 4, max_tokens: 256, temperature: 1.0, top_k: 50, top_p: 1.0,
@@ -91,6 +91,7 @@ class ModelSpec(_Section):
     max_num_seqs: PositiveInt = 256
     kv_cache_gb: Any = None
     max_seq_len: Any = None
+    batch_invariant: bool = True
 
     @field_validator("max_seq_len")
     @classmethod
@@ -231,12 +232,12 @@ class JobSpec(_Section):
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.load_engine: path, device, dtype, tokenizer, max_num_seqs,
-        kv_cache_bytes (kv_cache_gb * 2**30, or None) and max_seq_len."""
+        kv_cache_bytes (kv_cache_gb * 2**30, or None), max_seq_len and batch_invariant."""
         m = self.model
         return {"path": m.path, "device": m.device, "dtype": m.dtype, "tokenizer": m.tokenizer,
                 "max_num_seqs": m.max_num_seqs,
                 "kv_cache_bytes": None if m.kv_cache_gb is None else int(m.kv_cache_gb * 2**30),
-                "max_seq_len": m.max_seq_len}
+                "max_seq_len": m.max_seq_len, "batch_invariant": m.batch_invariant}
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a plain dict (YAML/JSON-able), without `source`."""
@@ -245,14 +246,15 @@ class JobSpec(_Section):
     def fingerprint_dict(self) -> dict[str, Any]:
         """The part of the spec that decides the generated rows (jobs.dataset adds the input files).
 
-        Included: model identity (see model_identity), dtype, max_seq_len, sampling, tools,
+        Included: model identity (see model_identity), dtype, max_seq_len, batch_invariant
+        (without it a near-tie may resolve differently in another batch), sampling, tools,
         input format/column/id_column/passthrough, unit_rows. Excluded: output.path, the
         cluster's address/width/resources, device, max_num_seqs, kv_cache_gb (sampling is
         keyed per sample, so batch composition and worker count do not change the rows).
         """
         return {
             "model": {**model_identity(self.model.path, self.model.tokenizer), "dtype": self.model.dtype,
-                      "max_seq_len": self.model.max_seq_len},
+                      "max_seq_len": self.model.max_seq_len, "batch_invariant": self.model.batch_invariant},
             "sampling": self.sampling.model_dump(mode="json"),
             "tools": self.tools.model_dump(mode="json"),
             "input": {"format": self.input.format, "column": self.input.column, "id_column": self.input.id_column,

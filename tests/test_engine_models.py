@@ -1,8 +1,9 @@
 """Engine properties on the real architectures: the built-in demo (nanochat 2026, sliding
 windows, smear, value embeddings), a late-2025 nanochat checkpoint and two GPT-2s written by
-transformers (one wide enough for the oneDNN output head). For each: KV-cached decode equals a full forward at every step, logprobs equal
-the full forward's log-softmax, fanned-out samples equal samples run alone, and a request's
-tokens do not depend on the batch size or its neighbours.
+transformers (one 512 wide). For each: KV-cached decode equals a full forward at every
+step, logprobs equal the full forward's log-softmax, fanned-out samples equal samples run
+alone, and a request's tokens and logprobs, bit for bit, do not depend on the batch size or
+its neighbours (on CPU in float32, where every projection is oneDNN's batch-invariant one).
 """
 from pathlib import Path
 
@@ -34,7 +35,6 @@ def engine_parts(request, tmp_path_factory):
         d = next(p for p in FIXTURES.iterdir() if p.name.endswith("16788ee"))
         eng = load_engine(d, device="cpu", dtype="float32", tokenizer=_byte_tokenizer_dir(tmp_path_factory))
     else:
-        # "gpt2-wide" (hidden size 512) takes the oneDNN output-head path (CausalLM.project_head)
         d = _gpt2_dir(tmp_path_factory, *((512, 1) if request.param == "gpt2-wide" else (64, 2)))
         eng = load_engine(d, device="cpu", dtype="float32", tokenizer=_byte_tokenizer_dir(tmp_path_factory))
     return eng.model, eng.tokenizer
@@ -66,7 +66,9 @@ def generate(model, tok, max_num_seqs=64, prompts=PROMPTS, ids=IDS, **kw):
 
 
 def tokens(res):
-    return [[s.tokens for s in row] for row in res]
+    """Each sample's tokens and logprobs: compared exactly, so the logits behind them must be
+    bit-identical too."""
+    return [[(s.tokens, s.logprobs) for s in row] for row in res]
 
 
 def test_cached_greedy_equals_full_forward(engine_parts):
@@ -94,9 +96,24 @@ def test_logprobs_equal_full_forward(engine_parts):
 
 @pytest.mark.parametrize("max_num_seqs", [1, 4, 32])
 def test_batch_size_and_fan_out_independence(engine_parts, max_num_seqs):
-    """Same tokens at max batch sizes 1, 4 and 32 (1 also means every sample is prefilled alone)."""
+    """Same tokens and logprobs at max batch sizes 1, 4 and 32 (1 also means every sample is
+    prefilled alone, without padding)."""
     model, tok = engine_parts
     assert tokens(generate(model, tok, max_num_seqs=max_num_seqs)) == tokens(generate(model, tok))
+
+
+def test_batch_variant_mode_gives_the_same_tokens(engine_parts):
+    """batch_invariant=False (one masked attention call per step): the same tokens at batch
+    sizes 1 and 32, logprobs equal within float error."""
+    model, tok = engine_parts
+    params = SamplingParams(num_samples=3, max_tokens=10, top_k=20, stop_token_ids=[])
+    runs = [Engine(model, tok, max_num_seqs=n, batch_invariant=False).generate(PROMPTS, params, prompt_ids=IDS)
+            for n in (1, 32)]
+    exact = generate(model, tok)
+    for a, b, c in zip(*runs, exact):
+        assert [s.tokens for s in a] == [s.tokens for s in b] == [s.tokens for s in c]
+        for x, y in zip(a, c):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
 
 
 def test_neighbours_do_not_matter(engine_parts):
@@ -108,24 +125,32 @@ def test_neighbours_do_not_matter(engine_parts):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-def test_wide_model_uses_onednn(tmp_path_factory):
-    """A model with hidden size >= 512 takes the oneDNN path for its output head and every
-    layer projection (so the gpt2-wide case above checks that path); each matches F.linear,
-    and a row's result does not depend on how many rows share the call."""
-    d = _gpt2_dir(tmp_path_factory, 512, 1)
-    eng = load_engine(d, device="cpu", dtype="float32", tokenizer=_byte_tokenizer_dir(tmp_path_factory))
-    eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
-    m = eng.model
-    blk = m.blocks[0]
-    weights = [m.lm_head[:265], blk.qkv_w, blk.proj_w, blk.fc_w, blk.fc2_w]
-    assert all(m._packed_weight(w) is not None for w in weights)
-    assert len(m._packed_weights) == len(weights)  # packed once each, during generate
-    x = torch.randn(33, 512)
-    assert torch.allclose(m.project_head(x, weights[0]), x @ weights[0].T, atol=1e-4)
-    for w, b in [(blk.qkv_w, blk.qkv_b), (blk.fc_w, blk.fc_b)]:
-        full = m.linear(x, w, b)
-        assert torch.allclose(full, F.linear(x, w, b), atol=1e-4)
+def test_step_projections_use_onednn(engine_parts):
+    """On CPU in float32 every projection of a step and the head run through oneDNN: each
+    weight packed once, each result equal to F.linear within float error, each row
+    bit-identical whatever the number of rows; the cache-free forward stays F.linear."""
+    model, tok = engine_parts
+    generate(model, tok, num_samples=1, max_tokens=2)
+    packed = dict(model._packed_weights)
+    weights = {n: w for n, w in model.named_parameters()
+               if w.dim() == 2 and n.split(".")[-1] not in ("wte", "wpe", "ve")}  # not the embeddings
+    assert packed and all(v is not None for v in packed.values())
+    head = model.lm_head  # GPT-2's is the token embedding (tied), packed as the head
+    assert {k[0] for k in packed} == {w.data_ptr() for w in weights.values()} | {head.data_ptr()}
+    assert len(packed) == len({k[0] for k in packed})  # each weight once
+    generate(model, tok, num_samples=2, max_tokens=3)
+    assert model._packed_weights == packed  # nothing packed again
+    g = torch.Generator().manual_seed(0)
+    for w in weights.values():
+        x = torch.randn(33, w.shape[1], generator=g)
+        full = model.linear(x, w)
+        assert torch.allclose(full, F.linear(x, w), rtol=1e-4, atol=1e-4)
         for n in (1, 4, 17):
-            assert torch.equal(m.linear(x[:n], w, b), full[:n])
-    h = torch.randn(2, 5, 2048)  # (B, T, C) input, as in a prefill
-    assert torch.allclose(m.linear(h, blk.fc2_w, blk.fc2_b), F.linear(h, blk.fc2_w, blk.fc2_b), atol=1e-4)
+            assert torch.equal(model.linear(x[:n], w), full[:n])
+        with_t = model.linear(x.view(3, 11, -1), w)  # (B, T, C), as in a prefill
+        assert torch.equal(with_t.reshape(33, -1), full)
+    x = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        before = dict(model._packed_weights)
+        model(x)
+        assert model._packed_weights == before and not model._reference

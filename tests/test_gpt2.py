@@ -95,8 +95,8 @@ def ckpt_bin(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ckpt_wide(tmp_path_factory):
-    """safetensors, 2 layers x 512 wide, 8 heads: wide enough (>= PACK_MIN_IN_FEATURES) that on
-    CPU every projection and the head run through oneDNN (engine/models/base.py)."""
+    """safetensors, 2 layers x 512 wide, 8 heads: GPT-2-like widths, where the oneDNN step
+    path (engine/models/base.py) and F.linear differ the most in their last bits."""
     d = tmp_path_factory.mktemp("gpt2_wide")
     hf = make_hf(2, n_embd=512, n_layer=2, n_head=8)
     hf.save_pretrained(d)

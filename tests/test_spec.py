@@ -17,7 +17,7 @@ def test_defaults_from_empty_file(tmp_path):
     spec = load_spec(write(tmp_path, ""))
     d = spec.to_dict()
     assert d["model"] == {"path": "demo", "dtype": "auto", "device": "auto", "tokenizer": None, "max_num_seqs": 256,
-                          "kv_cache_gb": None, "max_seq_len": None}
+                          "kv_cache_gb": None, "max_seq_len": None, "batch_invariant": True}
     assert d["input"] == {"path": "prompts.parquet", "format": "text", "column": "prompt", "id_column": None,
                           "passthrough": []}
     assert d["output"] == {"path": "out/demo"}
@@ -137,7 +137,8 @@ def test_sampling_params_and_engine_kwargs(tmp_path):
     assert (sp.num_samples, sp.max_tokens, sp.temperature, sp.top_k, sp.stop_token_ids, sp.calculator) == \
         (2, 9, 0.0, 0, (5,), False)
     assert spec.engine_kwargs() == {"path": "demo", "device": "cpu", "dtype": "float32", "tokenizer": None,
-                                    "max_num_seqs": 8, "kv_cache_bytes": None, "max_seq_len": 128}
+                                    "max_num_seqs": 8, "kv_cache_bytes": None, "max_seq_len": 128,
+                                    "batch_invariant": True}
 
 
 def test_fingerprint_dict_ignores_placement(tmp_path):

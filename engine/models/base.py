@@ -3,7 +3,8 @@
 Every architecture in engine/models implements `CausalLM`:
 - `forward(tokens)`: the plain, cache-free forward, (B, T) -> (B, T, V) fp32 logits. It is the
   reference the tests compare against (transformers, nanochat) and the KV-cached path must
-  agree with it.
+  agree with it; decorated with `reference_numerics`, its projections are plain F.linear,
+  as in the models' own code.
 - `forward_step(tokens, batch, kv)`: one prefill or decode step over the KV cache,
   (B, T) -> (B, V) fp32 logits at `batch.last_index` of each row. Attention goes through
   `kv.attend(...)`; per-slot state (nanochat's smear) lives in `kv.state`.
@@ -11,7 +12,10 @@ Logits are cropped to the real vocabulary (`info.vocab_size`), padding excluded.
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,9 +23,45 @@ from torch import nn
 
 from engine.kv_cache import KVCache, StepBatch
 
-# Smallest input width (features) whose float32 CPU projections go through oneDNN (`linear`):
-# below it a matmul is cheap and the call overhead is not worth a second copy of the weight.
-PACK_MIN_IN_FEATURES = 512
+
+def reference_numerics(forward):
+    """Decorator for a model's cache-free `forward`: inside it `linear` and `project_head`
+    are plain F.linear, so the reference computes what transformers and nanochat compute
+    (bit for bit where their code does the same operations)."""
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        prev, self._reference = self._reference, True
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            self._reference = prev
+    return wrapper
+
+
+# Pointwise functions whose value for an element does not depend on the tensor's length.
+# PyTorch's CPU kernels run whole SIMD vectors through a vectorized implementation and the
+# leftover tail through a scalar one. For sigmoid, silu and tanh-gelu the two disagree in
+# the last bit (measured: 4% and 8% of random inputs), so an element's value would depend on
+# how many rows share the tensor. exp, tanh, +, * and 1/x agree on both paths (0 of 256,000
+# differ), so these compositions are length-invariant; they are within 1.2e-7 (sigmoid) and
+# 4.8e-7 (gelu) of torch's, at about twice the cost (1.3 ms for 128 x 3072 on 2 cores).
+_GELU_K = math.sqrt(2.0 / math.pi)
+
+
+def invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)), elementwise, any shape."""
+    return torch.reciprocal(torch.exp(-x).add_(1.0))
+
+
+def invariant_gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), GPT-2's gelu (Hendrycks & Gimpel 2016)."""
+    inner = torch.tanh((x * x).mul_(0.044715).add_(1.0).mul_(x).mul_(_GELU_K))
+    return inner.add_(1.0).mul_(x).mul_(0.5)
+
+
+def invariant_silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x)."""
+    return x * invariant_sigmoid(x)
 
 
 @dataclass(slots=True)
@@ -51,41 +91,54 @@ class CausalLM(nn.Module):
 
     info: ModelInfo
     _head_out: torch.Tensor | None = None
+    _reference = False  # True inside a @reference_numerics forward
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear(x, weight, bias) for every projection of the models: x (..., C), weight (N, C),
-        bias (N,) or None -> (..., N).
+        """F.linear(x, weight, bias) for every projection of the engine's step: x (..., C),
+        weight (N, C), bias (N,) or None -> (..., N).
 
-        In float32 on CPU, for C >= PACK_MIN_IN_FEATURES, it runs through oneDNN with the weight
-        reordered once into its blocked layout (torch's mkldnn linear, the kernel inductor
-        uses). Measured on 2 AVX2 cores at GPT-2-small shapes, with 128 rows, it is 1.25-1.46x
-        faster than F.linear (MKL), up to 2.6x with 8 rows; and each row's result is
-        bit-identical whatever the number of rows, which F.linear's is not (about 1e-6 apart),
-        so a sample's tokens cannot depend on how many neighbours it had. The price is a
-        second, reordered copy of those weights (CPU memory only). Elsewhere (GPU, bf16, small
-        C, no oneDNN) it is F.linear. The rule depends only on the model and device, so a
-        model always takes the same path; results may differ from F.linear in the last bits
+        In float32 on CPU it runs through oneDNN with the weight reordered once into its
+        blocked layout (torch's mkldnn linear, the kernel inductor uses), for two reasons:
+        - batch invariance: each row's result is bit-identical whatever the number of rows
+          (measured from 1 to 3,000 rows, widths 32 to 3,072), where F.linear (MKL) moves a
+          row by 1e-7 to 1e-6 as the row count changes. Those bits could flip a near-tie
+          between two tokens, so a sample would depend on its neighbours.
+        - speed: on 2 AVX2 cores, 1.25-1.46x F.linear's at GPT-2-small shapes with 128 rows
+          (2.6x with 8 rows), 1.2-1.8x on a 50k-100k output head; for widths under 256 it is
+          about 0.03 ms a call slower, which is small next to the head.
+        The price is a second, reordered copy of the weights in CPU memory. Elsewhere (GPU,
+        bf16, no oneDNN, or inside a @reference_numerics forward) it is F.linear. The path
+        depends only on the model and device; results differ from F.linear in the last bits
         (about 1e-6 relative).
         """
-        if x.dtype == torch.float32 and x.device.type == "cpu" and weight.shape[1] >= PACK_MIN_IN_FEATURES:
+        if not self._reference and x.dtype == torch.float32 and x.device.type == "cpu":
             packed = self._packed_weight(weight)
             if packed is not None:
                 y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
                 return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, weight, bias)
 
-    def project_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T for the output head of a step: x (B, C), weight (N, C) -> (B, N).
+    def pointwise(self, reference: Callable[[torch.Tensor], torch.Tensor],
+                  invariant: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """`invariant(x)` in a CPU step (so a row's value cannot depend on its neighbours, see
+        `invariant_sigmoid`), `reference(x)` (torch's kernel) inside a @reference_numerics
+        forward and on other devices."""
+        if self._reference or x.device.type != "cpu":
+            return reference(x)
+        return invariant(x)
 
-        The head (N = the vocabulary) is the largest matmul of a decode step; it goes through
-        `linear` (oneDNN on CPU for C >= PACK_MIN_IN_FEATURES: 1.8x faster than F.linear on
-        GPT-2's head with 128 rows). Otherwise allocating the (B, N) output every step would
-        dominate a small model's head, so the result is a plain matmul into a buffer that
-        every step reuses; it is valid until the next call.
+    def project_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T for the output head: x (B, C) or (B, T, C), weight (N, C) -> (..., N).
+
+        The head (N = the vocabulary) is the largest matmul of a decode step. On CPU in
+        float32 it goes through `linear` (oneDNN). Otherwise (GPU in float32, without oneDNN)
+        allocating the (B, N) output every step would be a large part of a small model's
+        step, so the result is a matmul into a buffer that every step reuses; it is valid
+        until the next call.
         """
-        if x.dtype != torch.float32 or x.dim() != 2:
+        if self._reference or x.dtype != torch.float32 or x.dim() != 2:
             return F.linear(x, weight)
-        if x.device.type == "cpu" and x.shape[1] >= PACK_MIN_IN_FEATURES and self._packed_weight(weight) is not None:
+        if x.device.type == "cpu" and self._packed_weight(weight) is not None:
             return self.linear(x, weight)
         B, N = x.shape[0], weight.shape[0]
         buf = self._head_out

@@ -25,16 +25,22 @@ from torch import nn
 
 from engine.checkpoint import CheckpointError, check_keys
 from engine.kv_cache import KVCache, StepBatch
-from engine.models.base import CausalLM, ModelInfo
+from engine.models.base import (CausalLM, ModelInfo, invariant_gelu_tanh, invariant_silu,
+                                reference_numerics)
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# activation_function -> (torch's kernel, its length-invariant form for CPU steps: base.py)
 _ACTIVATIONS = {
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
+    "gelu_new": (_gelu_tanh, invariant_gelu_tanh),
+    "gelu_pytorch_tanh": (_gelu_tanh, invariant_gelu_tanh),
+    "gelu_fast": (_gelu_tanh, invariant_gelu_tanh),
+    "gelu": (F.gelu, F.gelu),  # erf-gelu's vector and scalar paths agree
+    "relu": (F.relu, F.relu),
+    "silu": (F.silu, invariant_silu),
+    "swish": (F.silu, invariant_silu),
 }
 # Non-persistent causal-mask buffers older checkpoints (transformers < 4.x) still carry.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
@@ -116,7 +122,7 @@ class GPT2(CausalLM):
         if rows is not None:
             x = x[torch.arange(B, device=x.device), rows].unsqueeze(1)
         h = F.layer_norm(x, (self.n_embd,), blk.ln2_w, blk.ln2_b, self.eps)
-        return x + self.linear(self.act(self.linear(h, blk.fc_w, blk.fc_b)), blk.fc2_w, blk.fc2_b)
+        return x + self.linear(self.pointwise(*self.act, self.linear(h, blk.fc_w, blk.fc_b)), blk.fc2_w, blk.fc2_b)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         x = F.layer_norm(x, (self.n_embd,), self.lnf_w, self.lnf_b, self.eps)
@@ -124,6 +130,7 @@ class GPT2(CausalLM):
 
     # ------------------------------------------------------------------ CausalLM
     @torch.no_grad()
+    @reference_numerics
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Cache-free reference forward: tokens (B, T) int64 -> logits (B, T, vocab_size) fp32.
 

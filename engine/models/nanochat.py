@@ -41,7 +41,7 @@ from torch import nn
 
 from engine.checkpoint import CheckpointError, check_keys
 from engine.kv_cache import KVCache, StepBatch
-from engine.models.base import CausalLM, ModelInfo
+from engine.models.base import CausalLM, ModelInfo, invariant_sigmoid, reference_numerics
 
 SOFTCAP = 15.0  # nanochat's logit softcap (see _detect_features for the one exception)
 SMEAR_CHANNELS = 24  # a825e63: smear_gate reads the first 24 channels (also its weight's width)
@@ -224,8 +224,8 @@ class NanochatGPT(CausalLM):
         # .contiguous(): F.linear on a strided 3-D slice picks a different matmul path depending on
         # whether the weight requires grad (nanochat's do), a last-bit difference; a contiguous
         # input takes the same path either way.
-        return self.smear_lambda.to(x.dtype) * torch.sigmoid(
-            F.linear(x[..., :SMEAR_CHANNELS].contiguous(), self.smear_gate))
+        gate = self.linear(x[..., :SMEAR_CHANNELS].contiguous(), self.smear_gate)
+        return self.smear_lambda.to(x.dtype) * self.pointwise(torch.sigmoid, invariant_sigmoid, gate)
 
     def _smear_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """Mix each token's predecessor embedding into it within the chunk (position 0 unchanged)."""
@@ -243,7 +243,7 @@ class NanochatGPT(CausalLM):
         v = self.linear(x, blk.c_v).view(B, T, c.n_kv_head, c.head_dim)
         if blk.ve is not None:
             ve = F.embedding(tokens, blk.ve).to(x.dtype).view(B, T, c.n_kv_head, c.head_dim)
-            gate = c.ve_gate_scale * torch.sigmoid(F.linear(x[..., :c.ve_gate_channels].contiguous(), blk.ve_gate))
+            gate = c.ve_gate_scale * self.pointwise(torch.sigmoid, invariant_sigmoid, self.linear(x[..., :c.ve_gate_channels].contiguous(), blk.ve_gate))
             v = v + gate.unsqueeze(-1) * ve
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         q, k = _norm(q), _norm(k)
@@ -279,6 +279,7 @@ class NanochatGPT(CausalLM):
 
     # ----- the two forwards -----
 
+    @reference_numerics
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Cache-free forward, (B, T) -> (B, T, vocab) fp32: nanochat's GPT.forward(idx)."""
         B, T = tokens.shape
