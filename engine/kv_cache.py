@@ -219,12 +219,16 @@ class KVCache:
 
     def _attend_decode_rows(self, layer: int, q: torch.Tensor, batch: StepBatch, window: int | None,
                             gqa: bool) -> torch.Tensor:
-        kc, vc = self.k[layer], self.v[layer]
-        out = q.new_zeros(q.shape)
-        for r, s, lo, hi in batch.row_ranges(window):
-            out[r:r + 1] = F.scaled_dot_product_attention(q[r:r + 1], kc[s:s + 1, lo:hi].transpose(1, 2),
-                                                          vc[s:s + 1, lo:hi].transpose(1, 2), enable_gqa=gqa)
-        return out
+        kt, vt = self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)  # (S, H, T, D) views
+        ranges = batch.row_ranges(window)
+        if len(ranges) < q.shape[0]:  # dummy rows: zeros
+            rows = list(torch.zeros_like(q).split(1))
+        else:
+            rows = [None] * q.shape[0]
+        sdpa = F.scaled_dot_product_attention
+        for r, s, lo, hi in ranges:
+            rows[r] = sdpa(q[r:r + 1], kt[s:s + 1, :, lo:hi], vt[s:s + 1, :, lo:hi], enable_gqa=gqa)
+        return torch.cat(rows)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
         """Fan out: copy positions [0, length) of slots `src` into slots `dst`, all layers.
