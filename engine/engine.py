@@ -52,7 +52,7 @@ class Engine:
         batch_invariant: on CPU (float32), make every sample's logits, and so its tokens and
             logprobs, bit-identical whatever batch it runs in (attention row by row; the
             projections are oneDNN's batch-invariant kernels either way). False trades that
-            for about 15% more decode throughput; tokens then match except at rare near-ties
+            for 9-10% more throughput (bench/bench_engine.py, GPT-2 small); tokens then match except at rare near-ties
             (logits move by about 1e-7). GPUs are not batch-invariant in either mode.
     Raises ValueError if the budget cannot hold a single slot.
     Not thread-safe: one thread drives an engine (cluster/worker.py serialises access).

@@ -22,6 +22,17 @@ import torch
 import torch.nn.functional as F
 
 
+def _prefill_mask(T: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """(T, T) boolean mask (True = attend) for a prefill of T tokens from position 0 with a
+    left `window`; None when plain causal attention is the same (SDPA's is_causal path,
+    bit-identical to a no-cache forward)."""
+    if window is None or window >= T - 1:
+        return None
+    i = torch.arange(T, device=device)
+    d = i[:, None] - i[None, :]
+    return (d >= 0) & (d <= window)
+
+
 @dataclass(slots=True)
 class StepBatch:
     """One forward pass over the cache, built by the engine, read by the model.
@@ -60,12 +71,9 @@ class StepBatch:
             return self._masks[window]
         if self.prefill:
             T = self.positions.shape[1]
-            if window is None or window >= T - 1:
-                m = None  # plain causal: SDPA's is_causal path, bit-identical to a no-cache forward
-            else:
-                i = torch.arange(T, device=self.slots.device)
-                d = i[:, None] - i[None, :]
-                m = ((d >= 0) & (d <= window))[None, None]
+            m = _prefill_mask(T, window, self.slots.device)
+            if m is not None:
+                m = m[None, None]
         else:
             pos = self.positions[:, :1]  # (B, 1)
             j = torch.arange(self.kv_len, device=self.slots.device)[None, :]
@@ -199,8 +207,8 @@ class KVCache:
     # length of a prefill, the longest row of a decode step, even the number of rows (measured:
     # up to 1e-7 between 1 and 4 rows of identical shape). So every row gets its own unmasked
     # call over exactly its own keys: its attention depends only on itself, and no masked key
-    # is read. It costs a call per row per layer (about 15% of decode throughput on GPT-2
-    # small with 128 rows). With batch_invariant=False, or on GPUs (where many small kernel
+    # is read. It costs a call per row per layer (9-10% of throughput on GPT-2 small with
+    # 128 rows, bench/bench_engine.py). With batch_invariant=False, or on GPUs (where many small kernel
     # launches would cost far more), a step is one masked call.
 
     def _attend_prefill_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch,
@@ -208,13 +216,9 @@ class KVCache:
         out = q.new_zeros(q.shape)
         for r, _, _, n in batch.row_ranges(window):
             qs, ks, vs = q[r:r + 1, :, :n], k[r:r + 1, :, :n], v[r:r + 1, :, :n]
-            if window is None or window >= n - 1:
-                y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
-            else:
-                i = torch.arange(n, device=q.device)
-                d = i[:, None] - i[None, :]
-                y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=(d >= 0) & (d <= window), enable_gqa=gqa)
-            out[r:r + 1, :, :n] = y
+            m = _prefill_mask(n, window, q.device)
+            out[r:r + 1, :, :n] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=m, is_causal=m is None,
+                                                                 enable_gqa=gqa)
         return out
 
     def _attend_decode_rows(self, layer: int, q: torch.Tensor, batch: StepBatch, window: int | None,

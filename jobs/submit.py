@@ -90,7 +90,7 @@ def _explain_client_error(e: Exception, address: str) -> str:
                 "cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN "
                 "(`ray get-auth-token` on the head prints it; "
                 "https://docs.ray.io/en/latest/ray-security/token-auth.html)")
-    elif isinstance(e, (ConnectionError, OSError)) or "onnect" in name:
+    elif isinstance(e, OSError):  # ConnectionError, and requests' errors, are OSErrors
         msg += ("\n  is the head running with its dashboard (`ray start --head`, ray[default] installed) "
                 "and is the address its dashboard port (8265 by default)?")
     return msg

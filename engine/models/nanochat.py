@@ -243,7 +243,8 @@ class NanochatGPT(CausalLM):
         v = self.linear(x, blk.c_v).view(B, T, c.n_kv_head, c.head_dim)
         if blk.ve is not None:
             ve = F.embedding(tokens, blk.ve).to(x.dtype).view(B, T, c.n_kv_head, c.head_dim)
-            gate = c.ve_gate_scale * self.pointwise(torch.sigmoid, invariant_sigmoid, self.linear(x[..., :c.ve_gate_channels].contiguous(), blk.ve_gate))
+            g = self.linear(x[..., :c.ve_gate_channels].contiguous(), blk.ve_gate)
+            gate = c.ve_gate_scale * self.pointwise(torch.sigmoid, invariant_sigmoid, g)
             v = v + gate.unsqueeze(-1) * ve
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         q, k = _norm(q), _norm(k)

@@ -1,0 +1,97 @@
+"""Why the engine's CPU step is built the way it is (model.batch_invariant): measurements.
+
+For each kernel the engine could use, how much a row's result moves when the rest of the
+call changes, and what the batch-invariant choice costs. Prints:
+1. projections: F.linear (MKL) vs oneDNN's prepacked linear at GPT-2-small and head shapes:
+   time per call at 128 and 8 rows, and the largest change of a row's output between a
+   call over 1..1000 rows and one over 3000 rows;
+2. pointwise: how many of 256,000 inputs get a different value on the scalar-tail path
+   than on the SIMD path, for torch's kernels and the engine's exp/tanh compositions;
+3. attention: the largest change of a row's SDPA output between a call over 1, 2 or 3 rows
+   and one over 4 rows of identical shape.
+
+    python bench/bench_invariance.py [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _time_ms(fn, reps: int = 20) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps * 1e3
+
+
+def projections(g: torch.Generator) -> None:
+    print("1. projections (in -> out): ms per call at 128 / 8 rows; max row change vs a 3000-row call")
+    for i, o in ((768, 2304), (768, 768), (768, 3072), (3072, 768), (128, 512), (768, 50257)):
+        w, b = torch.randn(o, i, generator=g) * 0.02, torch.randn(o, generator=g) * 0.02
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 128)
+
+        def mkl(z):
+            return F.linear(z, w, b)
+
+        def onednn(z):
+            return torch.ops.mkldnn._linear_pointwise(z, packed, b, "none", [], "")
+
+        x = torch.randn(3000, i, generator=g)
+        cols = []
+        for name, f in (("F.linear", mkl), ("oneDNN", onednn)):
+            full = f(x)
+            drift = max((f(x[:n]) - full[:n]).abs().max().item() for n in (1, 7, 128, 1000))
+            cols.append(f"{name} {_time_ms(lambda: f(x[:128])):7.2f} / {_time_ms(lambda: f(x[:8])):6.2f} ms, "
+                        f"drift {drift:.1e}")
+        print(f"   {i:5d} -> {o:6d}: " + " | ".join(cols))
+
+
+def pointwise(g: torch.Generator) -> None:
+    from engine.models.base import invariant_gelu_tanh, invariant_sigmoid
+
+    print("2. pointwise: inputs whose scalar-tail value differs from the SIMD value (of 256,000)")
+    x = torch.randn(256_000, generator=g) * 3
+    fns = {"torch.sigmoid": torch.sigmoid, "F.silu": F.silu, "F.gelu(tanh)": lambda t: F.gelu(t, approximate="tanh"),
+           "torch.exp": torch.exp, "torch.tanh": torch.tanh, "F.gelu(erf)": F.gelu,
+           "invariant_sigmoid": invariant_sigmoid, "invariant_gelu_tanh": invariant_gelu_tanh}
+    for name, fn in fns.items():
+        simd = fn(x)
+        tail = torch.cat([fn(x[j:j + 15].clone()) for j in range(0, len(x), 15)])  # 15 < one SIMD block
+        print(f"   {name:20s} {int((simd != tail).sum()):6d}")
+
+
+def attention(g: torch.Generator) -> None:
+    print("3. attention (SDPA, one query per row): max row change, 1/2/3 rows vs 4 of the same shape")
+    for h, kv, length, d in ((4, 2, 8, 32), (12, 12, 300, 64)):
+        q = torch.randn(4, h, 1, d, generator=g)
+        k, v = torch.randn(4, kv, length, d, generator=g), torch.randn(4, kv, length, d, generator=g)
+        full = F.scaled_dot_product_attention(q, k, v, enable_gqa=h != kv)
+        drift = [(F.scaled_dot_product_attention(q[:n], k[:n], v[:n], enable_gqa=h != kv) - full[:n]).abs().max().item()
+                 for n in (1, 2, 3)]
+        print(f"   heads {h}/{kv}, {length} keys: " + ", ".join(f"{x:.1e}" for x in drift))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not torch.backends.mkldnn.is_available():
+        sys.exit("torch was built without oneDNN")
+    g = torch.Generator().manual_seed(0)
+    projections(g)
+    pointwise(g)
+    attention(g)
+
+
+if __name__ == "__main__":
+    main()
