@@ -10,10 +10,10 @@ exception; the error names the file, the row and the column):
   tokenizers (whose bos_token_id is <|endoftext|>) get no BOS, as GPT-2 was used. A fake
   tokenizer may say explicitly with a boolean `prepend_bos` attribute.
   Errors: null, empty string, encodes to nothing.
-- chat: `tokenizer.render_chat(messages)` after checking the structure here: a non-empty
-  list of {role, content}; role in system/user/assistant; content a non-null string; a
-  system message only first; then user/assistant alternating, starting with user. A
-  trailing assistant message is dropped by render_chat (the model writes it).
+- chat: `tokenizer.render_chat(messages)` after checking the structure here (a non-empty
+  list of {role, content} with string values). Roles and their order are the model's rule:
+  render_chat raises for what its format refuses (nanochat's alternation, an exception
+  raised by a Hugging Face chat template) and the row's error carries its message.
 - tokens: the ids as-is; null/empty lists, null elements, negative ids and ids >=
   tokenizer.vocab_size are errors.
 - id_column (if set): a null id is an error row (its prompt_id falls back to "<file>:<row>").
@@ -31,9 +31,6 @@ from jobs.output import (META_COUNTS, META_FINGERPRINT, META_UNIT, META_VERSION,
                          canonical_output, output_schema, write_part)
 from jobs.spec import JobSpec
 
-_ROLES = ("system", "user", "assistant")
-
-
 def text_bos(tokenizer: Any) -> int | None:
     """The BOS id to prepend to text prompts for this tokenizer, or None (see module docstring)."""
     flag = getattr(tokenizer, "prepend_bos", None)
@@ -46,37 +43,32 @@ def text_bos(tokenizer: Any) -> int | None:
 
 
 def check_messages(messages: Any) -> str | None:
-    """Why a chat prompt is malformed (None if it is fine); names the message index."""
+    """Why a chat prompt is malformed in structure (None if it is fine); names the message index.
+
+    Only the structure is checked here: a non-empty list of {role, content} with string
+    values. Which roles exist and in which order they may come is the model's own rule, so
+    the tokenizer's render_chat judges it (nanochat's layout wants user/assistant
+    alternation; a Hugging Face chat template may accept tool messages or raise its own
+    error), and its message becomes the row's error.
+    """
     if messages is None:
         return "messages is null"
     if not isinstance(messages, (list, tuple)):
         return f"messages must be a list of {{role, content}}, got {type(messages).__name__}"
     if len(messages) == 0:
         return "messages is empty (a conversation needs at least one user message)"
-    k = 0  # position among the non-system messages
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             return f"message {i} is not a {{role, content}} struct (got {m!r})"
         role, content = m.get("role"), m.get("content")
         if role is None:
             return f"message {i} has no role"
-        if role not in _ROLES:
-            return f"message {i} has unknown role {role!r} (expected system, user or assistant)"
+        if not isinstance(role, str) or not role:
+            return f"message {i} role must be a non-empty string, got {role!r}"
         if content is None:
             return f"message {i} ({role}) has no content (null)"
         if not isinstance(content, str):
             return f"message {i} ({role}) content must be a string, got {type(content).__name__}"
-        if role == "system":
-            if i != 0:
-                return f"message {i} is a system message; only the first message may be one"
-            continue
-        expected = "user" if k % 2 == 0 else "assistant"
-        if role != expected:
-            return (f"message {i} is from {role} but should be from {expected} "
-                    f"(roles must alternate user/assistant, starting with user)")
-        k += 1
-    if k == 0:
-        return "messages has no user message"
     return None
 
 
