@@ -28,7 +28,8 @@ tokenizer.json is used as written. transformers 5 instead rebuilds the pipeline 
 `tokenizer_class`es from the vocabulary (Qwen2Tokenizer, GPT2Tokenizer, LlamaTokenizer); for
 files those classes wrote the result is the same (tested for Qwen2Tokenizer and for
 LlamaTokenizerFast with a "▁"-metaspace file), but an older SentencePiece file whose normalizer
-prepends "▁" (Llama 2 era) can differ from transformers 5 on text starting with a space.
+prepends "▁" (Llama 2 era) can differ from transformers 5 on text that starts with a space
+or follows a special token.
 """
 from __future__ import annotations
 
