@@ -221,9 +221,10 @@ def build_gguf_tokenizer(source: Any, cls: type) -> Any:
     control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types)
                if k == TOKEN_CONTROL and (alphabet is None or set(t) <= alphabet)]
     backend.add_special_tokens(control)
-    vocab = backend.get_vocab(with_added_tokens=False)
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types)
-                        if k == TOKEN_USER_DEFINED and t in vocab])
+    if TOKEN_USER_DEFINED in types:
+        vocab = backend.get_vocab(with_added_tokens=False)
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types)
+                            if k == TOKEN_USER_DEFINED and t in vocab])
 
     variables: dict[str, str] = {}
     for name, key in _SPECIAL_IDS.items():

@@ -423,7 +423,8 @@ def reference_gguf():
 # ----------------------------------------------------------------------------- GGUF files
 def write_gguf(path: Path, *, model: str, tokens: list[str], types: list[int], merges: list[str] | None = None,
                scores: list[float] | None = None, pre: str | None = None, ids: dict[str, int] | None = None,
-               add_bos: bool | None = None, template: str | None = None, arch: str = "llama") -> Path:
+               add_bos: bool | None = None, template: str | None = None, arch: str = "llama",
+               add_space_prefix: bool | None = None) -> Path:
     """A tiny GGUF file: llama hyperparameters (so transformers can read it), one zero tensor, and
     the tokenizer metadata given. ids: {"bos": .., "eos": .., "unk": .., "pad": ..}."""
     import gguf
@@ -452,6 +453,8 @@ def write_gguf(path: Path, *, model: str, tokens: list[str], types: list[int], m
         adders[key](value)
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
+    if add_space_prefix is not None:
+        w.add_add_space_prefix(add_space_prefix)
     if template is not None:
         w.add_chat_template(template)
     w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))

@@ -179,6 +179,28 @@ def test_added_token_dicts_and_new_special_tokens_match_transformers(root, tmp_p
     assert ours.render_chat(conv) == ref.apply_chat_template(conv, add_generation_prompt=True)["input_ids"]
 
 
+def test_special_tokens_map_json_and_additional_special_tokens(root, tmp_path):
+    """An older directory: no added_tokens_decoder, special tokens in special_tokens_map.json
+    (overriding the config's, one as an AddedToken dict) and additional_special_tokens that
+    tokenizer.json lacks: same ids, specials and template variables as transformers."""
+    from transformers import AutoTokenizer
+
+    d = variant(root, tmp_path, "qwen2", {"added_tokens_decoder": None, "eos_token": "<|endoftext|>",
+                                         "additional_special_tokens": ["<|extra_a|>", "<|im_start|>"]})
+    (d / "special_tokens_map.json").write_text(json.dumps({
+        "eos_token": {"content": "<|im_end|>", "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False},
+        "pad_token": "<|endoftext|>"}), encoding="utf-8")
+    ours, ref = HFTokenizer.from_dir(d), AutoTokenizer.from_pretrained(str(d))
+    assert ours.eos_token_id == ref.eos_token_id == ours.special("<|im_end|>")
+    assert ours.vocab_size == len(ref)
+    assert ours.special_tokens == {t.content: i for i, t in ref.added_tokens_decoder.items() if t.special}
+    for text in ("a <|extra_a|> b", "<|im_start|>x<|im_end|>", "<tool_call>"):
+        assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
+    conv = [{"role": "user", "content": "x"}]
+    assert ours.render_chat(conv) == ref.apply_chat_template(conv, add_generation_prompt=True)["input_ids"]
+
+
 def test_chat_template_sources(root, tmp_path):
     """chat_template.jinja wins over tokenizer_config's; a list of named templates uses "default";
     a list without "default" has no usable template and says which names it has."""
@@ -379,3 +401,18 @@ def test_gguf_unknown_pre_tokenizer_and_model_are_named_errors(tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         HFTokenizer.from_gguf(tmp_path / "junk.gguf")
+
+
+def test_gguf_sentencepiece_space_prefix(tmp_path):
+    """A SentencePiece GGUF puts "▁" before the text (and BOS first) unless add_space_prefix is
+    false, which llama.cpp honours (transformers ignores the flag); byte fallback covers the rest."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581", "a", "b", "\u2581a", "\u2581b"]
+    types = [2, 3, 3] + [6] * 256 + [1] * 5
+    scores = [0.0] * 259 + [-1.0, -2.0, -3.0, -4.0, -5.0]
+    kwargs = dict(model="llama", tokens=tokens, types=types, scores=scores, ids={"bos": 1, "eos": 2, "unk": 0})
+    with_prefix = HFTokenizer.from_gguf(C.write_gguf(tmp_path / "p.gguf", **kwargs))
+    without = HFTokenizer.from_gguf(C.write_gguf(tmp_path / "n.gguf", add_space_prefix=False, **kwargs))
+    assert with_prefix.encode("a b") == [262, 263] and with_prefix.prepend_bos
+    assert without.encode("a b") == [260, 263]
+    assert with_prefix.encode("é") == [259, 3 + 0xC3, 3 + 0xA9]
+    assert with_prefix.decode([1, 262, 263]) == "<s> a b" and with_prefix.decode([262, 3 + 0xC3, 3 + 0xA9]) == "aé"
