@@ -5,6 +5,10 @@ Formats (detected from the files, never from the name):
   and an offline tokenizer. It is untrained: its text is noise.
 - Hugging Face GPT-2: a directory with config.json (model_type gpt2) and model.safetensors
   or pytorch_model.bin, tokenizer from vocab.json + merges.txt beside them.
+- Hugging Face Llama family ("llama"): config.json whose model_type / architectures is
+  LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM, with
+  model.safetensors (single or sharded) or pytorch_model.bin (engine/models/llama.py).
+  Any other architecture in a config.json is refused with an error naming it.
 - nanochat: a directory with model_<step>.pt + meta_<step>.json (highest step unless one is
   given), tokenizer.pkl in the directory, or in <dir>/../../tokenizer/ (nanochat's layout).
 An explicit tokenizer path (a tokenizer.pkl, a .tiktoken ranks file, or a directory with
@@ -67,8 +71,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return table[dtype]
 
 
+# config.json architectures -> format
+_GPT2_ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
+
+
 def detect_format(path: str | Path) -> str:
-    """Return "demo", "gpt2" or "nanochat" for a checkpoint path (see module docstring)."""
+    """Return "demo", "gpt2", "llama" or "nanochat" for a checkpoint path (see module docstring).
+
+    A config.json names its architecture in `model_type` and `architectures`; one that is
+    neither GPT-2 nor the Llama family is a CheckpointError naming it and listing the
+    supported ones.
+    """
     if str(path) == "demo":
         return "demo"
     p = Path(path)
@@ -77,12 +90,30 @@ def detect_format(path: str | Path) -> str:
     if not p.is_dir():
         raise CheckpointError(f"checkpoint path {str(p)!r} is a file; expected a checkpoint directory or 'demo'")
     if (p / "config.json").exists():
-        return "gpt2"
+        return _hf_format(p / "config.json")
     if any(re.fullmatch(r"model_\d+\.pt", f.name) for f in p.iterdir()):
         return "nanochat"
     raise CheckpointError(
         f"{str(p)!r} is not a checkpoint directory: expected config.json with model.safetensors or "
-        f"pytorch_model.bin (Hugging Face GPT-2), or model_<step>.pt with meta_<step>.json (nanochat)")
+        f"pytorch_model.bin (Hugging Face), or model_<step>.pt with meta_<step>.json (nanochat)")
+
+
+def _hf_format(config_path: Path) -> str:
+    from engine.models.hf_config import ARCHITECTURES, supported_architectures
+    from engine.models.hf_weights import read_json
+
+    cfg = read_json(config_path)
+    mt, archs = cfg.get("model_type"), cfg.get("architectures") or []
+    if not isinstance(mt, (str, type(None))) or not isinstance(archs, list):
+        raise CheckpointError(f"{config_path}: model_type must be a string and architectures a list, "
+                              f"got {mt!r} and {archs!r}")
+    if mt == "gpt2" or (mt is None and (not archs or any(a in _GPT2_ARCHITECTURES for a in archs))):
+        return "gpt2"
+    if mt in ARCHITECTURES or (mt is None and any(a in ARCHITECTURES.values() for a in archs)):
+        return "llama"
+    name = archs[0] if archs else f"model_type {mt!r}"
+    supported = ", ".join(["GPT2LMHeadModel"] + supported_architectures())
+    raise CheckpointError(f"{config_path}: {name} is not supported; supported: {supported}")
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
@@ -103,6 +134,11 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "auto", dtype
         from engine.models.gpt2 import load_gpt2_checkpoint
 
         model = load_gpt2_checkpoint(Path(path), dev, dt)
+        tok = Tokenizer.load(tokenizer if tokenizer is not None else Path(path))
+    elif fmt == "llama":
+        from engine.models.llama import load_llama_checkpoint
+
+        model = load_llama_checkpoint(Path(path), dev, dt)
         tok = Tokenizer.load(tokenizer if tokenizer is not None else Path(path))
     else:
         from engine.models.nanochat import load_nanochat_checkpoint
