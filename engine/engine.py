@@ -300,11 +300,12 @@ class Engine:
         return results  # type: ignore[return-value]
 
 
-def load_engine(path: str | Path = "demo", device: str = "auto", dtype: str = "auto", *, tokenizer=None,
+def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str = "auto", *, tokenizer=None,
                 step: int | None = None, max_num_seqs: int = 256, kv_cache_bytes: int | None = None,
                 max_seq_len: int | None = None, max_prefill_tokens: int = 8192,
                 num_threads: int | None = None, batch_invariant: bool = True) -> Engine:
-    """Load a checkpoint (engine/checkpoint.py: "demo", HF GPT-2, HF Llama family, nanochat) into an Engine.
+    """Load a checkpoint (engine/checkpoint.py: "smollm2", "tiny-random", HF Llama family or GPT-2,
+    GGUF, nanochat) into an Engine.
 
     device: "auto" | "cpu" | "cuda[:n]"; dtype: "auto" | "float32" | "bfloat16".
     num_threads: CPU threads for torch in this process (a worker's share of the cores);

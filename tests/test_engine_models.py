@@ -1,4 +1,4 @@
-"""Engine properties on the real architectures: the built-in demo (nanochat 2026, sliding
+"""Engine properties on the real architectures: the built-in tiny-random model (nanochat 2026, sliding
 windows, smear, value embeddings), a late-2025 nanochat checkpoint, two GPT-2s written by
 transformers (one 512 wide), and two Llama-family checkpoints written by transformers (Llama
 with llama3 rope scaling and grouped-query attention; Qwen3 with q/k norms, attention biases,
@@ -50,11 +50,11 @@ def _llama_family_dir(tmp_path_factory, name):
     return d
 
 
-@pytest.fixture(scope="module", params=["demo", "nanochat-2025", "gpt2", "gpt2-wide", "llama", "qwen3-window"])
+@pytest.fixture(scope="module", params=["tiny-random", "nanochat-2025", "gpt2", "gpt2-wide", "llama", "qwen3-window"])
 def engine_parts(request, tmp_path_factory):
     """(model, tokenizer, vocab) for each architecture, loaded the way users load them."""
-    if request.param == "demo":
-        eng = load_engine("demo", device="cpu", dtype="float32", max_seq_len=256)
+    if request.param == "tiny-random":
+        eng = load_engine("tiny-random", device="cpu", dtype="float32", max_seq_len=256)
     elif request.param == "nanochat-2025":
         d = next(p for p in FIXTURES.iterdir() if p.name.endswith("16788ee"))
         eng = load_engine(d, device="cpu", dtype="float32", tokenizer=_byte_tokenizer_dir(tmp_path_factory))
