@@ -226,7 +226,12 @@ def test_worker_takes_a_second_unit_while_the_first_is_in_flight(tmp_path):
     w.shutdown()
 
 
-def test_worker_engine_failure_fails_the_units_not_hangs(tmp_path):
+def test_worker_engine_failure_fails_the_units_and_breaks_the_worker(tmp_path):
+    """An engine exception fails the unit (no hang), and the worker never builds a second
+    engine in the same process: it drops the first and refuses further units, so that the
+    driver replaces the process (see test_faults for the replacement on Ray)."""
+    from cluster.worker import EngineLoopError
+
     task = FakeTask(str(tmp_path), ["boom", "ok"])
     w = GenerationWorker(task, "w0")
 
@@ -234,10 +239,12 @@ def test_worker_engine_failure_fails_the_units_not_hangs(tmp_path):
         raise RuntimeError("CUDA error: device-side assert")
 
     w.engine.step = bad_step
-    with pytest.raises(RuntimeError, match="device-side assert"):
+    with pytest.raises(EngineLoopError, match="device-side assert"):
         w.run_unit(WorkUnit(0, "mem", 0, 2))
-    # the engine was rebuilt: the worker goes on
-    assert w.run_unit(WorkUnit(1, "mem", 0, 2)).rows == 2
+    assert w.engine is None and "device-side assert" in w.progress()["broken"]
+    with pytest.raises(EngineLoopError, match="engine failed earlier"):
+        w.run_unit(WorkUnit(1, "mem", 0, 2))
+    assert not (tmp_path / "part-1.txt").exists()
     w.shutdown()
 
 
