@@ -145,7 +145,7 @@ def test_kill_workers_mid_unit(ray_local, inputs, reference, tmp_path):
 
 class CrashBeforeCommit(JobTask):
     """Writes unit `crash_unit`'s temporary file completely, then the process dies before
-    the rename that commits it (once: a marker file remembers)."""
+    the link that commits it (once: a marker file remembers)."""
 
     def __init__(self, spec, plan, crash_unit, marker):
         super().__init__(spec, plan)
@@ -156,16 +156,16 @@ class CrashBeforeCommit(JobTask):
             open(self.marker, "w").close()
 
             # Units are written concurrently by the actor's call threads, so only this unit's
-            # rename may die; another unit's rename goes through as usual.
-            real_replace = os.replace
+            # commit (a hard link) may die; another unit's goes through as usual.
+            real_link = os.link
 
-            def die_instead_of_rename(src, dst):
+            def die_instead_of_commit(src, dst):
                 if os.path.basename(src).startswith(f".tmp-part-{self.crash_unit:06d}-"):
                     assert os.path.getsize(src) > 0  # the temp file was fully written
                     os._exit(17)
-                return real_replace(src, dst)
+                return real_link(src, dst)
 
-            os.replace = die_instead_of_rename
+            os.link = die_instead_of_commit
         return super().write_unit(unit, requests, outputs, tokenizer)
 
 
