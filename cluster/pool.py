@@ -1,6 +1,7 @@
 """The driver side: work units dispatched to `GenerationWorker` actors, through faults.
 
     with UnitDispatcher(task, num_workers=2, num_cpus=1) as pool:   # starts the workers
+        pool.wait_ready()                                              # optional: engines loaded
         results = pool.run(units, on_result=print)                     # as many runs as wanted
         more = pool.run(other_units)                                   # same workers, same engines
     results = run_units(task, units, num_workers=2)                    # start, one run, close
@@ -197,6 +198,7 @@ class UnitDispatcher:
         self._slots: list[_Worker | None] = [None] * self.num_workers
         self._slot_failures = [0] * self.num_workers
         self._refs: dict[Any, tuple[str, _Worker]] = {}  # pending ObjectRef -> (kind, worker)
+        self._dropped: list[Any] = []  # calls of replaced workers: collected so Ray does not log them unhandled
         self._counter = itertools.count()
         self._durations: deque[float] = deque(maxlen=MEDIAN_WINDOW)
         self._timeout_cache: float | None = None
@@ -220,6 +222,28 @@ class UnitDispatcher:
             if self._slots[slot] is None:
                 self._start_worker(slot)
         return self
+
+    def wait_ready(self, timeout_s: float | None = None) -> int:
+        """Start the workers and block until every slot's worker is ready (failed starts
+        are retried as in `run`), or `timeout_s` passes; returns the number of ready
+        workers. Raises UnitFailed when workers keep failing to start or no node can host
+        one, as `run` does."""
+        import ray
+
+        self.start()
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._fill_slots()
+            starting = {w.ready_ref: w for w in self._slots if w is not None and w.state == WorkerState.STARTING}
+            now = time.monotonic()
+            if not starting or (end is not None and now >= end):
+                return len(self._live())
+            self._check_can_run(now)
+            wait = 2.0 if end is None else max(0.01, min(2.0, end - now))
+            done, _ = ray.wait(list(starting), num_returns=1, timeout=wait)
+            for ref in done:
+                self._refs.pop(ref, None)
+                self._on_ready(ray, ref, starting[ref])
 
     def close(self) -> None:
         """Kill every worker; the dispatcher cannot run again."""
@@ -332,6 +356,7 @@ class UnitDispatcher:
 
         for ref in [r for r, (_, owner) in self._refs.items() if owner is w]:
             del self._refs[ref]
+            self._dropped.append(ref)
         try:
             ray.kill(w.handle, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
@@ -447,7 +472,17 @@ class UnitDispatcher:
                         t = min(t, c.sent + deadline - now)
         return max(0.01, t)
 
+    def _collect_dropped(self, ray: Any) -> None:
+        if self._dropped:
+            done, self._dropped = ray.wait(self._dropped, num_returns=len(self._dropped), timeout=0)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001 - the worker was replaced; its reply no longer matters
+                    pass
+
     def _wait_and_handle(self, ray: Any, timeout: float, results: list, on_result: Callable | None) -> None:
+        self._collect_dropped(ray)
         refs = list(self._refs)
         if not refs:  # no worker at all: _check_can_run explains why, or the slots refill next round
             self._check_can_run(time.monotonic())
@@ -631,7 +666,7 @@ class UnitDispatcher:
                 self.waiting_for_nodes = ""
             elif not self.may_add_nodes:
                 cause = ("the Ray node this job runs on died (its raylet exited: killed, out of memory, or the "
-                         "machine failed); rerun the same command to resume" if f.alive == 0 and f.dead else
+                         "machine failed)" if f.alive == 0 and f.dead else
                          "nothing can run it, and no autoscaler can add a node to this Ray instance")
                 raise UnitFailed(f"no Ray node can host a worker: {f.why}; {cause}")
             else:

@@ -166,17 +166,24 @@ class OutputLease:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                current = self.read()
-                if current is None or current.get("token") != self.token:
-                    self.lost = (f"the output lease was taken over by {_describe(current, time.time())}"
-                                 if current else "the output lease file was removed")
-                    log.error("%s; this driver stops", self.lost)
-                    return
-                self.record["heartbeat"] = time.time()
-                self.out.write_text(LEASE, json.dumps(self.record, indent=1, sort_keys=True))
-            except Exception as e:  # noqa: BLE001 - a failed heartbeat is retried; staleness is the reader's call
-                log.warning("output lease heartbeat failed (will retry): %s", e)
+            if not self.beat():
+                return
+
+    def beat(self) -> bool:
+        """One heartbeat: rewrite the lease if it is still ours (returns True), else record
+        that it was lost (returns False). A failed write is logged and retried next time."""
+        try:
+            current = self.read()
+            if current is None or current.get("token") != self.token:
+                self.lost = (f"the output lease was taken over by {_describe(current, time.time())}"
+                             if current else "the output lease file was removed")
+                log.error("%s; this driver stops", self.lost)
+                return False
+            self.record["heartbeat"] = time.time()
+            self.out.write_text(LEASE, json.dumps(self.record, indent=1, sort_keys=True))
+        except Exception as e:  # noqa: BLE001 - a failed heartbeat is retried; staleness is the reader's call
+            log.warning("output lease heartbeat failed (will retry): %s", e)
+        return True
 
     def check(self) -> None:
         """Raise JobFailed if another driver took the lease (called from the dispatch loop)."""

@@ -232,6 +232,11 @@ def corrupt(kind, tmp_path, od, plan, task):
         t = pq.read_table(out / part_name(0))
         pq.write_table(t, out / part_name(1))  # same prompt ids in another unit
         return "duplicate row prompt_id='in.parquet:0' sample_index=0"
+    if kind == "duplicate_in_file":  # right row count, one (prompt, sample) twice
+        t = pq.read_table(out / part_name(0))
+        pq.write_table(pa.concat_tables([t.slice(0, 7), t.slice(2, 1)]).replace_schema_metadata(t.schema.metadata),
+                       out / part_name(0))
+        return "part-000000.parquet: duplicate row prompt_id='in.parquet:1' sample_index=0 (twice in this file)"
     if kind == "orphan":
         (out / ".tmp-part-000001-abcdef.parquet").write_bytes(b"partial")
         return ".tmp-part-000001-abcdef.parquet: orphan temporary file"
@@ -258,7 +263,7 @@ def corrupt(kind, tmp_path, od, plan, task):
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["rows", "fingerprint", "schema", "duplicate", "orphan", "unexpected", "extra_unit",
+@pytest.mark.parametrize("kind", ["rows", "fingerprint", "schema", "duplicate", "duplicate_in_file", "orphan", "unexpected", "extra_unit",
                                   "success_missing", "truncated", "no_manifest", "bad_manifest"])
 def test_verify_catches(tmp_path, kind):
     spec, plan, task, od = make_job(tmp_path)
