@@ -6,8 +6,8 @@ cut along row groups:
 
 - consecutive row groups no larger than `unit_rows` are packed whole into units of at most
   `unit_rows` rows: each unit decodes exactly its own rows;
-- a row group larger than `unit_rows` is cut into `unit_rows` pieces, each decoding the
-  whole group: at most 2x its rows while the group has no more than 2 x `unit_rows` rows;
+- a row group of up to 2 x `unit_rows` rows is cut into two near-equal pieces, each
+  decoding the whole group: at most 2x its rows (2x + 1 for an odd group);
 - a file with a larger row group is *staged* (jobs/staging.py): its needed columns are
   rewritten once, before the job runs, with `unit_rows`-row groups, and its units are plain
   `unit_rows` cuts of that copy. Staging decodes the file once, its units once more: 2x.
@@ -38,6 +38,10 @@ def plain_cuts(num_rows: int, unit_rows: int) -> tuple[tuple[int, int], ...]:
     return tuple((a, min(a + unit_rows, num_rows)) for a in range(0, num_rows, unit_rows))
 
 
+def _halves(g: int) -> tuple[tuple[int, int], ...]:
+    return ((0, (g + 1) // 2), ((g + 1) // 2, g))
+
+
 def cut_file(row_groups: list[int] | tuple[int, ...], unit_rows: int) -> FileCut:
     """Units of a file whose row groups have `row_groups` rows each (in file order)."""
     num_rows = sum(row_groups)
@@ -53,7 +57,7 @@ def cut_file(row_groups: list[int] | tuple[int, ...], unit_rows: int) -> FileCut
             if pos > start:
                 ranges.append((start, pos))
                 decoded += pos - start
-            pieces = plain_cuts(g, unit_rows)
+            pieces = _halves(g)  # unit_rows < g <= 2 x unit_rows here
             ranges.extend((pos + a, pos + b) for a, b in pieces)
             decoded += g * len(pieces)
             pos += g
