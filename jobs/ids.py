@@ -35,46 +35,48 @@ def _keys(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return keys, valid
 
 
+def keys_of(arr: pa.Array) -> np.ndarray:
+    """The 64-bit keys of the non-null values of `arr` (see the module docstring)."""
+    return _keys(arr)[0]
+
+
 def _file_keys(read: BatchReader, i: int) -> np.ndarray:
-    parts = []
-    for arr in read(i):
-        keys, _ = _keys(arr)
-        parts.append(keys)
+    parts = [keys_of(arr) for arr in read(i)]
     return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
-def find_duplicates(num_files: int, read: BatchReader, limit: int = 1,
-                    threads: int = 8) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
+def find_duplicates(num_files: int, read: BatchReader, limit: int = 1, threads: int = 8,
+                    keys: list[np.ndarray] | None = None) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
     """Up to `limit` duplicate values across files 0..num_files-1, in (file, row) order of
     the duplicate.
 
-    read(i) yields the column of file i as arrays, in row order (it is called twice per
-    file holding a candidate). Each duplicate is (value as str, (file, row) of its first
-    occurrence, (file, row) of the repeat). Memory: 8 bytes per key plus one batch per
-    thread. Integer and string columns compare by str(value).
+    read(i) yields the column of file i as arrays, in row order. `keys`: each file's
+    keys_of() if the caller computed them already (then only files holding a candidate are
+    read, once). Each duplicate is (value as str, (file, row) of its first occurrence,
+    (file, row) of the repeat). Memory: 8 bytes per key plus one batch per thread. Integer
+    and string columns compare by str(value).
     """
     if num_files == 0:
         return []
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, num_files))) as ex:
-        per_file = list(ex.map(lambda i: _file_keys(read, i), range(num_files)))
-    has = [k.size > 0 for k in per_file]
-    keys = np.concatenate(per_file)
-    del per_file
-    keys.sort()
-    candidates = np.unique(keys[1:][keys[1:] == keys[:-1]])
-    del keys
+    if keys is None:
+        with ThreadPoolExecutor(max_workers=max(1, min(threads, num_files))) as ex:
+            keys = list(ex.map(lambda i: _file_keys(read, i), range(num_files)))
+    every = np.concatenate(keys) if keys else np.empty(0, np.int64)
+    every.sort()
+    candidates = np.unique(every[1:][every[1:] == every[:-1]])
+    del every
     if candidates.size == 0:
         return []
-    # second pass: the real values of candidate keys, in file order
+    # second pass, over the files holding a candidate: the real values, in file order
     seen: dict[str, tuple[int, int]] = {}
     found = []
     for i in range(num_files):
-        if not has[i]:
+        if not np.isin(keys[i], candidates).any():
             continue
         row = 0
         for arr in read(i):
-            keys, valid = _keys(arr)
-            hit = np.flatnonzero(np.isin(keys, candidates))
+            k, valid = _keys(arr)
+            hit = np.flatnonzero(np.isin(k, candidates))
             if hit.size:
                 values = arr.drop_null().take(pa.array(hit)).to_pylist()
                 rows = (valid[hit] if valid is not None else hit) + row

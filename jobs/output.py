@@ -484,7 +484,8 @@ class OutputDir:
                 "lease": lease, "success": summary is not None, "summary": summary}
 
     def _check_part(self, rel: str, idx: int, m: dict, expected_schema: list) -> tuple[list[str], Any]:
-        """Problems of one part file, and its (prompt_id dictionary, keys) for the duplicate check."""
+        """Problems of one part file, and the 64-bit keys of its distinct prompt ids (None if
+        unreadable) for the cross-file duplicate check."""
         problems: list[str] = []
         units = m["_units_by_index"]
         try:
@@ -528,7 +529,15 @@ class OutputDir:
             j = first[k]
             problems.append(f"{rel}: duplicate row prompt_id={enc.dictionary[ids[j]].as_py()!r} "
                             f"sample_index={int(si[j])} (twice in this file)")
-        return problems, enc.dictionary
+        from jobs.ids import keys_of
+
+        return problems, keys_of(enc.dictionary)
+
+    def _prompt_ids(self, rel: str) -> pa.Array:
+        """The distinct prompt ids of one part file."""
+        with self.fs.open_input_file(self._p(rel)) as f:
+            t = pq.ParquetFile(f).read(columns=["prompt_id"])
+        return t.column(0).combine_chunks().dictionary_encode().dictionary
 
     def verify(self) -> list[str]:
         """Check the directory against its manifest; returns the problems found ([] if clean).
@@ -564,26 +573,27 @@ class OutputDir:
                 continue
             parts.append((rel, int(mm.group(1))))
         committed = {idx for _, idx in parts}
-        names: list[Any] = [None] * len(parts)
+        keys: list[Any] = [None] * len(parts)
         with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(parts)))) as ex:
-            for i, (found, dictionary) in enumerate(ex.map(lambda p: self._check_part(p[0], p[1], m, expected_schema),
-                                                           parts)):
+            for i, (found, k) in enumerate(ex.map(lambda p: self._check_part(p[0], p[1], m, expected_schema), parts)):
                 problems.extend(found)
-                names[i] = dictionary
-        problems.extend(self._cross_file_duplicates(parts, names))
+                keys[i] = k
+        problems.extend(self._cross_file_duplicates(parts, keys))
         missing = sorted(set(units) - committed)
         if self._exists(SUCCESS) and missing:
             problems.append(f"{SUCCESS} is present but {len(missing)} of {len(units)} units are missing "
                             f"(first: {part_name(missing[0])})")
         return problems
 
-    def _cross_file_duplicates(self, parts: list[tuple[str, int]], names: list[Any]) -> list[str]:
-        """Prompt ids present in more than one part file (each file's distinct ids through
-        jobs.ids.find_duplicates: 8 bytes per prompt); the first 20 are described."""
+    def _cross_file_duplicates(self, parts: list[tuple[str, int]], keys: list[Any]) -> list[str]:
+        """Prompt ids present in more than one part file: jobs.ids.find_duplicates over each
+        file's distinct-id keys (8 bytes per prompt); only files holding a candidate are read
+        again. The first 20 are described."""
         from jobs.ids import find_duplicates
 
-        have = [i for i, d in enumerate(names) if d is not None]
-        dups = find_duplicates(len(have), lambda k: iter([names[have[k]]]), limit=21, threads=READ_THREADS)
+        have = [i for i, k in enumerate(keys) if k is not None]
+        dups = find_duplicates(len(have), lambda j: iter([self._prompt_ids(parts[have[j]][0])]), limit=21,
+                               keys=[keys[i] for i in have])
         out = []
         for key, (fa, _), (fb, _) in dups[:20]:
             a, b = parts[have[fa]][0], parts[have[fb]][0]
