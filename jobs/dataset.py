@@ -169,7 +169,7 @@ def discover(path: str) -> tuple[str, list[tuple[str, str, int]]]:
     fs, p, canonical = resolve(path)
     found: list[tuple[str, str, int]] = []
     local = uri.is_local(fs)
-    if any(c in p for c in _GLOB_CHARS) and (local or not path.startswith(PACKAGE_PREFIX)):
+    if any(c in p for c in _GLOB_CHARS):  # p is a path inside the filesystem: a URI's options are not in it
         cut = min(p.find(c) for c in _GLOB_CHARS if c in p)
         base = p[:cut].rsplit("/", 1)[0] if "/" in p[:cut] else ""
         try:
