@@ -272,7 +272,8 @@ def test_stopped_worker_is_replaced_and_its_units_run_again(ray_local, inputs, r
     spec = job_spec(inputs, tmp_path / "out", max_unit_attempts=6)
     plan, out = prepared(spec)
     stopped: list[tuple[str, int]] = []
-    pool = UnitDispatcher(JobTask(spec, plan), num_workers=1, num_cpus=1, max_unit_attempts=6, unit_timeout_s=8)
+    pool = UnitDispatcher(JobTask(spec, plan), num_workers=1, num_cpus=1, max_unit_attempts=6, unit_timeout_s=5,
+                          suspect_timeout_s=5)
 
     def on_result(result):
         if not stopped:
@@ -291,13 +292,13 @@ def test_stopped_worker_is_replaced_and_its_units_run_again(ray_local, inputs, r
             except ProcessLookupError:
                 pass
     name = stopped[0][0]
-    kinds = [k for k, _ in events]
     assert any(k == "overdue" and d.endswith(f"on {name}") for k, d in events), events
     assert ("suspect", name) in events
-    assert any(k == "replaced" and d.startswith(f"{name}: stalled: no progress") for k, d in events), events
-    assert kinds.count("ready") == 2 and kinds.index("replaced") < len(kinds) - 1 - kinds[::-1].index("ready")
+    replaced = [i for i, (k, d) in enumerate(events) if k == "replaced" and d.startswith(f"{name}: stalled: no progress")]
+    assert replaced, events
+    assert any(k == "ready" for k, _ in events[replaced[0]:]), events  # a fresh worker took over
     assert sorted(r.index for r in results) == [u.index for u in plan.units]
-    assert {r.worker for r in results[1:]} == {"worker-1"}  # everything after the stop ran on the new worker
+    assert name not in {r.worker for r in results[1:]}  # nothing after the stop came from the stopped worker
     out.cleanup_temp_files()
     check_exactly_once(tmp_path / "out", reference)
 

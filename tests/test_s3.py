@@ -5,7 +5,8 @@ the standard AWS environment variables.
 
 The driver (`batchgen run` in a subprocess, its own Ray instance) is SIGKILLed once a unit
 is on the store; the same command resumes and completes, and the dataset equals a clean
-local run of the same job, row for row and bit for bit (CPU, batch-invariant). `status` and
+local run of the same job (its units run in this process by one worker, local input and
+output), row for row and bit for bit (CPU, batch-invariant). `status` and
 `verify` read the S3 output, and `verify` still finds a stray object there.
 """
 from __future__ import annotations
@@ -82,6 +83,24 @@ def _rows(fs: pafs.FileSystem, base: str) -> list[dict]:
     return sorted(rows, key=lambda r: (r["prompt_id"], r["sample_index"]))
 
 
+def _local_clean_run(out) -> None:
+    """The same demo job with local input and output, uninterrupted: every unit in order
+    through one GenerationWorker in this process."""
+    from cluster.worker import GenerationWorker
+    from jobs.dataset import plan_job
+    from jobs.output import OutputDir
+    from jobs.spec import load_spec
+    from jobs.task import JobTask
+
+    spec = load_spec(ROOT / "configs" / "demo.yaml", [a for a in JOB if a != "--set"] + [f"output.path={out}"])
+    plan = plan_job(spec)
+    OutputDir(str(out)).prepare(plan, spec)
+    w = GenerationWorker(JobTask(spec, plan), "local", num_threads=1)
+    for u in plan.units:
+        w.run_unit(u)
+    w.shutdown()
+
+
 def test_demo_job_on_s3_killed_and_resumed_equals_a_local_run(s3, tmp_path):
     from jobs.uri import filesystem_for
 
@@ -126,10 +145,7 @@ def test_demo_job_on_s3_killed_and_resumed_equals_a_local_run(s3, tmp_path):
     assert f"units:            4 ({4 - len(committed)} run now)" in rerun.stdout
 
     local = tmp_path / "local"
-    clean = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "configs/demo.yaml",
-                            "--set", f"output.path={local}", *JOB], cwd=ROOT, env=env, capture_output=True,
-                           text=True, timeout=400)
-    assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
+    _local_clean_run(local)
     on_s3, here = _rows(fs, "bkt/runs/demo"), _rows(pafs.LocalFileSystem(), str(local))
     assert len(on_s3) == 64 * 2 and on_s3 == here  # every column, bit for bit
 
