@@ -309,6 +309,7 @@ class UnitDispatcher:
             self._enqueue(u)
         self._pending = len(self._units)
         self._slot_failures = [0] * self.num_workers  # a new run tries given-up slots again
+        self._no_worker_since = None
         self.start()
         results: list[UnitResult] = []
         next_progress = time.monotonic() + self.progress_interval_s

@@ -20,7 +20,6 @@ import os
 import re
 from urllib.parse import parse_qsl, urlencode
 
-import pyarrow as pa
 import pyarrow.fs as pafs
 
 SECRET_OPTIONS = ("access_key", "secret_key", "session_token")
@@ -101,4 +100,4 @@ def is_local(fs: pafs.FileSystem) -> bool:
     return isinstance(fs, pafs.LocalFileSystem)
 
 
-__all__ = ["filesystem_for", "is_local", "is_uri", "join", "redact", "split_query", "uri_for", "with_query", "pa"]
+__all__ = ["filesystem_for", "is_local", "is_uri", "join", "redact", "split_query", "uri_for", "with_query"]

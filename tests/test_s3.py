@@ -23,7 +23,6 @@ import pytest
 
 pytest.importorskip("moto")
 pytest.importorskip("ray")
-import pyarrow as pa  # noqa: E402
 import pyarrow.fs as pafs  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
