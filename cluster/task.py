@@ -71,9 +71,11 @@ class UnitTask(Protocol):
     read_unit: the unit's prompts, tokenized with the worker's tokenizer; a bad row becomes
         a UnitRequest with an error, never an exception. Raises only when the unit cannot
         be read at all (the unit is then retried, then the job fails).
-    write_unit: commit the unit's output atomically (write to a temporary name, then
-        rename), one row per sample; `outputs[i]` belongs to `requests[i]`; `tokenizer`
-        (the worker's engine tokenizer) decodes the text columns. Returns counts.
+    write_unit: commit the unit's output so that it is visible whole or not at all, one row
+        per sample, and keep an existing commit of the same unit (a unit may run twice:
+        retries, a second copy after its deadline; the first commit wins); `outputs[i]`
+        belongs to `requests[i]`; `tokenizer` (the worker's engine tokenizer) decodes the
+        text columns. Returns counts.
     """
 
     engine_kwargs: dict[str, Any]

@@ -1,14 +1,16 @@
 """The `batchgen` command line (console script `batchgen` = jobs.cli:main).
 
     batchgen run CONFIG [--set KEY=VALUE ...] [--overwrite]
+    batchgen plan CONFIG [--set KEY=VALUE ...]
     batchgen submit CONFIG --address http://HEAD:8265 [--set KEY=VALUE ...] [--overwrite]
     batchgen status OUTPUT [--json]
     batchgen verify OUTPUT
     batchgen prepare INPUT.jsonl OUTPUT.parquet [--column question] [--id-column NAME] [--format text|chat]
+                     [--row-group-rows 256]
 
 Exit codes: 0 success; 1 the job ran and failed, or `verify` found problems; 2 the job
-could not start (bad config, bad input, output belongs to another job, bad prepare input);
-130 interrupted. Every jobs.errors.JobError is printed as "error: <message>" on stderr.
+could not start (bad config, bad input, output belongs to another job or is in use by
+another driver, bad prepare input; `plan` returns 2 where `run` would stop); 130 interrupted. Every jobs.errors.JobError is printed as "error: <message>" on stderr.
 """
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--overwrite", action="store_true",
                    help="delete the previous output in output.path if it belongs to another job")
 
+    pl = sub.add_parser("plan", help="validate a job and print what `run` would do (no Ray, no model)")
+    pl.add_argument("config", help="job YAML file")
+    add_set(pl)
+
     s = sub.add_parser("submit", help="submit a job to a Ray cluster's job server")
     s.add_argument("config", help="job YAML file")
     s.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://HEAD:8265")
@@ -61,25 +67,32 @@ def _parser() -> argparse.ArgumentParser:
                          "the column is created from line numbers (1-based)")
     pr.add_argument("--format", choices=("text", "chat"), default="text",
                     help="text: a string column `prompt`; chat: a `messages` column [{role: user, content}]")
+    pr.add_argument("--row-group-rows", type=int, default=256, metavar="N",
+                    help="rows per Parquet row group (default 256): use the job's cluster.unit_rows, so that "
+                         "each unit decodes only its own rows")
     return p
 
 
 # ------------------------------------------------------------------ prepare
 
 def prepare_jsonl(input_path: str, output_path: str, column: str = "prompt", id_column: str | None = None,
-                  fmt: str = "text") -> int:
-    """Convert JSONL to a prompts Parquet file; returns the number of rows written.
+                  fmt: str = "text", row_group_rows: int = 256) -> int:
+    """Convert JSONL to a prompts Parquet file with `row_group_rows`-row groups; returns the
+    number of rows written.
 
     The prompt field becomes `prompt` (text) or `messages` = [{role: "user", content}] (chat);
     the other scalar fields (str, int, float, bool, null) are kept as columns (e.g. GSM8K's
     `answer`, for input.passthrough); lists and objects are dropped. Blank lines are skipped.
     Raises InputError (exit code 2) for a missing file, a line that is not a JSON object
     (naming the line number), a line without the prompt field, a prompt that is not a
-    string, duplicate or missing ids, or a field whose type changes between lines.
+    string, duplicate or missing ids, or a field whose type changes between lines, and for
+    row_group_rows < 1.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if row_group_rows < 1:
+        raise InputError(f"--row-group-rows must be >= 1, got {row_group_rows}")
     target = "messages" if fmt == "chat" else "prompt"
     rows: list[dict[str, Any]] = []
     extra: dict[str, None] = {}
@@ -146,7 +159,7 @@ def prepare_jsonl(input_path: str, output_path: str, column: str = "prompt", id_
     try:
         os.makedirs(parent, exist_ok=True)
         tmp = f"{output_path}.tmp-{os.getpid()}"
-        pq.write_table(table, tmp)
+        pq.write_table(table, tmp, row_group_size=row_group_rows)
         os.replace(tmp, output_path)
     except OSError as e:
         from jobs.errors import OutputError
@@ -173,11 +186,15 @@ def format_status(st: dict[str, Any]) -> str:
         f"prompt tokens:    {st['prompt_tokens']:,}",
         f"error rows:       {st['error_rows']:,}",
         f"tool calls:       {st['tool_calls']:,} ({st['tool_errors']:,} with errors)",
+        f"input decoded:    {st.get('input_rows_decoded', 0):,} rows for {st['prompts']:,} prompts",
     ]
     if st.get("temp_files"):
         lines.append(f"temp files:       {st['temp_files']} (interrupted writes; resuming the job removes them)")
     for u in st.get("unreadable_units") or []:
         lines.append(f"unreadable:       {u}")
+    lease = st.get("lease")
+    if lease:
+        lines.append(f"lease:            held by {lease.get('holder')} since {lease.get('acquired')}")
     lines.append(f"success marker:   {'yes' if st['success'] else 'no'}")
     return "\n".join(lines)
 
@@ -207,6 +224,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         from jobs.runner import run_job
 
         return int(run_job(spec, overwrite=args.overwrite) or 0)
+    if args.command == "plan":
+        from jobs.plan_report import describe_plan
+        from jobs.spec import load_spec
+
+        text, code = describe_plan(load_spec(args.config, args.set))
+        print(text)
+        return code
     if args.command == "submit":
         from jobs.spec import load_spec
 
@@ -234,7 +258,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"ok: {od.path} ({len(od.committed_units())} unit files verified)")
         return 0
     if args.command == "prepare":
-        n = prepare_jsonl(args.input, args.output, column=args.column, id_column=args.id_column, fmt=args.format)
+        n = prepare_jsonl(args.input, args.output, column=args.column, id_column=args.id_column, fmt=args.format,
+                          row_group_rows=args.row_group_rows)
         print(f"wrote {n} prompts to {args.output}")
         return 0
     raise AssertionError(args.command)  # pragma: no cover - argparse rejects unknown commands

