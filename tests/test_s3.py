@@ -107,8 +107,8 @@ def test_demo_job_on_s3_killed_and_resumed_equals_a_local_run(s3, tmp_path):
     env = {**env, "PYTHONPATH": str(ROOT)}
     inp, outp = f"s3://bkt/prompts/?{options}", f"s3://bkt/runs/demo?{options}"
     fs, _ = filesystem_for(outp)
-    with open(ROOT / "jobs" / "data" / "demo_prompts.parquet", "rb") as src, \
-            fs.open_output_stream("bkt/prompts/demo_prompts.parquet") as dst:
+    with open(ROOT / "jobs" / "data" / "gsm8k_demo.parquet", "rb") as src, \
+            fs.open_output_stream("bkt/prompts/gsm8k_demo.parquet") as dst:
         dst.write(src.read())
 
     cmd = [sys.executable, "-m", "jobs.cli", "run", "configs/demo.yaml", "--set", f"input.path={inp}",
