@@ -104,6 +104,10 @@ class StepBatch:
         return ranges
 
 
+# Query rows of a batch-invariant decode call (see _attend_decode_rows).
+DECODE_QUERY_ROWS = 4
+
+
 class KVCache:
     """Keys and values for `num_slots` sequences of up to `max_seq_len` tokens.
 
@@ -229,9 +233,16 @@ class KVCache:
             rows = list(torch.zeros_like(q).split(1))
         else:
             rows = [None] * q.shape[0]
+        # Each row's query goes in as the first of DECODE_QUERY_ROWS query rows (the others
+        # zero): SDPA's CPU kernel takes another path for a lone query row, whose last bits
+        # change with the number of threads (measured: up to 9e-8 between 1 and 2 threads);
+        # with 4 or more rows a row's result is the same whatever the thread count or row count.
+        B, H, _, D = q.shape
+        padded = q.new_zeros(B, H, DECODE_QUERY_ROWS, D)
+        padded[:, :, :1] = q
         sdpa = F.scaled_dot_product_attention
         for r, s, lo, hi in ranges:
-            rows[r] = sdpa(q[r:r + 1], kt[s:s + 1, :, lo:hi], vt[s:s + 1, :, lo:hi], enable_gqa=gqa)
+            rows[r] = sdpa(padded[r:r + 1], kt[s:s + 1, :, lo:hi], vt[s:s + 1, :, lo:hi], enable_gqa=gqa)[:, :, :1]
         return torch.cat(rows)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
