@@ -36,17 +36,20 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cluster.task import WorkUnit
 from jobs.errors import InputError, SpecError
 from jobs.output import type_str
+from jobs.row_params import check_sampling_column_type, rows_per_unit
 from jobs.spec import PACKAGE_PREFIX, JobSpec
 
 log = logging.getLogger("batchgen")
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-FINGERPRINT_VERSION = 1
+# 2: the stop token is kept in `tokens`, the stop_reason column, per-row sampling parameters
+FINGERPRINT_VERSION = 2
 _GLOB_CHARS = "*?["
 
 
@@ -73,6 +76,9 @@ class JobPlan:
     fingerprint: sha256 hex of the canonical JSON of `fingerprint_data` (spec fields that
     decide the rows + each input file's name, size and row count).
     passthrough_fields: the Arrow fields of input.passthrough, as the output will store them.
+    expected_rows: output rows per unit index where a unit's rows are not its prompts x
+        sampling.num_samples (per-row num_samples: input.sampling_column, openai_batch).
+    batch: for input.format openai_batch, where each unit's lines are (jobs.openai_batch.BatchPlan).
     """
 
     units: list[WorkUnit]
@@ -83,6 +89,12 @@ class JobPlan:
     fingerprint_data: dict[str, Any] = field(default_factory=dict)
     passthrough_fields: list[pa.Field] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    expected_rows: dict[int, int] = field(default_factory=dict)
+    batch: Any = None
+
+    def unit_rows(self, unit: WorkUnit, num_samples: int) -> int:
+        """Output rows unit `unit` commits (a verify check and the progress bar's total)."""
+        return self.expected_rows.get(unit.index, unit.num_rows * num_samples)
 
     def file_of(self, source: str) -> InputFile:
         for f in self.files:
@@ -263,6 +275,10 @@ def _check_file_schema(spec: JobSpec, name: str, schema: pa.Schema) -> None:
     for col in inp.passthrough:
         if col not in cols:
             raise missing(col, "input.passthrough")
+    if inp.sampling_column is not None:
+        if inp.sampling_column not in cols:
+            raise missing(inp.sampling_column, "input.sampling_column")
+        check_sampling_column_type(name, inp.sampling_column, schema.field(inp.sampling_column).type)
 
 
 def _read_metadata(source: str, name: str) -> tuple[int, pa.Schema]:
@@ -357,11 +373,17 @@ def plan_job(spec: JobSpec) -> JobPlan:
                         f"a .gguf file, or {' or '.join(map(repr, BUILTIN_NAMES))})")
     if spec.model.tokenizer is not None and "://" not in spec.model.tokenizer and not os.path.exists(spec.model.tokenizer):
         raise SpecError(f"{spec.source}: model.tokenizer: {spec.model.tokenizer!r} does not exist")
+    if spec.input.format == "openai_batch":
+        from jobs.openai_batch import plan_batch
+
+        return plan_batch(spec)
     root, found = discover(spec.input.path)
     files: list[InputFile] = []
     warnings: list[str] = []
     first: tuple[str, dict[str, str]] | None = None
     needed = [spec.input.column] + ([spec.input.id_column] if spec.input.id_column else []) + list(spec.input.passthrough)
+    if spec.input.sampling_column:
+        needed.append(spec.input.sampling_column)
     for source, name, size in found:
         num_rows, schema = _read_metadata(source, name)
         _check_file_schema(spec, name, schema)
@@ -383,12 +405,32 @@ def plan_job(spec: JobSpec) -> JobPlan:
         _check_duplicate_ids(spec, files)
     units: list[WorkUnit] = []
     step = spec.cluster.unit_rows
+    expected: dict[int, int] = {}
     for f in files:
+        first = len(units)
         for start in range(0, f.num_rows, step):
             units.append(WorkUnit(index=len(units), source=f.path, row_start=start, row_end=min(start + step, f.num_rows)))
+        if spec.input.sampling_column and f.num_rows:
+            expected.update(rows_per_unit(_num_samples_values(f, spec.input.sampling_column),
+                                          [(u.index, u.row_start, u.row_end) for u in units[first:]],
+                                          spec.sampling.num_samples))
     data = {"version": FINGERPRINT_VERSION, **spec.fingerprint_dict()}
     data["input"] = {**data["input"], "files": [[f.name, f.size, f.num_rows] for f in files]}
     pt_schema = files[0].schema if files else pa.schema([])
     passthrough_fields = [pt_schema.field(c) for c in spec.input.passthrough]
     return JobPlan(units=units, files=files, fingerprint=fingerprint_of(data), num_prompts=sum(f.num_rows for f in files),
-                   root=root, fingerprint_data=data, passthrough_fields=passthrough_fields, warnings=warnings)
+                   root=root, fingerprint_data=data, passthrough_fields=passthrough_fields, warnings=warnings,
+                   expected_rows=expected)
+
+
+def _num_samples_values(f: InputFile, column: str) -> list[Any] | None:
+    """The num_samples field of a file's sampling struct column, one value per row (None when
+    the struct has no such field)."""
+    t = f.schema.field(column).type
+    if t.get_field_index("num_samples") < 0:
+        return None
+    try:
+        table = read_rows(f.path, 0, f.num_rows, [column])
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(f"{f.name}: cannot read column {column!r}: {e}") from None
+    return pc.struct_field(table.column(0), "num_samples").to_pylist()

@@ -43,6 +43,7 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("logprobs", pa.list_(pa.float32())),
     pa.field("text", pa.string()),
     pa.field("finish_reason", pa.string()),
+    pa.field("stop_reason", pa.string()),
     pa.field("tool_calls", pa.list_(TOOL_CALL_TYPE)),
     pa.field("num_prompt_tokens", pa.int32()),
     pa.field("num_tokens", pa.int32()),
@@ -298,7 +299,7 @@ class OutputDir:
             "files": [{"path": f.path, "name": f.name, "size": f.size, "num_rows": f.num_rows} for f in plan.files],
             "output_schema": [[fld.name, type_str(fld.type)] for fld in output_schema(plan.passthrough_fields)],
             "units": [{"index": u.index, "file": names.get(u.source, u.source), "row_start": u.row_start,
-                       "row_end": u.row_end, "expected_rows": u.num_rows * n} for u in plan.units],
+                       "row_end": u.row_end, "expected_rows": plan.unit_rows(u, n)} for u in plan.units],
         }
 
     def committed_units(self) -> set[int]:
@@ -386,7 +387,7 @@ class OutputDir:
 
         Checks: manifest present and readable; every part file readable, with the manifest's
         schema, this job's fingerprint, its own unit index and the expected row count
-        (unit rows x num_samples); no (prompt_id, sample_index) twice across units; no
+        (unit rows x num_samples, or the per-request num_samples summed); no (prompt_id, sample_index) twice across units; no
         orphan temporary files; no unexpected files; no _SUCCESS while units are missing.
         """
         try:
@@ -436,9 +437,11 @@ class OutputDir:
                         problems.append(f"{rel}: unit metadata says index {meta_unit.get('index')!r}, expected {idx}")
                     exp_rows = units[idx]["expected_rows"]
                     if md.num_rows != exp_rows:
-                        problems.append(f"{rel}: {md.num_rows} rows, expected {exp_rows} "
-                                        f"({units[idx]['row_end'] - units[idx]['row_start']} prompts x "
-                                        f"{m.get('num_samples')} samples)")
+                        prompts = units[idx]['row_end'] - units[idx]['row_start']
+                        how = (f"{prompts} prompts x {m.get('num_samples')} samples"
+                               if prompts * (m.get("num_samples") or 0) == exp_rows else
+                               f"{prompts} prompts with per-request num_samples")
+                        problems.append(f"{rel}: {md.num_rows} rows, expected {exp_rows} ({how})")
                     if "prompt_id" in schema.names and "sample_index" in schema.names:
                         t = pf.read(columns=["prompt_id", "sample_index"])
                         for pid, si in zip(t.column(0).to_pylist(), t.column(1).to_pylist()):

@@ -113,13 +113,14 @@ class _Progress:
 
 
 def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
-            task_factory: Callable[[Any, Any], Any] | None = None) -> int:
+            task_factory: Callable[[Any, Any], Any] | None = None, echo: bool = True) -> int:
     """Run (or resume) the job; returns 0 when every unit is committed.
 
     Raises InputError / OutputError (exit code 2) before any work starts and JobFailed
     (exit code 1) when a unit keeps failing or workers cannot start. `progress=False` hides
     the bar (None: shown only when stderr is a terminal). task_factory(spec, plan): the
     UnitTask to run (default jobs.task.JobTask; tests inject faults through it).
+    echo=False: no summary and examples on stdout (the Python API, jobs.api.run_job).
     """
     from cluster.pool import UnitFailed, run_units
     from jobs.dataset import plan_job
@@ -134,8 +135,8 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
     committed = out.committed_units()
     todo = [u for u in plan.units if u.index not in committed]
     n = spec.sampling.num_samples
-    total_rows = sum(u.num_rows for u in plan.units) * n
-    done_rows = total_rows - sum(u.num_rows for u in todo) * n
+    total_rows = sum(plan.unit_rows(u, n) for u in plan.units)
+    done_rows = total_rows - sum(plan.unit_rows(u, n) for u in todo)
     log.info("job %s: %d prompts, %d units (%d committed, %d to run), output %s (%s)", plan.fingerprint[:12],
              plan.num_prompts, len(plan.units), len(plan.units) - len(todo), len(todo), out.path, mode)
 
@@ -184,10 +185,11 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
     if st["units_done"] != st["units_total"]:  # pragma: no cover - run_units returned without error
         raise JobFailed(f"{st['units_total'] - st['units_done']} units missing after the run; rerun to resume")
     out.mark_success(summary)
-    print(format_summary(summary))
-    examples = show_examples(spec, plan, out)
-    if examples:
-        print(examples)
+    if echo:
+        print(format_summary(summary))
+        examples = show_examples(spec, plan, out)
+        if examples:
+            print(examples)
     return 0
 
 
@@ -198,15 +200,15 @@ def show_examples(spec: Any, plan: Any, out: Any, n: int = 2, width: int = 600) 
     from engine.builtin import TINY_RANDOM
     from jobs.dataset import read_rows
 
-    if spec.model.path == TINY_RANDOM or not plan.units:
+    if spec.model.path == TINY_RANDOM or not plan.units or spec.input.format == "openai_batch":
         return ""
     unit = plan.units[0]
     rows = out.read_part(unit.index, ["sample_index", "text", "finish_reason"]).to_pylist()
     prompts = read_rows(unit.source, unit.row_start, unit.row_end, [spec.input.column]).column(0).to_pylist()
-    num_samples = spec.sampling.num_samples
+    firsts = [r for r in rows if r["sample_index"] == 0]  # sample 0 of each prompt, in prompt order
     lines = []
     for j, prompt in enumerate(prompts):
-        row = rows[j * num_samples] if j * num_samples < len(rows) else None
+        row = firsts[j] if j < len(firsts) else None
         if row is None or row["finish_reason"] == "error" or not row["text"]:
             continue
         if spec.input.format == "chat":
