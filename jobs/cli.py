@@ -179,13 +179,11 @@ def batch_output_dir(output: str) -> str:
     return stem + ".parquet"
 
 
-def run_batch(input_path: str, output: str, *, model: str | None = None, config: str | None = None,
-              output_dir: str | None = None, overrides: Sequence[str] = (), overwrite: bool = False,
-              progress: bool | None = None) -> int:
-    """`batchgen run-batch`: the job (input.format openai_batch over `input_path`, output.path
-    `output_dir`), then the response JSONL `output`. Returns 0; raises the job's errors."""
-    from jobs.openai_batch import write_responses
-    from jobs.runner import run_job
+def batch_spec(input_path: str, output: str, *, model: str | None = None, config: str | None = None,
+               output_dir: str | None = None, overrides: Sequence[str] = ()) -> Any:
+    """The JobSpec `batchgen run-batch` runs: the config's keys (if any), --model, the --set
+    overrides, then input.path = the batch file, input.format = openai_batch and output.path =
+    `output_dir` (default batch_output_dir(output)). Raises SpecError naming the key."""
     from jobs.spec import JobSpec, apply_override, load_spec
 
     source = config or "run-batch"
@@ -205,7 +203,18 @@ def run_batch(input_path: str, output: str, *, model: str | None = None, config:
         inp.pop(key, None)
     inp.update({"path": input_path, "format": "openai_batch"})
     data.setdefault("output", {})["path"] = output_dir or batch_output_dir(output)
-    spec = JobSpec.from_dict(data, source)
+    return JobSpec.from_dict(data, source)
+
+
+def run_batch(input_path: str, output: str, *, model: str | None = None, config: str | None = None,
+              output_dir: str | None = None, overrides: Sequence[str] = (), overwrite: bool = False,
+              progress: bool | None = None) -> int:
+    """`batchgen run-batch`: the job of batch_spec (resumed if it ran before), then the
+    response JSONL `output` written from its dataset. Returns 0; raises the job's errors."""
+    from jobs.openai_batch import write_responses
+    from jobs.runner import run_job
+
+    spec = batch_spec(input_path, output, model=model, config=config, output_dir=output_dir, overrides=overrides)
     run_job(spec, overwrite=overwrite, progress=progress)
     n = write_responses(spec.output.path, output)
     print(f"wrote {n} responses to {output}")
