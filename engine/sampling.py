@@ -42,26 +42,29 @@ def request_key(seed: int, prompt_id: str, sample_index: int) -> tuple[int, int]
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int64 tensors holding values in [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
+    """lowbias32 on int64 tensors holding values in [0, 2**32), in place (returns x)."""
+    x ^= x >> 16
+    x.mul_(0x7FEB352D).bitwise_and_(_M32)
+    x ^= x >> 15
+    x.mul_(0x846CA68B).bitwise_and_(_M32)
+    x ^= x >> 16
+    return x
 
 
 def race_noise(keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """log E for each candidate: E = -log(u), u uniform in (0, 1) hashed from the counters.
 
     keys: (B, 2) int64 (request_key words); positions: (B,) int64, the position of the token
-    being sampled; token_ids: (B, K) int64 candidate ids. Returns (B, K) float64.
+    being sampled; token_ids: (B, K) int64 candidate ids, or (K,) candidates shared by every
+    row (hashed once). Returns (B, K) float64. Works in place on its own buffers: the
+    (B, vocabulary) noise of plain sampling is the sampler's largest cost.
     """
     h = _mix32(token_ids ^ 0x9E3779B9)
-    h = _mix32(h ^ positions[:, None])
-    h = _mix32(h ^ keys[:, 1:2])
-    h = _mix32(h ^ keys[:, 0:1])
-    u = (h.double() + 0.5) * (1.0 / 2**32)
-    return torch.log(-torch.log(u))
+    h = _mix32((h[None, :] if h.dim() == 1 else h) ^ positions[:, None])
+    h = _mix32(h.bitwise_xor_(keys[:, 1:2]))
+    h = _mix32(h.bitwise_xor_(keys[:, 0:1]))
+    u = h.double().add_(0.5).mul_(1.0 / 2**32)
+    return u.log_().neg_().log_()
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -146,8 +149,7 @@ def _sample_group(kind: tuple, logits: torch.Tensor, temperature: torch.Tensor, 
     t = temperature[:, None]
     if kind[0] == "plain":  # no truncation: race over the whole vocabulary
         x = (logits / t).double()
-        idx = torch.arange(V, device=logits.device).expand(B, V)
-        tokens = torch.argmax(x - race_noise(keys, positions, idx), dim=-1)
+        tokens = torch.argmax(x - race_noise(keys, positions, torch.arange(V, device=logits.device)), dim=-1)
         if not processed:
             return tokens, None
         return tokens, (x.gather(1, tokens[:, None])[:, 0] - _logsumexp_rows(x)).float()
@@ -170,7 +172,12 @@ def _sample_group(kind: tuple, logits: torch.Tensor, temperature: torch.Tensor, 
         keep = keep & ((logp >= logp[:, :1] + torch.log(min_p.clamp_min(1e-30))[:, None]) | ~m_on[:, None])
     keep[:, 0] = True  # the most likely token always survives
     lpd = logp.double().masked_fill(~keep, float("-inf"))
-    choice = torch.argmax(lpd - race_noise(keys, positions, idx), dim=-1, keepdim=True)
+    # Only survivors can win the race, and they come first (top_p and min_p keep a prefix of
+    # the sorted candidates), so the noise is hashed for the columns up to the last survivor:
+    # the same winner, without hashing the whole vocabulary for top_p / min_p.
+    width = int((keep * torch.arange(1, keep.shape[1] + 1, device=keep.device)).max())
+    race = lpd[:, :width] - race_noise(keys, positions, idx[:, :width])
+    choice = torch.argmax(race, dim=-1, keepdim=True)
     tokens = idx.gather(1, choice)[:, 0]
     if not processed:
         return tokens, None
