@@ -205,3 +205,24 @@ def test_per_request_params_are_bit_identical_alone_and_mixed():
         assert [(s.tokens, s.logprobs, s.finish_reason, s.stop_reason) for s in alone] == \
             [(s.tokens, s.logprobs, s.finish_reason, s.stop_reason) for s in mixed[i]]
     assert all(lp == 0.0 for lp in mixed[2][0].logprobs)
+
+
+def test_vocabulary_wide_kinds_in_chunks_are_bit_identical(monkeypatch):
+    """Plain and top_p rows run _CHUNK_ROWS at a time: 100 rows chunked, unchunked and one by
+    one give the same token and processed-logprob bits."""
+    import engine.sampling as S
+
+    g = torch.Generator().manual_seed(9)
+    B, V = 100, 5000
+    lg = torch.randn(B, V, generator=g) * 3
+    keys = torch.tensor([request_key(1, str(i), 0) for i in range(B)], dtype=torch.long)
+    for top_p in (1.0, 0.8):
+        a = (lg, torch.full((B,), 0.9), torch.zeros(B, dtype=torch.long), torch.full((B,), top_p), torch.zeros(B),
+             keys, torch.arange(B))
+        t, lp = sample_with_logprobs(*a, processed=True)
+        monkeypatch.setattr(S, "_CHUNK_ROWS", 10**9)
+        assert all(torch.equal(x, y) for x, y in zip((t, lp), sample_with_logprobs(*a, processed=True)))
+        monkeypatch.undo()
+        for i in range(0, B, 7):
+            one = sample_with_logprobs(*(x[i:i + 1] for x in a), processed=True)
+            assert torch.equal(one[0], t[i:i + 1]) and torch.equal(one[1], lp[i:i + 1])
