@@ -121,7 +121,7 @@ class GenerationWorker:
             if req.prompt_tokens is None:
                 from engine.params import error_output
 
-                outputs[row] = error_output(rid, req.prompt_id, None, params, req.error or "invalid prompt")
+                outputs[row] = error_output(rid, req.prompt_id, None, req.params or params, req.error or "invalid prompt")
             else:
                 good.append((rid, req))
         state.remaining = len(good)
@@ -175,7 +175,7 @@ class GenerationWorker:
             try:
                 for state, reqs in inbox:
                     for rid, req in reqs:
-                        eng.add_request(req.prompt_tokens, self.task.params, req.prompt_id, request_id=rid)
+                        eng.add_request(req.prompt_tokens, req.params or self.task.params, req.prompt_id, request_id=rid)
                 finished = eng.step() if eng.has_unfinished_requests() else []
                 busy = eng.has_unfinished_requests()
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the units

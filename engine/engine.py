@@ -22,7 +22,7 @@ import torch
 from engine.kv_cache import KVCache, StepBatch
 from engine.models.base import CausalLM
 from engine.params import RequestOutput, Sample, SamplingParams, error_output
-from engine.sampling import request_key, sample_tokens, token_logprobs
+from engine.sampling import request_key, sample_with_logprobs, token_logprobs
 from engine.scheduler import PrefillGroup, Scheduler
 from engine.sequence import Request, Sequence, ToolTokens
 
@@ -244,9 +244,13 @@ class Engine:
             min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev)
             keys = torch.tensor([s.key for s in sub], dtype=torch.long, device=dev)
             pos = torch.tensor([s.position + 1 for s in sub], dtype=torch.long, device=dev)
-            toks = sample_tokens(lg, temp, top_k, top_p, min_p, keys, pos)
-            lps = token_logprobs(lg, toks, inplace=True)
-            for i, t, lp in zip(free_rows, toks.tolist(), lps.tolist()):
+            processed = [p.logprobs_mode == "processed" for p in ps]
+            toks, proc = sample_with_logprobs(lg, temp, top_k, top_p, min_p, keys, pos, processed=any(processed))
+            # raw logprobs last: token_logprobs overwrites the logits
+            raw = None if all(processed) else token_logprobs(lg, toks, inplace=True).tolist()
+            proc_l = None if proc is None else proc.tolist()
+            lps = [proc_l[j] if pr else raw[j] for j, pr in enumerate(processed)]  # type: ignore[index]
+            for i, t, lp in zip(free_rows, toks.tolist(), lps):
                 sampled[i] = (t, lp)
         for i, seq in enumerate(seqs):
             if i in sampled:

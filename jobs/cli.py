@@ -2,6 +2,8 @@
 
     batchgen run CONFIG [--set KEY=VALUE ...] [--overwrite]
     batchgen plan CONFIG [--set KEY=VALUE ...]
+    batchgen run-batch -i IN.jsonl -o OUT.jsonl [--model PATH] [--config CONFIG] [--output-dir DIR]
+                       [--set KEY=VALUE ...] [--overwrite]
     batchgen submit CONFIG --address http://HEAD:8265 [--set KEY=VALUE ...] [--overwrite]
     batchgen status OUTPUT [--json]
     batchgen verify OUTPUT
@@ -44,6 +46,19 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="validate a job and print what `run` would do (no Ray, no model)")
     pl.add_argument("config", help="job YAML file")
     add_set(pl)
+    rb = sub.add_parser("run-batch", help="answer an OpenAI Batch JSONL file (as vLLM's run-batch)",
+                        description="Run an OpenAI Batch file (/v1/chat/completions and /v1/completions lines) as a "
+                                    "resumable batchgen job and write one response line per request line, in input "
+                                    "order. The Parquet dataset (--output-dir) is the durable store: rerun the same "
+                                    "command after an interruption to resume.")
+    rb.add_argument("-i", "--input", required=True, help="the batch file (JSONL, one request a line)")
+    rb.add_argument("-o", "--output", required=True, help="the response file to write (JSONL)")
+    rb.add_argument("--model", default=None, help="model.path (default: the config's, else smollm2)")
+    rb.add_argument("--config", default=None, help="a job YAML for the model, sampling defaults and cluster keys")
+    rb.add_argument("--output-dir", default=None,
+                    help="the job's Parquet output directory (default: OUTPUT without .jsonl, plus .parquet)")
+    add_set(rb)
+    rb.add_argument("--overwrite", action="store_true", help="as for run")
 
     s = sub.add_parser("submit", help="submit a job to a Ray cluster's job server")
     s.add_argument("config", help="job YAML file")
@@ -168,6 +183,56 @@ def prepare_jsonl(input_path: str, output_path: str, column: str = "prompt", id_
     return table.num_rows
 
 
+# ------------------------------------------------------------------ run-batch
+
+def batch_output_dir(output: str) -> str:
+    """run-batch's default Parquet directory for response file `output`: results.jsonl -> results.parquet."""
+    stem = output[: -len(".jsonl")] if output.endswith(".jsonl") else output
+    return stem + ".parquet"
+
+
+def batch_spec(input_path: str, output: str, *, model: str | None = None, config: str | None = None,
+               output_dir: str | None = None, overrides: Sequence[str] = ()) -> Any:
+    """The JobSpec `batchgen run-batch` runs: the config's keys (if any), --model, the --set
+    overrides, then input.path = the batch file, input.format = openai_batch and output.path =
+    `output_dir` (default batch_output_dir(output)). Raises SpecError naming the key."""
+    from jobs.spec import JobSpec, apply_override, load_spec
+
+    source = config or "run-batch"
+    data: dict[str, Any] = {}
+    if config:
+        import yaml
+
+        load_spec(config)  # the config's own errors first, naming its keys
+        with open(config, encoding="utf-8") as f:  # the keys it sets (unset ones keep openai_batch's defaults)
+            data = {k: dict(v or {}) for k, v in (yaml.safe_load(f) or {}).items()}
+    if model is not None:
+        data.setdefault("model", {})["path"] = model
+    for ov in overrides:
+        apply_override(data, ov, source)
+    inp = data.setdefault("input", {})
+    for key in ("column", "id_column", "sampling_column", "passthrough"):
+        inp.pop(key, None)
+    inp.update({"path": input_path, "format": "openai_batch"})
+    data.setdefault("output", {})["path"] = output_dir or batch_output_dir(output)
+    return JobSpec.from_dict(data, source)
+
+
+def run_batch(input_path: str, output: str, *, model: str | None = None, config: str | None = None,
+              output_dir: str | None = None, overrides: Sequence[str] = (), overwrite: bool = False,
+              progress: bool | None = None) -> int:
+    """`batchgen run-batch`: the job of batch_spec (resumed if it ran before), then the
+    response JSONL `output` written from its dataset. Returns 0; raises the job's errors."""
+    from jobs.openai_batch import write_responses
+    from jobs.runner import run_job
+
+    spec = batch_spec(input_path, output, model=model, config=config, output_dir=output_dir, overrides=overrides)
+    run_job(spec, overwrite=overwrite, progress=progress)
+    n = write_responses(spec.output.path, output)
+    print(f"wrote {n} responses to {output}")
+    return 0
+
+
 # ------------------------------------------------------------------ status
 
 def format_status(st: dict[str, Any]) -> str:
@@ -231,6 +296,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         text, code = describe_plan(load_spec(args.config, args.set))
         print(text)
         return code
+    if args.command == "run-batch":
+        return run_batch(args.input, args.output, model=args.model, config=args.config, output_dir=args.output_dir,
+                         overrides=list(args.set), overwrite=args.overwrite)
     if args.command == "submit":
         from jobs.spec import load_spec
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cluster.task import WorkUnit
@@ -51,6 +52,7 @@ from jobs import uri
 from jobs.errors import InputError, SpecError
 from jobs.ids import find_duplicate
 from jobs.output import type_str
+from jobs.row_params import check_sampling_column_type, rows_per_unit
 from jobs.spec import PACKAGE_PREFIX, JobSpec
 from jobs.units import cut_file
 from jobs.weights import HashCache, content_identity
@@ -58,7 +60,9 @@ from jobs.weights import HashCache, content_identity
 log = logging.getLogger("batchgen")
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-FINGERPRINT_VERSION = 2  # 2: checkpoint content hashes, resolved device kind and dtype, row-group units
+# 2: checkpoint content hashes, resolved device kind and dtype, row-group units; the stop
+# token kept in `tokens`, the stop_reason column, per-row sampling parameters
+FINGERPRINT_VERSION = 2
 _GLOB_CHARS = "*?["
 FOOTER_THREADS = 16  # parallel footer reads (object stores answer each in tens of ms)
 
@@ -93,6 +97,9 @@ class JobPlan:
     passthrough_fields: the Arrow fields of input.passthrough, as the output will store them.
     rows_decoded: input rows the job's units (and staging) will decode, against
     num_prompts used.
+    expected_rows: output rows per unit index where a unit's rows are not its prompts x
+        sampling.num_samples (per-row num_samples: input.sampling_column, openai_batch).
+    batch: for input.format openai_batch, where each unit's lines are (jobs.openai_batch.BatchPlan).
     """
 
     units: list[WorkUnit]
@@ -104,10 +111,16 @@ class JobPlan:
     passthrough_fields: list[pa.Field] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     rows_decoded: int = 0
+    expected_rows: dict[int, int] = field(default_factory=dict)
+    batch: Any = None
 
     @property
     def staged_files(self) -> list[InputFile]:
         return [f for f in self.files if f.staged]
+
+    def unit_rows(self, unit: WorkUnit, num_samples: int) -> int:
+        """Output rows unit `unit` commits (a verify check and the progress bar's total)."""
+        return self.expected_rows.get(unit.index, unit.num_rows * num_samples)
 
     def file_of(self, source: str) -> InputFile:
         for f in self.files:
@@ -275,6 +288,10 @@ def _check_file_schema(spec: JobSpec, name: str, schema: pa.Schema) -> None:
     for col in inp.passthrough:
         if col not in cols:
             raise missing(col, "input.passthrough")
+    if inp.sampling_column is not None:
+        if inp.sampling_column not in cols:
+            raise missing(inp.sampling_column, "input.sampling_column")
+        check_sampling_column_type(name, inp.sampling_column, schema.field(inp.sampling_column).type)
 
 
 def _read_footer(source: str, name: str) -> tuple[int, pa.Schema, tuple[int, ...]]:
@@ -372,6 +389,10 @@ def plan_job(spec: JobSpec, hash_cache: HashCache | None = None) -> JobPlan:
                         f"a .gguf file, or {' or '.join(map(repr, BUILTIN_NAMES))})")
     if spec.model.tokenizer is not None and not os.path.exists(spec.model.tokenizer):
         raise SpecError(f"{spec.source}: model.tokenizer: {spec.model.tokenizer!r} does not exist")
+    if spec.input.format == "openai_batch":
+        from jobs.openai_batch import plan_batch
+
+        return plan_batch(spec)
     root, found = discover(spec.input.path)
     with ThreadPoolExecutor(max_workers=max(1, min(FOOTER_THREADS, len(found)))) as ex:
         footers = list(ex.map(lambda t: _read_footer(t[0], t[1]), found))
@@ -379,7 +400,10 @@ def plan_job(spec: JobSpec, hash_cache: HashCache | None = None) -> JobPlan:
     warnings: list[str] = []
     first: tuple[str, dict[str, str]] | None = None
     needed = [spec.input.column] + ([spec.input.id_column] if spec.input.id_column else []) + list(spec.input.passthrough)
+    if spec.input.sampling_column:
+        needed.append(spec.input.sampling_column)
     units: list[WorkUnit] = []
+    file_units: list[list[WorkUnit]] = []
     rows_decoded = 0
     for (source, name, size), (num_rows, schema, groups) in zip(found, footers):
         _check_file_schema(spec, name, schema)
@@ -398,12 +422,20 @@ def plan_job(spec: JobSpec, hash_cache: HashCache | None = None) -> JobPlan:
             log.warning("input file %s", msg)
         cut = cut_file(groups, spec.cluster.unit_rows)
         rows_decoded += cut.rows_decoded
-        for a, b in cut.ranges:
-            units.append(WorkUnit(index=len(units), source=source, row_start=a, row_end=b))
+        file_units.append([WorkUnit(index=len(units) + k, source=source, row_start=a, row_end=b)
+                           for k, (a, b) in enumerate(cut.ranges)])
+        units.extend(file_units[-1])
         files.append(InputFile(path=source, name=name, size=size, num_rows=num_rows, schema=schema,
                                row_groups=groups, staged=cut.staged))
     if spec.input.id_column:
         _check_duplicate_ids(spec, files)
+    expected: dict[int, int] = {}
+    if spec.input.sampling_column:
+        for f, its in zip(files, file_units):
+            if f.num_rows:
+                expected.update(rows_per_unit(_num_samples_values(f, spec.input.sampling_column),
+                                              [(u.index, u.row_start, u.row_end) for u in its],
+                                              spec.sampling.num_samples))
     data = {"version": FINGERPRINT_VERSION, **spec.fingerprint_dict()}
     data["model"]["sha256"] = content_identity(spec.model.path, hash_cache)
     if spec.model.tokenizer is not None:
@@ -413,4 +445,17 @@ def plan_job(spec: JobSpec, hash_cache: HashCache | None = None) -> JobPlan:
     passthrough_fields = [pt_schema.field(c) for c in spec.input.passthrough]
     return JobPlan(units=units, files=files, fingerprint=fingerprint_of(data), num_prompts=sum(f.num_rows for f in files),
                    root=root, fingerprint_data=data, passthrough_fields=passthrough_fields, warnings=warnings,
-                   rows_decoded=rows_decoded)
+                   rows_decoded=rows_decoded, expected_rows=expected)
+
+
+def _num_samples_values(f: InputFile, column: str) -> list[Any] | None:
+    """The num_samples field of a file's sampling struct column, one value per row (None when
+    the struct has no such field)."""
+    t = f.schema.field(column).type
+    if t.get_field_index("num_samples") < 0:
+        return None
+    try:
+        table = read_rows(f.path, 0, f.num_rows, [column])
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(f"{f.name}: cannot read column {column!r}: {e}") from None
+    return pc.struct_field(table.column(0), "num_samples").to_pylist()

@@ -62,6 +62,7 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("logprobs", pa.list_(pa.float32())),
     pa.field("text", pa.string()),
     pa.field("finish_reason", pa.string()),
+    pa.field("stop_reason", pa.string()),
     pa.field("tool_calls", pa.list_(TOOL_CALL_TYPE)),
     pa.field("num_prompt_tokens", pa.int32()),
     pa.field("num_tokens", pa.int32()),
@@ -384,7 +385,7 @@ class OutputDir:
                        "row_groups": len(f.row_groups), "staged": f.staged} for f in plan.files],
             "output_schema": [[fld.name, type_str(fld.type)] for fld in output_schema(plan.passthrough_fields)],
             "units": [{"index": u.index, "file": names.get(u.source, u.source), "row_start": u.row_start,
-                       "row_end": u.row_end, "expected_rows": u.num_rows * n} for u in plan.units],
+                       "row_end": u.row_end, "expected_rows": plan.unit_rows(u, n)} for u in plan.units],
         }
 
     def committed_units(self) -> set[int]:
@@ -519,9 +520,11 @@ class OutputDir:
                     problems.append(f"{rel}: unit metadata says index {meta_unit.get('index')!r}, expected {idx}")
                 exp_rows = units[idx]["expected_rows"]
                 if md.num_rows != exp_rows:
-                    problems.append(f"{rel}: {md.num_rows} rows, expected {exp_rows} "
-                                    f"({units[idx]['row_end'] - units[idx]['row_start']} prompts x "
-                                    f"{m.get('num_samples')} samples)")
+                    prompts = units[idx]["row_end"] - units[idx]["row_start"]
+                    how = (f"{prompts} prompts x {m.get('num_samples')} samples"
+                           if prompts * (m.get("num_samples") or 0) == exp_rows else
+                           f"{prompts} prompts with per-request num_samples")
+                    problems.append(f"{rel}: {md.num_rows} rows, expected {exp_rows} ({how})")
                 if "prompt_id" not in schema.names or "sample_index" not in schema.names:
                     return problems, None
                 t = pf.read(columns=["prompt_id", "sample_index"])
@@ -552,11 +555,11 @@ class OutputDir:
 
         Checks: manifest present and readable; every part file readable, with the manifest's
         schema, this job's fingerprint, its own unit index and the expected row count
-        (unit rows x num_samples); no (prompt_id, sample_index) twice, within a file or
-        across units (a prompt's samples all belong to one unit, so a prompt id in two
-        files is a duplicate); no orphan temporary files; no unexpected files; no _SUCCESS
-        while units are missing. Files are read in parallel; memory holds one 64-bit key
-        per prompt.
+        (unit rows x num_samples, or the per-request num_samples summed); no (prompt_id,
+        sample_index) twice, within a file or across units (a prompt's samples all belong to
+        one unit, so a prompt id in two files is a duplicate); no orphan temporary files; no
+        unexpected files; no _SUCCESS while units are missing. Files are read in parallel;
+        memory holds one 64-bit key per prompt.
         """
         try:
             m = self.read_manifest()

@@ -148,7 +148,7 @@ def load_hash_cache(out: Any) -> Any:
 
 
 def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
-            task_factory: Callable[..., Any] | None = None) -> int:
+            task_factory: Callable[..., Any] | None = None, echo: bool = True) -> int:
     """Run (or resume) the job; returns 0 when every unit is committed.
 
     Raises SpecError / InputError / OutputError (exit code 2) before any work starts and
@@ -156,6 +156,7 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
     host a worker, or the output lease is lost. `progress=False` hides the bar (None: shown
     only when stderr is a terminal). task_factory(spec, plan, staged=...): the UnitTask to
     run (default jobs.task.JobTask; tests inject faults through it).
+    echo=False: no summary and examples on stdout (the Python API, jobs.api.run_job).
     """
     from cluster.pool import UnitDispatcher, UnitFailed
     from jobs.dataset import plan_job
@@ -182,8 +183,8 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
         committed = out.committed_units()
         todo = [u for u in plan.units if u.index not in committed]
         n = spec.sampling.num_samples
-        total_rows = sum(u.num_rows for u in plan.units) * n
-        done_rows = total_rows - sum(u.num_rows for u in todo) * n
+        total_rows = sum(plan.unit_rows(u, n) for u in plan.units)
+        done_rows = total_rows - sum(plan.unit_rows(u, n) for u in todo)
         log.info("job %s: %d prompts, %d units (%d committed, %d to run), output %s (%s)%s", plan.fingerprint[:12],
                  plan.num_prompts, len(plan.units), len(plan.units) - len(todo), len(todo), out.shown, mode,
                  f"; took over the output lease of {lease.took_over}" if lease.took_over else "")
@@ -243,10 +244,11 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
         out.mark_success(summary)
     finally:
         lease.release()
-    print(format_summary(summary))
-    examples = show_examples(spec, plan, out)
-    if examples:
-        print(examples)
+    if echo:
+        print(format_summary(summary))
+        examples = show_examples(spec, plan, out)
+        if examples:
+            print(examples)
     return 0
 
 
@@ -257,15 +259,15 @@ def show_examples(spec: Any, plan: Any, out: Any, n: int = 2, width: int = 600) 
     from engine.builtin import TINY_RANDOM
     from jobs.dataset import read_rows
 
-    if spec.model.path == TINY_RANDOM or not plan.units:
+    if spec.model.path == TINY_RANDOM or not plan.units or spec.input.format == "openai_batch":
         return ""
     unit = plan.units[0]
     rows = out.read_part(unit.index, ["sample_index", "text", "finish_reason"]).to_pylist()
     prompts = read_rows(unit.source, unit.row_start, unit.row_end, [spec.input.column]).column(0).to_pylist()
-    num_samples = spec.sampling.num_samples
+    firsts = [r for r in rows if r["sample_index"] == 0]  # sample 0 of each prompt, in prompt order
     lines = []
     for j, prompt in enumerate(prompts):
-        row = rows[j * num_samples] if j * num_samples < len(rows) else None
+        row = firsts[j] if j < len(firsts) else None
         if row is None or row["finish_reason"] == "error" or not row["text"]:
             continue
         if spec.input.format == "chat":

@@ -2,10 +2,11 @@
 
     model:    {path: smollm2, dtype: auto, device: auto, tokenizer: null, max_num_seqs: 256,
                kv_cache_gb: null, max_seq_len: null, batch_invariant: true}
-    input:    {path: prompts.parquet, format: text, column: prompt, id_column: null, passthrough: []}
+    input:    {path: prompts.parquet, format: text, column: prompt, id_column: null, passthrough: [],
+               sampling_column: null}
     output:   {path: out/demo, lease_timeout_s: 120}
     sampling: {num_samples: 4, max_tokens: 256, temperature: 1.0, top_k: 50, top_p: 1.0,
-               min_p: 0.0, seed: 0, stop_token_ids: null}
+               min_p: 0.0, seed: 0, stop_token_ids: null, stop: null, logprobs_mode: raw}
     tools:    {calculator: true}
     cluster:  {address: null, num_workers: 1, gpus_per_worker: 0, cpus_per_worker: 1,
                unit_rows: 256, max_unit_attempts: 3, unit_timeout_s: null}
@@ -31,6 +32,13 @@ workers will run and no worker picks something else: `model.device: auto` is "cu
 
 `input.column` defaults to "prompt" for the text and tokens formats and "messages" for chat.
 
+`input.sampling_column` names a struct column whose fields (any of jobs.row_params.ROW_FIELDS)
+override `sampling` for that row (jobs/row_params.py).
+
+`input.format: openai_batch` reads an OpenAI Batch JSONL file (jobs/openai_batch.py): each
+line's body sets its own sampling parameters over `sampling`, whose num_samples and top_k
+default to OpenAI's (1 and off) for this format when the config does not set them.
+
 Errors: every problem raises jobs.errors.SpecError (exit code 2) whose message names the
 file and the dotted key, e.g. "configs/x.yaml: sampling.top_p: must be in (0, 1], got 1.5".
 """
@@ -51,9 +59,11 @@ if TYPE_CHECKING:
 
 # Output columns a passthrough column may not shadow (kept in sync with jobs.output.OUTPUT_SCHEMA).
 RESERVED_COLUMNS = ("prompt_id", "sample_index", "prompt_tokens", "tokens", "mask", "logprobs", "text",
-                    "finish_reason", "tool_calls", "num_prompt_tokens", "num_tokens", "seed", "error")
+                    "finish_reason", "stop_reason", "tool_calls", "num_prompt_tokens", "num_tokens", "seed",
+                    "error")
 
-DEFAULT_COLUMNS = {"text": "prompt", "tokens": "prompt", "chat": "messages"}
+# input.column's default per input.format (openai_batch reads whole JSONL lines: "body" is nominal)
+DEFAULT_COLUMNS = {"text": "prompt", "tokens": "prompt", "chat": "messages", "openai_batch": "body"}
 
 PACKAGE_PREFIX = "package://"
 
@@ -137,10 +147,11 @@ class InputSpec(_Section):
     """Where the prompts are and how to read them."""
 
     path: NonEmptyStr = "prompts.parquet"
-    format: Literal["text", "chat", "tokens"] = "text"
+    format: Literal["text", "chat", "tokens", "openai_batch"] = "text"
     column: str | None = None
     id_column: str | None = None
     passthrough: list[str] = Field(default_factory=list)
+    sampling_column: str | None = None
 
     @field_validator("passthrough")
     @classmethod
@@ -156,6 +167,14 @@ class InputSpec(_Section):
 
     @model_validator(mode="after")
     def _default_column(self) -> "InputSpec":
+        if self.format == "openai_batch":
+            # a batch line carries its own id (custom_id) and sampling parameters (its body)
+            for key in ("column", "id_column", "sampling_column"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key} is not used with format openai_batch (each line's custom_id is its "
+                                     f"id, its body holds the prompt and the sampling parameters)")
+            if self.passthrough:
+                raise ValueError("passthrough is not used with format openai_batch")
         if self.column is None:
             self.column = DEFAULT_COLUMNS[self.format]
         return self
@@ -188,9 +207,11 @@ class SamplingSpec(_Section):
     min_p: Any = 0.0
     seed: Any = 0
     stop_token_ids: Any = None
+    stop: Any = None
+    logprobs_mode: Any = "raw"
 
     @field_validator("num_samples", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
-                     "stop_token_ids")
+                     "stop_token_ids", "stop", "logprobs_mode")
     @classmethod
     def _check(cls, v: Any, info: ValidationInfo) -> Any:
         # The engine's rules (engine.params.check_sampling_value), so a job can never accept
@@ -253,6 +274,15 @@ class JobSpec(_Section):
     # Where the spec came from (for messages); not part of the YAML.
     source: str = "<spec>"
 
+    @model_validator(mode="after")
+    def _openai_defaults(self) -> "JobSpec":
+        # OpenAI's defaults for what a batch line leaves out: one choice, no top_k
+        if self.input.format == "openai_batch":
+            for key, value in (("num_samples", 1), ("top_k", 0)):
+                if key not in self.sampling.model_fields_set:
+                    setattr(self.sampling, key, value)
+        return self
+
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, source: str = "<spec>") -> "JobSpec":
         """Validate a config dict (the parsed YAML). Raises SpecError naming `source` and the key."""
@@ -275,6 +305,7 @@ class JobSpec(_Section):
         return SamplingParams(num_samples=s.num_samples, max_tokens=s.max_tokens, temperature=s.temperature,
                               top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed,
                               stop_token_ids=None if s.stop_token_ids is None else tuple(s.stop_token_ids),
+                              stop=None if s.stop is None else tuple(s.stop), logprobs_mode=s.logprobs_mode,
                               calculator=self.tools.calculator)
 
     def resolved_device(self) -> str:
@@ -311,10 +342,11 @@ class JobSpec(_Section):
         Included: model identity (see model_identity; jobs.dataset adds the files' content
         hashes), the resolved dtype and device kind (cpu / cuda: kernels differ), max_seq_len,
         batch_invariant (without it a near-tie may resolve differently in another batch),
-        sampling, tools, input format/column/id_column/passthrough, unit_rows. Excluded:
-        output.path, the cluster's address/width/resources, the device index, max_num_seqs,
-        kv_cache_gb (sampling is keyed per sample, so batch composition and worker count do
-        not change the rows).
+        sampling, tools, input format/column/id_column/passthrough/sampling_column, unit_rows.
+        Per-row sampling values live in the input files, which plan_job fingerprints.
+        Excluded: output.path, the cluster's address/width/resources, the device index,
+        max_num_seqs, kv_cache_gb (sampling is keyed per sample, so batch composition and
+        worker count do not change the rows).
         """
         return {
             "model": {**model_identity(self.model.path, self.model.tokenizer), "dtype": self.resolved_dtype(),
@@ -323,7 +355,7 @@ class JobSpec(_Section):
             "sampling": self.sampling.model_dump(mode="json"),
             "tools": self.tools.model_dump(mode="json"),
             "input": {"format": self.input.format, "column": self.input.column, "id_column": self.input.id_column,
-                      "passthrough": list(self.input.passthrough)},
+                      "passthrough": list(self.input.passthrough), "sampling_column": self.input.sampling_column},
             "unit_rows": self.cluster.unit_rows,
         }
 

@@ -339,3 +339,28 @@ def test_unwritable_output(tmp_path):
     with pytest.raises(OutputError, match="cannot create directory") as e:
         OutputDir(spec.output.path).prepare(plan, spec)
     assert e.value.exit_code == 2
+
+
+def test_stop_reason_column_and_text(tmp_path):
+    """A sample ended by a stop token keeps it in `tokens` (counted in num_tokens); `text`
+    leaves it out and `stop_reason` holds its text. A stop string ends `text` before it and
+    is the stop_reason; a sample cut at max_tokens has none."""
+    spec, plan, task, od = make_job(tmp_path, n=2, unit_rows=2, num_samples=3)
+    od.prepare(plan, spec)
+    tok = FakeTok()
+    tok.decode_token_bytes = lambda t: bytes([t - 10])
+    reqs = task.read_unit(plan.units[0], tok)
+    stop_id = 10 + ord("!")
+    hi = [10 + b for b in b"Hi"]
+    samples = [Sample(prompt_id="x", sample_index=0, tokens=hi + [stop_id], mask=[1, 1, 1], logprobs=[-1.0, -2.0, -0.5],
+                      finish_reason="stop", stop_reason=stop_id),
+               Sample(prompt_id="x", sample_index=1, tokens=[10 + b for b in b"ok\n\nQ"], mask=[1] * 5,
+                      logprobs=[-1.0] * 5, finish_reason="stop", stop_reason="\n\n"),
+               Sample(prompt_id="x", sample_index=2, tokens=hi, mask=[1, 1], logprobs=[-1.0, -1.0])]
+    outs = [RequestOutput(None, r.prompt_id, r.prompt_tokens, samples) for r in reqs]
+    res = task.write_unit(plan.units[0], reqs, outs, tok)
+    rows = pq.read_table(res.path).to_pylist()[:3]
+    assert [(r["text"], r["stop_reason"], r["finish_reason"], r["num_tokens"]) for r in rows] == [
+        ("Hi", "!", "stop", 3), ("ok", "\n\n", "stop", 5), ("Hi", None, "length", 2)]
+    assert rows[0]["tokens"][-1] == stop_id and rows[0]["mask"][-1] == 1 and rows[0]["logprobs"][-1] == -0.5
+    assert res.generated_tokens == 2 * (3 + 5 + 2)

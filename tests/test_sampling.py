@@ -133,3 +133,17 @@ def test_request_key_is_stable():
     assert request_key(0, "a", 0) != request_key(0, "a", 1)
     assert request_key(0, "a", 0) != request_key(1, "a", 0)
     assert request_key(123, "file.parquet:7", 3) == (779661763, 627667325)  # golden: changing the hash changes every dataset
+
+
+def test_race_noise_is_stable_and_shared_ids_hash_the_same():
+    """Golden values of the noise (changing the hash changes every dataset), and the (K,)
+    shared-candidates form plain sampling uses equals the per-row (B, K) form."""
+    from engine.sampling import race_noise
+
+    keys = torch.tensor([request_key(123, "file.parquet:7", 3), request_key(0, "a", 1)], dtype=torch.long)
+    pos = torch.tensor([17, 0])
+    got = race_noise(keys, pos, torch.tensor([[0, 5, 49151], [2, 3, 100000]]))
+    assert got.tolist() == [[-0.9586945307457354, -0.7938122088899546, -0.49943557426851076],
+                            [1.213688908191209, 1.8066017905482934, 0.5279359020829093]]
+    shared = torch.arange(300)
+    assert torch.equal(race_noise(keys, pos, shared), race_noise(keys, pos, shared.expand(2, 300).contiguous()))

@@ -19,10 +19,10 @@ def test_defaults_from_empty_file(tmp_path):
     assert d["model"] == {"path": "smollm2", "dtype": "auto", "device": "auto", "tokenizer": None, "max_num_seqs": 256,
                           "kv_cache_gb": None, "max_seq_len": None, "batch_invariant": True}
     assert d["input"] == {"path": "prompts.parquet", "format": "text", "column": "prompt", "id_column": None,
-                          "passthrough": []}
+                          "passthrough": [], "sampling_column": None}
     assert d["output"] == {"path": "out/demo", "lease_timeout_s": 120}
     assert d["sampling"] == {"num_samples": 4, "max_tokens": 256, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
-                             "min_p": 0.0, "seed": 0, "stop_token_ids": None}
+                             "min_p": 0.0, "seed": 0, "stop_token_ids": None, "stop": None, "logprobs_mode": "raw"}
     assert d["tools"] == {"calculator": True}
     assert d["cluster"] == {"address": None, "num_workers": 1, "gpus_per_worker": 0, "cpus_per_worker": 1,
                             "unit_rows": 256, "max_unit_attempts": 3, "unit_timeout_s": None}
@@ -98,7 +98,7 @@ def test_bad_overrides(tmp_path, override, fragment):
     ("cluster: {unit_timeout_s: 0}", "cluster.unit_timeout_s: must be a number of seconds > 0"),
     ("cluster: {unit_timeout_s: soon}", "cluster.unit_timeout_s: must be a number, got 'soon'"),
     ("output: {lease_timeout_s: 1}", "output.lease_timeout_s: must be a number of seconds >= 5"),
-    ("input: {format: xml}", "input.format: Input should be 'text', 'chat' or 'tokens'"),
+    ("input: {format: xml}", "input.format: Input should be 'text', 'chat', 'tokens' or 'openai_batch'"),
     ("input: {passthrough: [a, a]}", "input.passthrough: column 'a' is listed twice"),
     ("input: {passthrough: [text]}", "input.passthrough: column 'text' would overwrite the output column"),
     ("tools: {calculator: maybe}", "tools.calculator: Input should be a valid boolean"),
