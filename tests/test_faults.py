@@ -117,19 +117,26 @@ def test_kill_workers_mid_unit(ray_local, inputs, reference, tmp_path):
     live: dict[str, dict] = {}
     killed: list[int] = []
 
-    def on_progress(info):
-        live.clear()
-        live.update(info["workers"])
-
-    def on_result(result):
-        # after the 1st, 3rd and 5th commit, SIGKILL a worker that holds units right now
-        if len(killed) < 3 and on_result.n in (1, 3, 5):
+    def kill_if_due():
+        # one kill is due after each of the 1st, 3rd and 5th commits: SIGKILL a worker that
+        # holds units right now, at the first moment one does (the progress reports and the
+        # commits decide when; no timing is assumed)
+        due = sum(on_result.n >= k for k in (1, 3, 5))
+        if len(killed) < due:
             for p in live.values():
                 if p["active_units"] and p["pid"] not in killed and _is_worker(p["pid"]):
                     os.kill(p["pid"], signal.SIGKILL)
                     killed.append(p["pid"])
                     break
+
+    def on_progress(info):
+        live.clear()
+        live.update(info["workers"])
+        kill_if_due()
+
+    def on_result(result):
         on_result.n += 1
+        kill_if_due()
 
     on_result.n = 0
     results = run_units(JobTask(spec, plan), plan.units, num_workers=2, num_cpus=1, num_gpus=0,
