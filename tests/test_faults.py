@@ -305,7 +305,10 @@ def test_stopped_worker_is_replaced_and_its_units_run_again(ray_local, inputs, r
     assert replaced, events
     assert any(k == "ready" for k, _ in events[replaced[0]:]), events  # a fresh worker took over
     assert sorted(r.index for r in results) == [u.index for u in plan.units]
-    assert name not in {r.worker for r in results[1:]}  # nothing after the stop came from the stopped worker
+    # The units it held when stopped ran again elsewhere (a unit it had finished just before the
+    # SIGSTOP landed may still come back from it: its result was already on the way).
+    overdue = {int(d.split()[1]) for k, d in events if k == "overdue" and d.endswith(f"on {name}")}
+    assert all(r.worker != name for r in results if r.index in overdue), (overdue, results)
     out.cleanup_temp_files()
     check_exactly_once(tmp_path / "out", reference)
 

@@ -23,7 +23,7 @@ except FileNotFoundError:  # pragma: no cover - `make install` installs it
     pytest.skip(f"SmolLM2 is not installed ({SMOLLM2_INSTALL})", allow_module_level=True)
 
 QUESTIONS = Path(__file__).resolve().parents[1] / "jobs" / "data" / "gsm8k_demo.jsonl"
-N_PROMPTS, MAX_TOKENS = 8, 256
+N_PROMPTS, MAX_TOKENS = 3, 256  # bench/bench_smollm2.py compares more (transformers decodes one token per ~20 ms here)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_model_and_tokenizer_come_from_the_file(engine):
 
 
 def test_greedy_gsm8k_answers_equal_transformers(engine, hf_model, prompts):
-    """8 GSM8K chat prompts, greedy until <|im_end|>: the engine's tokens equal transformers'
+    """3 GSM8K chat prompts, greedy until <|im_end|>: the engine's tokens equal transformers'
     generate() on the same file token for token, and each sampled token's logprob equals
     transformers' log-softmax within 1e-3, the kept <|im_end|> included."""
     res = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
@@ -74,4 +74,4 @@ def test_greedy_gsm8k_answers_equal_transformers(engine, hf_model, prompts):
         lp = [torch.log_softmax(out.scores[i][0].float(), -1)[t].item() for i, t in enumerate(s.tokens)]
         worst = max(worst, max(abs(a - b) for a, b in zip(s.logprobs, lp)))
     assert worst <= 1e-3, worst
-    assert sum(r[0].finish_reason == "stop" for r in res) >= N_PROMPTS // 2  # real answers end on their own
+    assert sum(r[0].finish_reason == "stop" for r in res) >= 2  # real answers end on their own
