@@ -23,6 +23,7 @@ with no truncation, in nats, fp32; they are what a trainer recomputes from the s
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 
@@ -59,12 +60,54 @@ def race_noise(keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Ten
     return torch.log(-torch.log(u))
 
 
+@dataclass(slots=True, frozen=True)
+class SamplingFlags:
+    """Which sampling path a batch takes, decided on the host from the rows' parameters (so
+    choosing it costs no device-to-host transfer). Build with `sampling_flags`.
+
+    all_greedy: every row has temperature 0. all_top_k: every row is greedy or has top_k > 0.
+    any_truncation: some row uses top_k, top_p, min_p or is greedy. any_top_p, any_min_p: some
+    row uses that filter. max_top_k: the largest top_k of the batch (greedy rows count 1).
+    """
+
+    all_greedy: bool
+    all_top_k: bool
+    any_truncation: bool
+    any_top_p: bool
+    any_min_p: bool
+    max_top_k: int
+
+
+def sampling_flags(params) -> SamplingFlags:
+    """SamplingFlags of a batch from each row's engine.params.SamplingParams (or any objects
+    with temperature, top_k, top_p and min_p)."""
+    greedy = [p.temperature <= 0 for p in params]
+    k = [1 if gr else (p.top_k or 0) for gr, p in zip(greedy, params)]
+    top_p = [p.top_p < 1.0 for p in params]
+    min_p = [p.min_p > 0.0 for p in params]
+    return SamplingFlags(all_greedy=all(greedy), all_top_k=all(x > 0 for x in k),
+                         any_truncation=any(x > 0 for x in k) or any(top_p) or any(min_p),
+                         any_top_p=any(top_p), any_min_p=any(min_p), max_top_k=max(k, default=0))
+
+
+def _flags_from_tensors(temperature, top_k, top_p, min_p) -> SamplingFlags:
+    greedy = temperature <= 0
+    k = torch.where(greedy, torch.ones_like(top_k), top_k)
+    return SamplingFlags(all_greedy=bool(greedy.all()), all_top_k=bool((k > 0).all()),
+                         any_truncation=bool(((k > 0) | (top_p < 1.0) | (min_p > 0.0)).any()),
+                         any_top_p=bool((top_p < 1.0).any()), any_min_p=bool((min_p > 0.0).any()),
+                         max_top_k=int(k.max()) if k.numel() else 0)
+
+
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                  min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                  flags: SamplingFlags | None = None) -> torch.Tensor:
     """Choose one token per row.
 
     logits: (B, V) float32 raw model logits. temperature, top_p, min_p: (B,) float32;
     top_k: (B,) int64 (0 = off); keys: (B, 2) int64; positions: (B,) int64.
+    flags: the batch's SamplingFlags when the caller knows them (the engine decides them on
+    the host); None derives them from the tensors (a device-to-host sync on a GPU).
     Returns (B,) int64 token ids. Parameters may differ per row (one batch, many requests).
 
     Cost: one top-k (or, without top_k, one sort when top_p/min_p is on) over the vocabulary
@@ -72,19 +115,19 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     vocabulary without sorting.
     """
     B, V = logits.shape
-    greedy = temperature <= 0
-    if bool(greedy.all()):
+    if flags is None:
+        flags = _flags_from_tensors(temperature, top_k, top_p, min_p)
+    if flags.all_greedy:
         return torch.argmax(logits, dim=-1)
+    greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     k_on = (top_k > 0) | greedy
     top_k = torch.where(greedy, torch.ones_like(top_k), top_k)  # greedy = top-1
-    p_on = top_p < 1.0
-    m_on = min_p > 0.0
-    if bool(k_on.all()):
+    if flags.all_top_k:
         # Dividing by a positive temperature keeps the order, so the top-k of the raw
         # logits are the candidates; only they are scaled.
-        vals, idx = torch.topk(logits, min(int(top_k.max()), V), dim=-1)
-    elif bool((p_on | m_on | k_on).any()):
+        vals, idx = torch.topk(logits, min(flags.max_top_k, V), dim=-1)
+    elif flags.any_truncation:
         vals, idx = torch.sort(logits, dim=-1, descending=True)
     else:  # no truncation anywhere: race over the whole vocabulary
         idx = torch.arange(V, device=logits.device).expand(B, V)
@@ -96,11 +139,13 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     keep = (rank < top_k[:, None]) | ~k_on[:, None]
     # log-probabilities renormalised over the top_k survivors (HF's and vLLM's order)
     logp = torch.log_softmax(vals.masked_fill(~keep, float("-inf")), dim=-1)
-    if bool(p_on.any()):
+    if flags.any_top_p:
+        p_on = top_p < 1.0
         p = torch.exp(logp)
         before = torch.cumsum(p, dim=-1) - p  # mass strictly before this token
         keep = keep & ((before < top_p[:, None]) | ~p_on[:, None])
-    if bool(m_on.any()):
+    if flags.any_min_p:
+        m_on = min_p > 0.0
         keep = keep & ((logp >= logp[:, :1] + torch.log(min_p.clamp_min(1e-30))[:, None]) | ~m_on[:, None])
     keep[:, 0] = True  # the most likely token always survives
     score = logp.double() - race_noise(keys, positions, idx)
