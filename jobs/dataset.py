@@ -342,9 +342,19 @@ def plan_job(spec: JobSpec) -> JobPlan:
     model path that does not exist. Zero-row files are allowed (they yield no units and a
     warning in `plan.warnings` and the log).
     """
+    from engine.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
+
     mp = spec.model.path
-    if mp != "demo" and "://" not in mp and not os.path.exists(mp):
-        raise SpecError(f"{spec.source}: model.path: {mp!r} does not exist (expected a checkpoint directory or 'demo')")
+    if mp == "demo":
+        raise SpecError(f"{spec.source}: model.path: 'demo' is not a model name any more: use 'smollm2' "
+                        f"(SmolLM2-135M-Instruct, a real model) or 'tiny-random' (untrained, for tests)")
+    try:
+        resolved = str(resolve_builtin(mp))
+    except FileNotFoundError as e:
+        raise SpecError(f"{spec.source}: model.path: {e}") from None
+    if mp != TINY_RANDOM and "://" not in mp and not os.path.exists(resolved):
+        raise SpecError(f"{spec.source}: model.path: {mp!r} does not exist (expected a checkpoint directory, "
+                        f"a .gguf file, or {' or '.join(map(repr, BUILTIN_NAMES))})")
     if spec.model.tokenizer is not None and "://" not in spec.model.tokenizer and not os.path.exists(spec.model.tokenizer):
         raise SpecError(f"{spec.source}: model.tokenizer: {spec.model.tokenizer!r} does not exist")
     root, found = discover(spec.input.path)

@@ -331,6 +331,12 @@ class OutputDir:
             self.fs.delete_file(self._p(SUCCESS))
 
     # ------------------------------------------------------------ inspection
+    def read_part(self, index: int, columns: list[str] | None = None) -> pa.Table:
+        """Unit `index`'s committed part file (only `columns`, default all). Raises
+        FileNotFoundError when the unit is not committed."""
+        with self.fs.open_input_file(self._p(part_name(index))) as f:
+            return pq.read_table(f, columns=columns)
+
     def _part_metadata(self, rel: str) -> pq.FileMetaData:
         with self.fs.open_input_file(self._p(rel)) as f:
             return pq.ParquetFile(f).metadata

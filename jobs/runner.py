@@ -185,7 +185,44 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
         raise JobFailed(f"{st['units_total'] - st['units_done']} units missing after the run; rerun to resume")
     out.mark_success(summary)
     print(format_summary(summary))
+    examples = show_examples(spec, plan, out)
+    if examples:
+        print(examples)
     return 0
+
+
+def show_examples(spec: Any, plan: Any, out: Any, n: int = 2, width: int = 600) -> str:
+    """A couple of generated answers (sample 0 of the first prompts of the first unit) next to
+    their prompts, so a person sees what the model wrote. Nothing for the untrained
+    "tiny-random" model (its text is noise) or when the first unit holds only errors."""
+    from engine.builtin import TINY_RANDOM
+    from jobs.dataset import read_rows
+
+    if spec.model.path == TINY_RANDOM or not plan.units:
+        return ""
+    unit = plan.units[0]
+    rows = out.read_part(unit.index, ["sample_index", "text", "finish_reason"]).to_pylist()
+    prompts = read_rows(unit.source, unit.row_start, unit.row_end, [spec.input.column]).column(0).to_pylist()
+    num_samples = spec.sampling.num_samples
+    lines = []
+    for j, prompt in enumerate(prompts):
+        row = rows[j * num_samples] if j * num_samples < len(rows) else None
+        if row is None or row["finish_reason"] == "error" or not row["text"]:
+            continue
+        if spec.input.format == "chat":
+            prompt = next((m["content"] for m in reversed(prompt or []) if m.get("role") == "user"), "")
+        elif spec.input.format == "tokens":
+            prompt = f"<{len(prompt or [])} token ids>"
+        lines.append(f"\nprompt: {_clip(str(prompt), width)}\nanswer ({row['finish_reason']}): "
+                     f"{_clip(row['text'], width)}")
+        if len(lines) == n:
+            break
+    return "\n".join(lines)
+
+
+def _clip(text: str, width: int) -> str:
+    text = text.strip()
+    return text if len(text) <= width else text[:width].rstrip() + " [...]"
 
 
 def format_summary(s: dict) -> str:

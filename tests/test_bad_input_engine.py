@@ -35,7 +35,7 @@ def spec_for(tmp_path, table, fmt="text", column="prompt", model=None, **samplin
     tmp_path.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, tmp_path / "in.parquet")
     return JobSpec.from_dict({
-        "model": {"path": "demo", **(model or {})},
+        "model": {"path": "tiny-random", **(model or {})},
         "input": {"path": str(tmp_path / "in.parquet"), "format": fmt, "column": column, "id_column": "id"},
         "output": {"path": str(tmp_path / "out")},
         "sampling": {"num_samples": 2, "max_tokens": 4, "top_k": 0, "seed": 1, **sampling},

@@ -43,7 +43,7 @@ def make_spec(inp: Path, out: Path, num_workers: int = 1, **sampling):
     from jobs.spec import JobSpec
 
     return JobSpec.from_dict({
-        "model": {"path": "demo", "max_num_seqs": 32},
+        "model": {"path": "tiny-random", "max_num_seqs": 32},
         "input": {"path": str(inp), "format": "text", "column": "prompt", "id_column": "id",
                   "passthrough": ["extra"]},
         "output": {"path": str(out)},

@@ -1,6 +1,8 @@
-"""Engine properties on the real architectures: the built-in demo (nanochat 2026, sliding
-windows, smear, value embeddings), a late-2025 nanochat checkpoint and two GPT-2s written by
-transformers (one 512 wide). For each: KV-cached decode equals a full forward at every
+"""Engine properties on the real architectures: the built-in tiny-random model (nanochat 2026, sliding
+windows, smear, value embeddings), a late-2025 nanochat checkpoint, two GPT-2s written by
+transformers (one 512 wide), and two Llama-family checkpoints written by transformers (Llama
+with llama3 rope scaling and grouped-query attention; Qwen3 with q/k norms, attention biases,
+head_dim 24 and a sliding window on its second layer). For each: KV-cached decode equals a full forward at every
 step, logprobs equal the full forward's log-softmax, fanned-out samples equal samples run
 alone, and a request's tokens and logprobs, bit for bit, do not depend on the batch size or
 its neighbours (on CPU in float32, where every projection is oneDNN's batch-invariant one).
@@ -26,13 +28,38 @@ def _gpt2_dir(tmp_path_factory, n_embd=64, n_layer=2):
     return d
 
 
-@pytest.fixture(scope="module", params=["demo", "nanochat-2025", "gpt2", "gpt2-wide"])
+def _llama_family_dir(tmp_path_factory, name):
+    """A random Llama-family checkpoint (save_pretrained), weights N(0, 0.15), norm gains near 1."""
+    transformers = pytest.importorskip("transformers")
+    shape = dict(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256)
+    if name == "llama":
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, rope_parameters=rope))
+    else:
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **shape, head_dim=24, attention_bias=True, use_sliding_window=True, sliding_window=12, max_window_layers=1))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.3 * noise if "norm" in n else 0.15 * noise)
+    d = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module", params=["tiny-random", "nanochat-2025", "gpt2", "gpt2-wide", "llama", "qwen3-window"])
 def engine_parts(request, tmp_path_factory):
     """(model, tokenizer, vocab) for each architecture, loaded the way users load them."""
-    if request.param == "demo":
-        eng = load_engine("demo", device="cpu", dtype="float32", max_seq_len=256)
+    if request.param == "tiny-random":
+        eng = load_engine("tiny-random", device="cpu", dtype="float32", max_seq_len=256)
     elif request.param == "nanochat-2025":
         d = next(p for p in FIXTURES.iterdir() if p.name.endswith("16788ee"))
+        eng = load_engine(d, device="cpu", dtype="float32", tokenizer=_byte_tokenizer_dir(tmp_path_factory))
+    elif request.param in ("llama", "qwen3-window"):
+        d = _llama_family_dir(tmp_path_factory, request.param)
         eng = load_engine(d, device="cpu", dtype="float32", tokenizer=_byte_tokenizer_dir(tmp_path_factory))
     else:
         d = _gpt2_dir(tmp_path_factory, *((512, 1) if request.param == "gpt2-wide" else (64, 2)))
@@ -133,7 +160,7 @@ def test_step_projections_use_onednn(engine_parts):
     generate(model, tok, num_samples=1, max_tokens=2)
     packed = dict(model._packed_weights)
     weights = {n: w for n, w in model.named_parameters()
-               if w.dim() == 2 and n.split(".")[-1] not in ("wte", "wpe", "ve")}  # not the embeddings
+               if w.dim() == 2 and n.split(".")[-1] not in ("wte", "wpe", "ve", "embed")}  # not the embeddings
     assert packed and all(v is not None for v in packed.values())
     head = model.lm_head  # GPT-2's is the token embedding (tied), packed as the head
     assert {k[0] for k in packed} == {w.data_ptr() for w in weights.values()} | {head.data_ptr()}

@@ -1,7 +1,7 @@
 """The GPU code path, exercised on CPU (no GPU is lent to this project).
 
 GPUs run the batched attention path (engine/attention.py: decode_batched) in bfloat16, which
-is what `batch_invariant=False` selects on CPU. On the demo model (nanochat architecture:
+is what `batch_invariant=False` selects on CPU. On tiny-random (nanochat architecture:
 sliding windows, per-sequence smear state, GQA): bfloat16 greedy tokens equal float32's up to
 near-ties, in both attention paths and both prefix-sharing modes; and `dtype: auto` picks
 bfloat16 only on GPUs with native support.
@@ -19,7 +19,7 @@ STEPS = 16
 @pytest.fixture(scope="module")
 def engines():
     kw = dict(device="cpu", max_seq_len=256)
-    return {dt: load_engine("demo", dtype=dt, **kw) for dt in ("float32", "bfloat16")}
+    return {dt: load_engine("tiny-random", dtype=dt, **kw) for dt in ("float32", "bfloat16")}
 
 
 def _greedy(eng, **kw):

@@ -1,4 +1,4 @@
-"""nanochat architecture: golden parity with nanochat's own code, KV-cache parity, loader errors, demo model.
+"""nanochat architecture: golden parity with nanochat's own code, KV-cache parity, loader errors, the tiny-random model.
 
 Fixtures (tests/fixtures/nanochat/*, see the README there) were produced by nanochat's real
 code at 16788ee, aa530cd, e85db6b and 92d63d4, in float32 on CPU.
@@ -14,7 +14,7 @@ import torch
 
 from engine.checkpoint import CheckpointError
 from engine.kv_cache import KVCache, StepBatch
-from engine.models.nanochat import build_demo_model, load_nanochat_checkpoint
+from engine.models.nanochat import build_tiny_random_model, load_nanochat_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nanochat"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
@@ -223,10 +223,10 @@ def test_bfloat16_close_to_float32():
     assert (got - exp["logits"]["batch"]).abs().mean() < 0.1
 
 
-def test_demo_model_deterministic_and_labelled():
-    """The demo model is the same on every build, has every 2026 feature, and says it is untrained."""
-    a = build_demo_model(100_286, CPU, F32)
-    b = build_demo_model(100_286, CPU, F32)
+def test_tiny_random_model_deterministic_and_labelled():
+    """The tiny-random model is the same on every build, has every 2026 feature, and says it is untrained."""
+    a = build_tiny_random_model(100_286, CPU, F32)
+    b = build_tiny_random_model(100_286, CPU, F32)
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert "untrained" in a.info.description and "random weights" in a.info.description

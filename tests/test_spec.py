@@ -16,7 +16,7 @@ def write(tmp_path, text: str, name: str = "job.yaml"):
 def test_defaults_from_empty_file(tmp_path):
     spec = load_spec(write(tmp_path, ""))
     d = spec.to_dict()
-    assert d["model"] == {"path": "demo", "dtype": "auto", "device": "auto", "tokenizer": None, "max_num_seqs": 256,
+    assert d["model"] == {"path": "smollm2", "dtype": "auto", "device": "auto", "tokenizer": None, "max_num_seqs": 256,
                           "kv_cache_gb": None, "max_seq_len": None, "batch_invariant": True,
                           "prefix_sharing": True}
     assert d["input"] == {"path": "prompts.parquet", "format": "text", "column": "prompt", "id_column": None,
@@ -132,12 +132,12 @@ def test_missing_file_and_invalid_yaml(tmp_path):
 def test_sampling_params_and_engine_kwargs(tmp_path):
     spec = load_spec(write(tmp_path, "sampling: {num_samples: 2, max_tokens: 9, temperature: 0, top_k: 0, "
                                      "stop_token_ids: [5]}\ntools: {calculator: false}\n"
-                                     "model: {path: demo, device: cpu, dtype: float32, max_num_seqs: 8, "
+                                     "model: {path: tiny-random, device: cpu, dtype: float32, max_num_seqs: 8, "
                                      "max_seq_len: 128}\n"))
     sp = spec.sampling_params()
     assert (sp.num_samples, sp.max_tokens, sp.temperature, sp.top_k, sp.stop_token_ids, sp.calculator) == \
         (2, 9, 0.0, 0, (5,), False)
-    assert spec.engine_kwargs() == {"path": "demo", "device": "cpu", "dtype": "float32", "tokenizer": None,
+    assert spec.engine_kwargs() == {"path": "tiny-random", "device": "cpu", "dtype": "float32", "tokenizer": None,
                                     "max_num_seqs": 8, "kv_cache_bytes": None, "max_seq_len": 128,
                                     "batch_invariant": True, "prefix_sharing": True}
 
@@ -176,6 +176,6 @@ def test_shipped_configs_validate():
 
     root = Path(__file__).resolve().parent.parent
     demo = load_spec(root / "configs" / "demo.yaml")
-    assert demo.input.path == "package://demo_prompts.parquet" and demo.model.path == "demo"
+    assert demo.input.path == "package://gsm8k_demo.parquet" and demo.model.path == "smollm2"
     gsm = load_spec(root / "configs" / "gsm8k.yaml")
     assert gsm.input.format == "chat" and gsm.input.passthrough == ["answer"] and gsm.tools.calculator

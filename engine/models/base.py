@@ -68,12 +68,16 @@ def invariant_silu(x: torch.Tensor) -> torch.Tensor:
 class ModelInfo:
     """Shape facts the engine sizes its KV cache and requests with.
 
-    arch: "gpt2" or "nanochat". vocab_size: logits width (real vocabulary, tokens).
+    arch: "gpt2", "nanochat", or a Llama-family model_type ("llama", "mistral", "qwen2",
+        "qwen3"). vocab_size: logits width (real vocabulary, tokens).
     context_len: the longest sequence (prompt + generated) the model supports, in tokens
-        (GPT-2's n_positions, nanochat's sequence_len).
+        (GPT-2's n_positions, nanochat's sequence_len, max_position_embeddings).
     n_layer, n_kv_head, head_dim: attention shape, for the KV cache.
     state_dims: extra per-slot state the model keeps in the cache, name -> width.
     description: one line for logs and summaries (the demo model says it is untrained).
+    stop_token_ids: the checkpoint's own end tokens (eos_token_id of generation_config.json
+        or config.json); the engine stops on these when a request names none, and on the
+        tokenizer's defaults when this is empty.
     """
 
     arch: str
@@ -84,6 +88,7 @@ class ModelInfo:
     head_dim: int
     state_dims: dict[str, int] = field(default_factory=dict)
     description: str = ""
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class CausalLM(nn.Module):

@@ -15,7 +15,6 @@ HF's Conv1D stores weights as (in, out); they are transposed once at load into n
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from engine.checkpoint import CheckpointError, check_keys
 from engine.kv_cache import KVCache, StepBatch
 from engine.models.base import (CausalLM, ModelInfo, invariant_gelu_tanh, invariant_silu,
                                 reference_numerics)
+from engine.models.hf_weights import read_json, read_state_dict
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
@@ -164,14 +164,7 @@ class GPT2(CausalLM):
 # ---------------------------------------------------------------------- loading
 def _read_config(directory: Path) -> dict:
     path = directory / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist (a GPT-2 checkpoint needs config.json)")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
+    cfg = read_json(path)
     mt = cfg.get("model_type", "gpt2")
     if mt != "gpt2":
         raise CheckpointError(f"{path}: model_type {mt!r} is not supported by the GPT-2 loader (expected 'gpt2')")
@@ -192,44 +185,6 @@ def _read_config(directory: Path) -> dict:
     return cfg
 
 
-def _read_state_dict(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
-    """Tensors on CPU and a description of the file(s) they came from, for messages."""
-    st, pt = directory / "model.safetensors", directory / "pytorch_model.bin"
-    st_idx, pt_idx = directory / "model.safetensors.index.json", directory / "pytorch_model.bin.index.json"
-    if st.is_file():
-        files = [st]
-    elif st_idx.is_file() or pt_idx.is_file():
-        idx = st_idx if st_idx.is_file() else pt_idx
-        try:
-            weight_map = json.loads(idx.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{idx}: not a shard index (no weight_map: {e})") from None
-        files = [directory / f for f in sorted(set(weight_map.values()))]
-    elif pt.is_file():
-        files = [pt]
-    else:
-        raise FileNotFoundError(f"{directory}: no model.safetensors or pytorch_model.bin (or a *.index.json) "
-                                f"beside config.json")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        if not f.is_file():
-            raise FileNotFoundError(f"{f} (listed in the shard index) does not exist")
-        try:
-            if f.name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                part = load_file(str(f), device="cpu")
-            else:
-                part = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:  # noqa: BLE001 - a corrupt/truncated file of either format
-            raise CheckpointError(f"{f}: cannot read weights ({type(e).__name__}: {e})") from None
-        if not isinstance(part, dict):
-            raise CheckpointError(f"{f}: expected a state dict, got {type(part).__name__}")
-        sd.update(part)
-    where = str(files[0]) if len(files) == 1 else f"{files[0].parent} ({len(files)} shards)"
-    return sd, where
-
-
 def load_gpt2_checkpoint(directory: Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
     """Load a Hugging Face GPT-2 checkpoint directory as a `GPT2` model (eval mode).
 
@@ -240,7 +195,7 @@ def load_gpt2_checkpoint(directory: Path, device: torch.device, dtype: torch.dty
     """
     directory = Path(directory)
     cfg = _read_config(directory)
-    raw, where = _read_state_dict(directory)
+    raw, where = read_state_dict(directory)
     C, L, V, P = cfg["n_embd"], cfg["n_layer"], cfg["vocab_size"], cfg["n_positions"]
     inner = cfg.get("n_inner") or 4 * C
 

@@ -504,7 +504,7 @@ def load_nanochat_checkpoint(directory: Path, device: torch.device, dtype: torch
     return NanochatGPT(config, sd, torch.device(device), dtype, desc).eval()
 
 
-def build_demo_model(vocab_size: int, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def build_tiny_random_model(vocab_size: int, device: torch.device, dtype: torch.dtype) -> CausalLM:
     """A small untrained nanochat (2026 architecture, every feature on) with deterministic random weights.
 
     Weights come from a fixed-seed CPU torch.Generator, so every machine and process builds the
@@ -542,7 +542,7 @@ def build_demo_model(vocab_size: int, device: torch.device, dtype: torch.dtype) 
     w["backout_lambda"] = torch.tensor([0.2])
     cfg = {"sequence_len": seq, "vocab_size": vocab_size, "n_layer": L, "n_head": H, "n_kv_head": KV,
            "n_embd": C, "window_pattern": "SSSL"}
-    config = _detect_features(cfg, w, Path("<demo>"))
-    desc = (f"demo: untrained nanochat d{L} n_embd={C} with random weights (text is noise); "
+    config = _detect_features(cfg, w, Path("<tiny-random>"))
+    desc = (f"tiny-random: untrained nanochat d{L} n_embd={C} with random weights (text is noise); "
             f"{', '.join(config.features())}")
     return NanochatGPT(config, w, torch.device(device), dtype, desc).eval()

@@ -1,0 +1,77 @@
+"""Reading a Hugging Face checkpoint directory: config.json, generation_config.json and the
+weights (model.safetensors, pytorch_model.bin, or either sharded with a *.index.json), as
+transformers' save_pretrained writes them. Shared by the GPT-2 and Llama-family loaders.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint import CheckpointError
+
+
+def read_json(path: Path, required: bool = True) -> dict | None:
+    """The JSON object in `path`; None when the file is absent and not `required`.
+
+    Raises FileNotFoundError (required and absent), CheckpointError naming the file for
+    invalid JSON or a value that is not an object.
+    """
+    if not path.is_file():
+        if required:
+            raise FileNotFoundError(f"{path} does not exist (a Hugging Face checkpoint directory needs it)")
+        return None
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def read_state_dict(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """All tensors of a checkpoint directory, on CPU in their stored dtype, and a description
+    of the file(s) they came from, for error messages.
+
+    Looks for model.safetensors, then a shard index (model.safetensors.index.json or
+    pytorch_model.bin.index.json: its weight_map names the shard files), then
+    pytorch_model.bin (read with weights_only=True: no pickled code runs).
+    Raises FileNotFoundError for no weights or a missing shard, CheckpointError naming the
+    file for an unreadable file or index.
+    """
+    st, pt = directory / "model.safetensors", directory / "pytorch_model.bin"
+    st_idx, pt_idx = directory / "model.safetensors.index.json", directory / "pytorch_model.bin.index.json"
+    if st.is_file():
+        files = [st]
+    elif st_idx.is_file() or pt_idx.is_file():
+        idx = st_idx if st_idx.is_file() else pt_idx
+        try:
+            weight_map = json.loads(idx.read_text())["weight_map"]
+            files = [directory / f for f in sorted(set(weight_map.values()))]
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{idx}: not a shard index (no weight_map: {e})") from None
+    elif pt.is_file():
+        files = [pt]
+    else:
+        raise FileNotFoundError(f"{directory}: no model.safetensors or pytorch_model.bin (or a *.index.json) "
+                                f"beside config.json")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} (listed in the shard index) does not exist")
+        try:
+            if f.name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                part = load_file(str(f), device="cpu")
+            else:
+                part = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # noqa: BLE001 - a corrupt/truncated file of either format
+            raise CheckpointError(f"{f}: cannot read weights ({type(e).__name__}: {e})") from None
+        if not isinstance(part, dict):
+            raise CheckpointError(f"{f}: expected a state dict, got {type(part).__name__}")
+        sd.update(part)
+    where = str(files[0]) if len(files) == 1 else f"{files[0].parent} ({len(files)} shards)"
+    return sd, where

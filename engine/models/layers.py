@@ -1,0 +1,232 @@
+"""What the Llama family (Llama, Mistral, Qwen2, Qwen3) shares: RMSNorm, rotary position
+embeddings with their scaling types, and the SwiGLU MLP.
+
+The numerics follow transformers (models/llama/modeling_llama.py, modeling_rope_utils.py):
+the same float32 operations in the same order, so that logits agree to float rounding.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.checkpoint import CheckpointError
+from engine.models.base import CausalLM, invariant_silu
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weighted RMSNorm over the last dim (Zhang & Sennrich 2019; transformers' LlamaRMSNorm):
+    weight * (x / sqrt(mean(x^2) + eps)), computed in float32 and cast back to x's dtype
+    before the weight multiplies it. x (..., C), weight (C,) -> (..., C)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+# ---------------------------------------------------------------------- rotary embeddings
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Rotary embedding parameters, as transformers 5's `rope_parameters` holds them.
+
+    rope_type: "default" (RoFormer, Su et al. 2021), "linear" (position interpolation,
+        Chen et al. 2023), "llama3" (Meta's Llama 3.1 frequency smoothing) or "yarn"
+        (Peng et al. 2023, arXiv:2309.00071).
+    rope_theta: the base wavelength. factor: the context extension ratio (linear, llama3,
+        yarn). original_max_position_embeddings: the pre-extension context (llama3, yarn).
+    low_freq_factor, high_freq_factor: llama3's band edges. attention_factor, beta_fast,
+        beta_slow, mscale, mscale_all_dim, truncate: yarn's (None = transformers' default).
+    """
+
+    rope_type: str = "default"
+    rope_theta: float = 10000.0
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    @classmethod
+    def from_config(cls, config: dict, where: str) -> "RopeScaling":
+        """Read a config.json's rotary settings in either spelling: transformers 4.x
+        (`rope_theta` plus an optional `rope_scaling` dict whose type is `rope_type` or `type`)
+        or 5.x (`rope_parameters`, holding rope_theta too). As transformers does, `rope_scaling`
+        wins over `rope_parameters`, a rope_theta inside the dict over the top-level one, and a
+        top-level `original_max_position_embeddings` over the dict's; llama3 and yarn default
+        it to max_position_embeddings.
+
+        Raises CheckpointError naming `where` for an unknown rope_type (dynamic, longrope, ...),
+        a missing required parameter, per-layer-type rope parameters, or
+        partial_rotary_factor != 1.
+        """
+        raw = config.get("rope_scaling") or config.get("rope_parameters") or {}
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{where}: rope_scaling / rope_parameters must be an object, got {raw!r}")
+        if any(isinstance(v, dict) for v in raw.values()):
+            raise CheckpointError(f"{where}: per-layer-type rope parameters ({sorted(raw)}) are not supported")
+        p = dict(raw)
+        rope_type = p.get("rope_type", p.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise CheckpointError(f"{where}: rope_type {rope_type!r} is not supported (supported: "
+                                  f"{', '.join(ROPE_TYPES)})")
+        partial = p.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+        if partial is not None and partial != 1.0:
+            raise CheckpointError(f"{where}: partial_rotary_factor {partial} is not supported (only 1.0)")
+        theta = p.get("rope_theta", config.get("rope_theta", 10000.0))
+        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 1:
+            raise CheckpointError(f"{where}: rope_theta must be a number > 1, got {theta!r}")
+        orig = None
+        if rope_type in ("llama3", "yarn"):
+            orig = config.get("original_max_position_embeddings",
+                              p.get("original_max_position_embeddings", config.get("max_position_embeddings")))
+        required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                    "yarn": ()}.get(rope_type, ())
+        missing = [k for k in required if p.get(k) is None]
+        if missing:
+            raise CheckpointError(f"{where}: rope_type {rope_type!r} needs {missing} in rope_scaling / rope_parameters")
+        if rope_type != "default":
+            for k in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow",
+                      "mscale", "mscale_all_dim"):
+                v = p.get(k)
+                if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+                    raise CheckpointError(f"{where}: rope {k} must be a number, got {v!r}")
+            if orig is not None and (not isinstance(orig, int) or orig <= 0):
+                raise CheckpointError(f"{where}: original_max_position_embeddings must be a positive integer, "
+                                      f"got {orig!r}")
+        if rope_type == "default":
+            return cls("default", float(theta))
+        return cls(rope_type, float(theta), factor=p.get("factor"), original_max_position_embeddings=orig,
+                   low_freq_factor=p.get("low_freq_factor"), high_freq_factor=p.get("high_freq_factor"),
+                   attention_factor=p.get("attention_factor"), beta_fast=p.get("beta_fast"),
+                   beta_slow=p.get("beta_slow"), mscale=p.get("mscale"), mscale_all_dim=p.get("mscale_all_dim"),
+                   truncate=bool(p.get("truncate", True)))
+
+    def inv_freq(self, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+        """(inverse frequencies (head_dim/2,) float32 on CPU, attention scaling), where the
+        scaling multiplies cos and sin (yarn's mscale; 1.0 for the others). The same float32
+        operations as transformers' _compute_*_parameters, so the tables agree bit for bit."""
+        dim, base = head_dim, self.rope_theta
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
+        if self.rope_type == "yarn":
+            return self._yarn(dim, exponents, max_position_embeddings)
+        inv_freq = 1.0 / (base ** exponents)
+        if self.rope_type == "linear":
+            inv_freq /= self.factor
+        elif self.rope_type == "llama3":
+            inv_freq = self._llama3(inv_freq)
+        return inv_freq, 1.0
+
+    def _llama3(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        # Wavelengths longer than original_max / low_freq_factor are slowed down by `factor`,
+        # shorter than original_max / high_freq_factor kept; in between, a linear blend.
+        factor, lo, hi = self.factor, self.low_freq_factor, self.high_freq_factor
+        old_len = self.original_max_position_embeddings
+        low_freq_wavelen, high_freq_wavelen = old_len / lo, old_len / hi
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+
+    def _yarn(self, dim: int, exponents: torch.Tensor, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+        # YaRN: interpolate the low frequencies by `factor`, keep (extrapolate) the high ones,
+        # with a linear ramp between the dimensions that rotate beta_fast and beta_slow times
+        # over the original context; cos and sin are scaled by the attention factor (mscale).
+        base, orig = self.rope_theta, self.original_max_position_embeddings
+        factor = self.factor if self.factor is not None else max_position_embeddings / orig
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention = self.attention_factor
+        if attention is None:
+            if self.mscale and self.mscale_all_dim:
+                attention = float(mscale(factor, self.mscale) / mscale(factor, self.mscale_all_dim))
+            else:
+                attention = mscale(factor)
+        beta_fast, beta_slow = self.beta_fast or 32, self.beta_slow or 1
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        pos_freqs = base ** exponents
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+        extra_weight = 1 - ramp
+        return interpolation * (1 - extra_weight) + extrapolation * extra_weight, attention
+
+
+class RotaryTables:
+    """cos and sin of position * inv_freq, (positions, head_dim/2) in the compute dtype, times
+    the attention scaling (yarn), as transformers' LlamaRotaryEmbedding computes them.
+
+    Built lazily in chunks of CHUNK positions up to max_positions, each chunk once: a
+    position's value never depends on how far the table has grown (batch invariance).
+    """
+
+    CHUNK = 1024
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+        self.scaling, self.max_positions, self.dtype = scaling, max_positions, dtype
+        half = inv_freq.shape[0]
+        self.cos = torch.empty(0, half, dtype=dtype, device=device)
+        self.sin = torch.empty(0, half, dtype=dtype, device=device)
+
+    def ensure(self, n: int) -> None:
+        """Make positions [0, n) available. Raises ValueError past max_positions."""
+        if n > self.max_positions:
+            raise ValueError(f"position {n - 1} is beyond the model's context of {self.max_positions} tokens")
+        while self.cos.shape[0] < n:
+            start = self.cos.shape[0]
+            pos = torch.arange(start, min(start + self.CHUNK, self.max_positions), device=self.inv_freq.device)
+            freqs = pos[:, None].float() * self.inv_freq[None, :]
+            self.cos = torch.cat([self.cos, (freqs.cos() * self.scaling).to(self.dtype)])
+            self.sin = torch.cat([self.sin, (freqs.sin() * self.scaling).to(self.dtype)])
+
+    def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at `positions` (B, T) int64 -> each (B, T, 1, head_dim/2), broadcasting over
+        heads of a (B, T, H, D) tensor. max_position: the largest of `positions`, as a host int
+        (no device sync)."""
+        self.ensure(max_position + 1)
+        return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (..., D) in transformers' half-split convention (`rotate_half`): the pairs are
+    (x[i], x[i + D/2]). cos, sin (..., D/2) broadcast against x[..., :D/2].
+
+    x * cat(cos, cos) + rotate_half(x) * cat(sin, sin) in transformers; the same products and
+    sums here (a + (-b) equals a - b exactly), without building the doubled tables.
+    """
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+# ---------------------------------------------------------------------- MLP
+def swiglu(model: CausalLM, x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None,
+           down: torch.Tensor, down_bias: torch.Tensor | None) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) (Shazeer 2020, "GLU Variants Improve Transformer"), with
+    gate and up fused in one projection: x (..., C), gate_up (2I, C) = cat(gate, up),
+    down (C, I) -> (..., C). Projections through `model.linear`, silu through
+    `model.pointwise` (length-invariant in a CPU step: models/base.py)."""
+    gate, up = model.linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
+    return model.linear(model.pointwise(F.silu, invariant_silu, gate) * up, down, down_bias)
