@@ -10,17 +10,17 @@ scores; the exact attention over both is the log-sum-exp merge
 is computed once per prompt for the queries of all its samples (one read of its keys).
 
 Two implementations:
-- `decode_invariant` (CPU, float32, batch_invariant): torch's CPU flash kernel, which returns
+- `decode_grouped` (CPU): torch's CPU flash kernel, which returns
   the log-sum-exp (`_scaled_dot_product_flash_attention_for_cpu`), called over strided views
   of the arena (no copies). Measured on torch 2.13 (bench/bench_invariance.py): a query row's
   result is bit-identical whatever else is in the call *when every (batch, head) item of the
   call has a multiple of 4 query rows*; with 1, 2 or 3 rows the kernel's result depends on
   which thread runs the item (odd threads differ), and a last block of 1-3 rows (mod 32)
-  takes another GEMM path. So every call here pads its query rows to a multiple of 4, and
-  reads exactly the row's keys (no padding, no mask). A row's output then depends only on
-  its own query and keys: bit-identical whatever the batch.
-- `decode_batched` (any device): the prompts and own runs gathered into padded blocks and
-  attended with plain tensor ops (matmul, masked log-sum-exp), a fixed number of calls per
+  takes another GEMM path. So with `invariant` (batch_invariant) every call pads its query
+  rows to a multiple of 4, and reads exactly the row's keys (no padding, no mask). A row's
+  output then depends only on its own query and keys: bit-identical whatever the batch.
+- `decode_batched` (GPUs; any device): the prompts and own runs gathered into padded blocks
+  and attended with plain tensor ops (matmul, masked log-sum-exp), a fixed number of calls per
   step whatever the batch. Not batch-invariant (padding changes reduction lengths).
 """
 from __future__ import annotations
@@ -59,21 +59,24 @@ def _strided_runs(cache: torch.Tensor, start: int, stride: int, n: int, lo: int,
                             cache.storage_offset() + (start + lo) * H * D)
 
 
-def decode_invariant(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: KVLayout,
-                     window: int | None) -> torch.Tensor:
-    """Batch-invariant decode attention (CPU; see the module docstring).
+def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: KVLayout,
+                   window: int | None, invariant: bool = True) -> torch.Tensor:
+    """Decode attention in strided groups over the arena (CPU; see the module docstring).
 
     kc, vc: one layer's (positions, n_kv_head, head_dim) arena, this step's keys already
     written. q: (B, n_head, 1, head_dim). Returns (B, n_head, 1, head_dim).
     Each row attends to its prompt (the stored run, or its own copy) and to its generated
     tokens in separate calls, merged exactly: the split point is the row's prompt length, so
     a row gets the same bits with or without prefix sharing.
+    invariant: pad every call's query rows per item to a multiple of 4, which makes each
+    row's result independent of the rest of the step; False skips that padding (faster when
+    n_head / n_kv_head is not a multiple of 4; results then move in the last bits).
     """
     B, Hq, _, D = q.shape
     Hkv = kc.shape[1]
     g = Hq // Hkv
     q4 = q.reshape(B, Hkv, g, D)
-    m = -(-g // 4) * 4
+    m = -(-g // 4) * 4 if invariant else g
     qpad = q4 if m == g else torch.cat([q4, q4.new_zeros(B, Hkv, m - g, D)], dim=2)
     t = layout.t
     outs, lses = [], []
@@ -87,7 +90,7 @@ def decode_invariant(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout
         lses.append(l)
     o_gen = (outs[0] if len(outs) == 1 else torch.cat(outs))[:, :, :g]
     l_gen = (lses[0] if len(lses) == 1 else torch.cat(lses))[:, :, :g]
-    o_pre, l_pre = _shared_prompts(kc, vc, q4, layout, window)
+    o_pre, l_pre = _shared_prompts(kc, vc, q4, layout, window, 4 if invariant else 1)
     for grp in layout.copy_groups():  # rows with their own copy of the prompt
         a, b = layout.key_range(grp.position0 + t, 0, grp.length0, window)
         if a >= b:
@@ -105,12 +108,12 @@ def decode_invariant(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout
 
 
 def _shared_prompts(kc: torch.Tensor, vc: torch.Tensor, q4: torch.Tensor, layout: KVLayout,
-                    window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Attention of every row to its stored prompt, one call per prompt for all its rows:
-    ((B, Hkv, g, D) out, (B, Hkv, g) lse) with 0 and -inf for rows without one; (None, None)
-    when no row has one."""
+                    window: int | None, multiple: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Attention of every row to its stored prompt, one call per prompt for all its rows
+    (query rows padded to a multiple of `multiple`): ((B, Hkv, g, D) out, (B, Hkv, g) lse)
+    with 0 and -inf for rows without one; (None, None) when no row has one."""
     B, Hkv, g, D = q4.shape
-    pc = layout.prefix_calls(window, g)
+    pc = layout.prefix_calls(window, g, multiple)
     if pc is None:
         return None, None
     # All prompts' queries in one gathered block: (Hkv, B * g + 1, D), the last row zeros.
@@ -148,7 +151,7 @@ def decode_batched(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
                    window: int | None) -> torch.Tensor:
     """Decode attention for any device in a fixed number of calls (see the module docstring).
 
-    Same arguments and result as `decode_invariant`. Each prompt's keys are gathered once
+    Same arguments and result as `decode_grouped`. Each prompt's keys are gathered once
     and attended by the queries of all its rows; each row's own keys are gathered and padded
     to the longest own run of the step.
     """

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention import decode_batched, decode_invariant, prefill_mask, prefill_rows
+from engine.attention import decode_batched, decode_grouped, prefill_mask, prefill_rows
 from engine.kv_layout import KVLayout
 
 
@@ -75,7 +75,8 @@ class KVCache:
             width) tensors in `self.state` (nanochat's smear keeps the previous token's
             embedding there).
         batch_invariant: on CPU, attention whose result for a row is bit-identical whatever
-            else is in the step (engine/attention.py); GPUs ignore it.
+            else is in the step (engine/attention.py); GPUs ignore it. Decode attention on
+            CPU is `decode_grouped`, elsewhere `decode_batched` (`batched_decode` forces it).
         num_positions: positions per layer (default num_slots * max_seq_len: a full-length
             slot per sequence, the static layout).
 
@@ -96,6 +97,9 @@ class KVCache:
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.batch_invariant = batch_invariant
+        # Decode attention through decode_batched (what GPUs run) even on CPU: tests set it to
+        # exercise the GPU path without a GPU.
+        self.batched_decode = False
 
     @staticmethod
     def bytes_per_position(n_layer: int, n_kv_head: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -138,9 +142,9 @@ class KVCache:
         idx = layout.write_index()
         kc.index_copy_(0, idx, k[:, :, 0])
         vc.index_copy_(0, idx, v[:, :, 0])
-        if invariant:
-            return decode_invariant(kc, vc, q, layout, window)
-        return decode_batched(kc, vc, q, layout, window)
+        if self.batched_decode or q.device.type != "cpu":
+            return decode_batched(kc, vc, q, layout, window)
+        return decode_grouped(kc, vc, q, layout, window, invariant=self.batch_invariant)
 
     def _static_layout(self, batch: StepBatch) -> KVLayout:
         slots = batch.slots.tolist()

@@ -61,10 +61,6 @@ class PrefixCalls:
     scatter: torch.Tensor
 
 
-def _ceil4(n: int) -> int:
-    return -(-n // 4) * 4
-
-
 @dataclass
 class KVLayout:
     """Per-row KV placement for one prefill or a run of decode steps (see the module docstring).
@@ -188,10 +184,11 @@ class KVLayout:
         return lo, min(end, position + 1)
 
     # ------------------------------------------------------------------ prefix groups
-    def prefix_calls(self, window: int | None, g: int) -> PrefixCalls | None:
+    def prefix_calls(self, window: int | None, g: int, multiple: int = 4) -> PrefixCalls | None:
         """The prefix attention of a decode step for layers with this window, with `g` query
-        heads per KV head; None when no row sees any shared prefix keys."""
-        key = (window, g)
+        heads per KV head and each call's query rows padded to a multiple of `multiple`; None
+        when no row sees any shared prefix keys."""
+        key = (window, g, multiple)
         cache = self._static if window is None else self._step  # windowed ranges move each step
         if key in cache:
             return cache[key]
@@ -217,7 +214,7 @@ class KVLayout:
                 for j in range(g):
                     scatter[r * g + j] = len(gather)
                     gather.append(r * g + j)
-            n = _ceil4(len(rows) * g)
+            n = -(-len(rows) * g // multiple) * multiple
             gather.extend([sentinel_in] * (n - len(rows) * g))
             calls.append((ps, lo, hi, offset, n))
         total = len(gather)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import decode_batched, decode_invariant, merge_attention
+from engine.attention import decode_batched, decode_grouped, merge_attention
 from engine.kv_layout import KVLayout
 
 
@@ -83,7 +83,7 @@ def test_decode_equals_attention_over_the_whole_history(shape, window, sharing):
     want = _reference(kc, vc, q, rows, window)
     layout = _layout(rows)
     assert len(layout.generated_groups()) < len(rows)  # cohorts really share calls
-    for fn in (decode_invariant, decode_batched):
+    for fn in (decode_grouped, decode_batched):
         for split in (True, False):  # own copies attended in two parts (split) or one
             got = fn(kc, vc, q, layout if split else _layout(rows, split=False), window)
             assert got.shape == q.shape
@@ -99,12 +99,12 @@ def test_invariant_decode_rows_do_not_depend_on_the_step(shape, window, sharing)
     Hq, Hkv, D = shape
     kc, vc, rows = _scenario(3, Hkv, D, sharing)
     q = torch.randn(len(rows), Hq, 1, D, generator=torch.Generator().manual_seed(4))
-    full = decode_invariant(kc, vc, q, _layout(rows), window)
+    full = decode_grouped(kc, vc, q, _layout(rows), window)
     rng = random.Random(5)
     subsets = [[i] for i in range(len(rows))] + [list(range(len(rows)))[::-1]]
     subsets += [sorted(rng.sample(range(len(rows)), rng.randint(2, len(rows) - 1))) for _ in range(6)]
     for sub in subsets:
-        got = decode_invariant(kc, vc, q[sub], _layout([rows[i] for i in sub]), window)
+        got = decode_grouped(kc, vc, q[sub], _layout([rows[i] for i in sub]), window)
         for j, i in enumerate(sub):
             assert torch.equal(got[j], full[i]), f"row {i} in subset {sub}"
 
@@ -115,10 +115,10 @@ def test_layout_advance_moves_every_row_one_position():
     kc, vc, rows = _scenario(6, Hkv, D, True)
     q = torch.randn(len(rows), Hq, 1, D, generator=torch.Generator().manual_seed(7))
     layout = _layout(rows)
-    decode_invariant(kc, vc, q, layout, None)
+    decode_grouped(kc, vc, q, layout, None)
     layout.advance()
     moved = [dict(r, position=r["position"] + 1) for r in rows]
-    for fn in (decode_invariant, decode_batched):
+    for fn in (decode_grouped, decode_batched):
         assert torch.equal(fn(kc, vc, q, layout, 7), fn(kc, vc, q, _layout(moved), 7))
 
 
@@ -152,6 +152,6 @@ def test_shared_and_copied_prompts_give_identical_bits(shape, window):
         copies.append(dict(own_start=free, own_pos0=0, prefix_start=-1, position=r["position"],
                            prompt_len=r["prompt_len"]))
         free += 64 + r["prompt_len"]  # a regular stride within cohorts, as the scheduler gives
-    shared = decode_invariant(kc, vc, q, _layout(rows), window)
-    copied = decode_invariant(kc, vc, q, _layout(copies), window)
+    shared = decode_grouped(kc, vc, q, _layout(rows), window)
+    copied = decode_grouped(kc, vc, q, _layout(copies), window)
     assert torch.equal(shared, copied)

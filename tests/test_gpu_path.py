@@ -1,10 +1,11 @@
 """The GPU code path, exercised on CPU (no GPU is lent to this project).
 
-GPUs run the batched attention path (engine/attention.py: decode_batched) in bfloat16, which
-is what `batch_invariant=False` selects on CPU. On tiny-random (nanochat architecture:
-sliding windows, per-sequence smear state, GQA): bfloat16 greedy tokens equal float32's up to
-near-ties, in both attention paths and both prefix-sharing modes; and `dtype: auto` picks
-bfloat16 only on GPUs with native support.
+GPUs run the batched attention path (engine/attention.py: decode_batched) in bfloat16; on
+CPU `KVCache.batched_decode` selects it. On tiny-random (nanochat architecture: sliding
+windows, per-sequence smear state, GQA): bfloat16 greedy tokens equal float32's up to
+near-ties, in both attention paths and both prefix-sharing modes; the batched path in float32
+gives the CPU path's tokens; and `dtype: auto` picks bfloat16 only on GPUs with native
+support.
 """
 import pytest
 import torch
@@ -22,22 +23,28 @@ def engines():
     return {dt: load_engine("tiny-random", dtype=dt, **kw) for dt in ("float32", "bfloat16")}
 
 
-def _greedy(eng, **kw):
+def _engine(eng, batched: bool = False, **kw):
     from engine.engine import Engine
 
     e = Engine(eng.model, eng.tokenizer, max_seq_len=256, **kw)
+    e.kv.batched_decode = batched
+    return e
+
+
+def _greedy(eng, batched: bool = False, **kw):
+    e = _engine(eng, batched, **kw)
     p = SamplingParams(num_samples=2, max_tokens=STEPS, temperature=0, stop_token_ids=[])
     return [[s.tokens for s in row] for row in e.generate(PROMPTS, p)]
 
 
 @pytest.mark.parametrize("prefix_sharing", [True, False], ids=["shared", "own-copy"])
-@pytest.mark.parametrize("batch_invariant", [False, True], ids=["batched", "invariant"])
-def test_bfloat16_tokens_equal_float32_up_to_near_ties(engines, batch_invariant, prefix_sharing):
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "grouped"])
+def test_bfloat16_tokens_equal_float32_up_to_near_ties(engines, batched, prefix_sharing):
     """Where a bfloat16 greedy sample first leaves the float32 one, the float32 logits of the
     two tokens are closer than bfloat16's own error on that step's logits (a near-tie); most
     tokens agree."""
     ref = _greedy(engines["float32"])
-    got = _greedy(engines["bfloat16"], batch_invariant=batch_invariant, prefix_sharing=prefix_sharing)
+    got = _greedy(engines["bfloat16"], batched, prefix_sharing=prefix_sharing)
     agreed = 0
     for prompt, rows_ref, rows_got in zip(PROMPTS, ref, got):
         assert rows_got[0] == rows_got[1]  # greedy samples of one prompt agree with each other
@@ -55,14 +62,14 @@ def test_bfloat16_tokens_equal_float32_up_to_near_ties(engines, batch_invariant,
     assert agreed >= 0.6 * len(PROMPTS) * STEPS
 
 
-def test_batched_path_is_used_and_close_to_the_invariant_one(engines):
-    """batch_invariant=False runs decode_batched (the GPU path): float32 logprobs within 1e-4
-    of the invariant path's, same tokens."""
-    from engine import attention
-    from engine.engine import Engine
+@pytest.mark.parametrize("prefix_sharing", [True, False], ids=["shared", "own-copy"])
+def test_batched_path_is_used_and_close_to_the_invariant_one(engines, prefix_sharing):
+    """KVCache.batched_decode runs decode_batched (the GPU path): in float32 the same tokens
+    as the CPU path, logprobs within 1e-4."""
+    import engine.kv_cache as kv_cache
 
     calls = []
-    original = attention.decode_batched
+    original = kv_cache.decode_batched
 
     def spy(*a, **k):
         calls.append(1)
@@ -70,12 +77,10 @@ def test_batched_path_is_used_and_close_to_the_invariant_one(engines):
 
     eng = engines["float32"]
     p = SamplingParams(num_samples=3, max_tokens=8, top_k=20, stop_token_ids=[])
-    inv = Engine(eng.model, eng.tokenizer, max_seq_len=256).generate(PROMPTS, p)
-    import engine.kv_cache as kv_cache
-
+    inv = _engine(eng, prefix_sharing=prefix_sharing).generate(PROMPTS, p)
     kv_cache.decode_batched = spy
     try:
-        bat = Engine(eng.model, eng.tokenizer, max_seq_len=256, batch_invariant=False).generate(PROMPTS, p)
+        bat = _engine(eng, batched=True, max_num_seqs=4, prefix_sharing=prefix_sharing).generate(PROMPTS, p)
     finally:
         kv_cache.decode_batched = original
     assert calls

@@ -127,6 +127,23 @@ def test_logprobs_are_raw_log_softmax():
     assert torch.allclose(token_logprobs(lg, toks), expect, atol=1e-6)
 
 
+def test_inplace_logprobs_equal_and_do_not_depend_on_other_rows():
+    """The engine's in-place form gives the same values as the plain one, and a row's logprob
+    is bit-identical computed alone or among 64 rows of a vocabulary-sized batch."""
+    g = torch.Generator().manual_seed(0)
+    lg = torch.randn(64, 50257, generator=g) * 4
+    toks = torch.randint(0, 50257, (64,), generator=g)
+    plain = token_logprobs(lg, toks)
+    together = token_logprobs(lg.clone(), toks, inplace=True)
+    assert torch.equal(plain, together)
+    for i in (0, 5, 63):
+        assert torch.equal(token_logprobs(lg[i:i + 1].clone(), toks[i:i + 1], inplace=True), together[i:i + 1])
+    padded = torch.cat([lg, torch.zeros(64, 47)], dim=1)[:, :50257]  # a cropped padded vocabulary: a view
+    for n in (1, 4, 64):
+        assert torch.equal(token_logprobs(padded[:n].clone()[:, :50257], toks[:n], inplace=True), plain[:n])
+        assert torch.equal(token_logprobs(padded[:n], toks[:n], inplace=True), plain[:n])
+
+
 def test_request_key_is_stable():
     """Keys come from a fixed hash (not Python's per-process hash()), so every process agrees."""
     assert request_key(0, "a", 0) == request_key(0, "a", 0)
