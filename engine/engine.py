@@ -129,8 +129,14 @@ class Engine:
         a = self.scheduler.allocator
         return (a.num_blocks - a.num_free) * self.block_bytes
 
+    def reset_kv_stats(self) -> None:
+        """Start peak_kv_bytes and kv_bytes_per_running_sample afresh (e.g. after a warm-up)."""
+        self.peak_kv_bytes = self.kv_used_bytes
+        self._kv_row_bytes = [0, 0]
+
     def kv_bytes_per_running_sample(self) -> float:
-        """Reserved KV bytes per running sample, averaged over the decode steps so far."""
+        """Reserved KV bytes per running sample over the decode steps so far: the sum over
+        steps of the bytes reserved, over the sum of the samples decoding."""
         total, rows = self._kv_row_bytes
         return total / rows if rows else 0.0
 
@@ -317,7 +323,7 @@ class Engine:
             seq.append(tok, lp, self.tools, self.tokenizer, self.max_seq_len)
             changed |= seq.finish_reason is not None
         self.num_generated_tokens += len(db.seqs)
-        self._kv_row_bytes[0] += self.kv_used_bytes * len(db.seqs)
+        self._kv_row_bytes[0] += self.kv_used_bytes
         self._kv_row_bytes[1] += len(db.seqs)
         if changed:
             self._batch = None

@@ -45,6 +45,8 @@ def test_budget_bounds_memory_by_need_not_max_seq_len(model):
     assert eng.kv_used_bytes == (1 + 8) * _block_bytes(model)  # one prompt block + one block per sample
     while eng.has_unfinished_requests():
         eng.step()
+    assert eng.peak_kv_bytes == 9 * _block_bytes(model)
+    assert eng.kv_bytes_per_running_sample() == 9 * _block_bytes(model) / 8
     assert eng.kv_used_bytes == 0 and eng.scheduler.allocator.free_ranges() == [(0, budget // _block_bytes(model))]
     with pytest.raises(ValueError, match=f"cannot hold one sequence of {ctx} tokens"):
         Engine(model, TOK, kv_cache_bytes=100)
