@@ -102,7 +102,7 @@ class Scheduler:
         kept: deque[Request] = deque()
         alloc = self.allocator
         while self.waiting:
-            if not self.free:
+            if not self.free or alloc.num_free == 0:  # nothing more can be admitted this step
                 break
             req = self.waiting.popleft()
             pending = req.params.num_samples - req.next_sample

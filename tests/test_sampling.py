@@ -150,3 +150,37 @@ def test_request_key_is_stable():
     assert request_key(0, "a", 0) != request_key(0, "a", 1)
     assert request_key(0, "a", 0) != request_key(1, "a", 0)
     assert request_key(123, "file.parquet:7", 3) == (779661763, 627667325)  # golden: changing the hash changes every dataset
+
+
+def _race_noise_int64(keys, positions, token_ids):
+    """The noise's definition, as the engine first wrote it: lowbias32 on int64 tensors."""
+    M = 0xFFFFFFFF
+
+    def mix(x):
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & M
+        x = x ^ (x >> 15)
+        x = (x * 0x846CA68B) & M
+        return x ^ (x >> 16)
+
+    h = mix(token_ids ^ 0x9E3779B9)
+    h = mix(h ^ positions[:, None])
+    h = mix(h ^ keys[:, 1:2])
+    h = mix(h ^ keys[:, 0:1])
+    return torch.log(-torch.log((h.double() + 0.5) * (1.0 / 2**32)))
+
+
+def test_race_noise_is_exactly_lowbias32():
+    """The int32, in-place hash (and its whole-vocabulary form) gives exactly the values of the
+    int64 definition, so samples do not change with the implementation."""
+    from engine.sampling import race_noise, race_noise_vocab
+
+    keys = torch.tensor([request_key(s, f"p{s}", s % 5) for s in range(16)] + [(0xFFFFFFFF, 0x80000000)],
+                        dtype=torch.long)
+    pos = torch.tensor([0, 1, 7, 2**20, 8191] * 3 + [5, 2**31 - 1], dtype=torch.long)
+    V = 3000
+    full = torch.arange(V).expand(len(keys), V)
+    want = _race_noise_int64(keys, pos, full)
+    assert torch.equal(race_noise_vocab(keys, pos, V), want)
+    cand = torch.randint(0, V, (len(keys), 50), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(race_noise(keys, pos, cand), want.gather(1, cand))
