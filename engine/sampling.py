@@ -23,6 +23,7 @@ with no truncation, in nats, fp32; they are what a trainer recomputes from the s
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,7 @@ def request_key(seed: int, prompt_id: str, sample_index: int) -> tuple[int, int]
 _SEED = 0x9E3779B9 - 2**32
 _MUL1, _MUL2 = 0x7FEB352D, 0x846CA68B - 2**32
 _TOKEN_HASH: dict[tuple[int, torch.device], torch.Tensor] = {}
-_VOCAB_BUFFERS: dict[str, tuple] = {}
+_VOCAB_BUFFERS = threading.local()  # per thread: two engines stepping in two threads do not share
 _CHUNK = 1 << 19  # elements per chunk of the whole-vocabulary race (2 MiB of int32: it stays in cache)
 
 
@@ -98,11 +99,11 @@ def race_noise_vocab(keys: torch.Tensor, positions: torch.Tensor, V: int) -> tor
     """race_noise for every token id 0..V-1: (B, V) float64, the same values, in a buffer that
     the next call overwrites."""
     B, dev = keys.shape[0], keys.device
-    bufs = _VOCAB_BUFFERS.get("race")
+    bufs = getattr(_VOCAB_BUFFERS, "race", None)
     if bufs is None or bufs[0].shape != (B, V) or bufs[0].device != dev:
-        bufs = _VOCAB_BUFFERS["race"] = (torch.empty(B, V, dtype=torch.int32, device=dev),
-                                         torch.empty(B, V, dtype=torch.int32, device=dev),
-                                         torch.empty(B, V, dtype=torch.float64, device=dev))
+        bufs = _VOCAB_BUFFERS.race = (torch.empty(B, V, dtype=torch.int32, device=dev),
+                                      torch.empty(B, V, dtype=torch.int32, device=dev),
+                                      torch.empty(B, V, dtype=torch.float64, device=dev))
     h, tmp, out = bufs
     first = _token_hash(V, dev)
     step = max(1, _CHUNK // V)  # rows per chunk: every pass over a chunk stays in cache
