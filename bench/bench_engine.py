@@ -4,7 +4,7 @@ Workload (issue #2): a GPT-2-small-shaped model (124M parameters, random weights
 transformers' save_pretrained), the first 32 GSM8K test questions as plain-text prompts,
 num_samples=4, max_tokens=128, top_k=50, temperature 1, fp32 on the CPU. The baseline is
 transformers' `generate(num_return_sequences=4)` on the same checkpoint and token ids.
-Both count generated tokens (up to, not including, <|endoftext|>). The engine runs with
+Both count generated tokens (up to and including <|endoftext|>). The engine runs with
 batch_invariant=True (the default: every sample bit-identical whatever its batch) and False
 (the batched attention path GPUs use). The script also measures this machine's fp32 GEMM
 peak (torch.matmul, 2048^3, the same threads) and prints each engine rate as a fraction of
@@ -119,7 +119,7 @@ def main() -> None:
     gen = out[:, L:]
     n_hf = 0
     for row in gen.tolist():
-        n_hf += row.index(eos) if eos in row else len(row)
+        n_hf += row.index(eos) + 1 if eos in row else len(row)  # the stop token counts, as the engine keeps it
     print(f"transformers generate: {n_hf} tokens in {dt_hf:.1f} s = {n_hf / dt_hf:.1f} tokens/s")
     for invariant, rate in rates.items():
         print(f"ratio (batchgen batch_invariant={invariant} / transformers tokens/s): {rate / (n_hf / dt_hf):.2f}x")

@@ -5,7 +5,7 @@ the first 32 GSM8K test questions rendered with the model's chat template, num_s
 max_tokens=128, temperature 1, top_k 50, 2 CPU threads. The baseline is transformers loading
 the same GGUF file (`from_pretrained(dir, gguf_file=..., dtype=float32)`) and running
 `generate(num_return_sequences=4)` on the same token ids. Both count generated tokens up to
-the end-of-turn token <|im_end|>. Machines are noisy: compare the ratio printed at the end,
+and including the end-of-turn token <|im_end|>. Machines are noisy: compare the ratio printed at the end,
 not the absolute rates.
 
     python bench/bench_smollm2.py [--prompts 32] [--max-tokens 128] [--skip-hf]
@@ -82,7 +82,7 @@ def main() -> None:
     n_hf = 0
     for row in out[:, L:].tolist():
         ends = [row.index(s) for s in stop if s in row]
-        n_hf += min(ends) if ends else len(row)
+        n_hf += min(ends) + 1 if ends else len(row)  # the stop token counts, as the engine keeps it
     rate_hf = n_hf / dt_hf
     print(f"transformers generate: {n_hf} tokens in {dt_hf:.1f} s = {rate_hf:.1f} tokens/s")
     print(f"ratio (batchgen / transformers tokens/s): {rate / rate_hf:.2f}x")

@@ -38,12 +38,14 @@ class UnitRequest:
     prompt_tokens is None when the row could not become a prompt; `error` then says why
     (naming the file, row and column), and every sample of the row becomes an error row.
     passthrough: input columns copied to each output row of this prompt.
+    params: this request's own SamplingParams (per-request parameters); None uses the task's.
     """
 
     prompt_id: str
     prompt_tokens: list[int] | None
     error: str | None = None
     passthrough: dict[str, Any] = field(default_factory=dict)
+    params: SamplingParams | None = None
 
 
 @dataclass(slots=True)
@@ -67,13 +69,15 @@ class UnitTask(Protocol):
     """What a worker needs from the job. Implemented by jobs.task.JobTask.
 
     engine_kwargs: keyword arguments for engine.load_engine (path, device, dtype, ...).
-    params: the job's SamplingParams, the same for every prompt.
+    params: the job's SamplingParams, for every prompt whose UnitRequest.params is None.
     read_unit: the unit's prompts, tokenized with the worker's tokenizer; a bad row becomes
         a UnitRequest with an error, never an exception. Raises only when the unit cannot
         be read at all (the unit is then retried, then the job fails).
-    write_unit: commit the unit's output atomically (write to a temporary name, then
-        rename), one row per sample; `outputs[i]` belongs to `requests[i]`; `tokenizer`
-        (the worker's engine tokenizer) decodes the text columns. Returns counts.
+    write_unit: commit the unit's output so that it is visible whole or not at all, one row
+        per sample, and keep an existing commit of the same unit (a unit may run twice:
+        retries, a second copy after its deadline; the first commit wins); `outputs[i]`
+        belongs to `requests[i]`; `tokenizer` (the worker's engine tokenizer) decodes the
+        text columns. Returns counts.
     """
 
     engine_kwargs: dict[str, Any]

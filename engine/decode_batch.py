@@ -13,7 +13,7 @@ import torch
 
 from engine.kv_cache import StepBatch
 from engine.kv_layout import KVLayout
-from engine.sampling import SamplingFlags, sampling_flags
+from engine.sampling import row_kinds
 from engine.sequence import Sequence
 
 
@@ -21,8 +21,9 @@ class DecodeBatch:
     """Rows `seqs` (ordered by own run, so lockstep neighbours share attention calls).
 
     Device tensors, one entry per row: tokens (the next input), positions (its position),
-    slots, and the sampling parameters temperature, top_k, top_p, min_p, keys; `flags` and
-    `kv_len` (longest sequence of the step) are host values.
+    slots, and the sampling parameters temperature, top_k, top_p, min_p, keys; `kinds` (each
+    row's sampling path, engine.sampling.row_kinds), `processed` (each row's logprobs_mode is
+    "processed") and `kv_len` (longest sequence of the step) are host values.
     """
 
     def __init__(self, seqs: list[Sequence], device: torch.device):
@@ -33,16 +34,18 @@ class DecodeBatch:
         self.layout = KVLayout.for_decode([s.own_start for s in seqs], [s.own_pos0 for s in seqs],
                                           [s.prefix_start for s in seqs], pos, dev,
                                           prompt_len=[len(s.request.prompt_tokens) for s in seqs])
+        floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps]],
+                              dtype=torch.float32)
+        self.kinds = row_kinds(floats[0], torch.tensor([p.top_k for p in ps]), floats[1], floats[2])
+        self.processed = [p.logprobs_mode == "processed" for p in ps]
+        floats = floats.to(dev)
         ints = torch.tensor([[s.last_token for s in seqs], pos, [s.slot for s in seqs],
                              [p.top_k for p in ps], [s.key[0] for s in seqs], [s.key[1] for s in seqs]],
                             dtype=torch.long).to(dev)
-        floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps]],
-                              dtype=torch.float32).to(dev)
         self.tokens, self.positions, self.slots, self.top_k = ints[0], ints[1], ints[2], ints[3]
         self.keys = ints[4:6].t()
         self.temperature, self.top_p, self.min_p = floats[0], floats[1], floats[2]
         self.last_index = torch.zeros(len(seqs), dtype=torch.long, device=dev)
-        self.flags: SamplingFlags = sampling_flags(ps)
         self.kv_len = max(pos) + 1
 
     def step_batch(self) -> StepBatch:

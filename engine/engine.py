@@ -28,7 +28,7 @@ from engine.kv_cache import KVCache, StepBatch
 from engine.kv_layout import KVLayout
 from engine.models.base import CausalLM
 from engine.params import RequestOutput, Sample, SamplingParams, error_output
-from engine.sampling import request_key, sample_tokens, sampling_flags, token_logprobs
+from engine.sampling import request_key, row_kinds, sample_with_logprobs, token_logprobs
 from engine.scheduler import Admission, Scheduler
 from engine.sequence import Request, Sequence, ToolTokens
 
@@ -286,16 +286,17 @@ class Engine:
 
     def _sample_first(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Each new sample's first token from its prompt's last logits (N, V)."""
-        dev = self.device
         ps = [s.request.params for s in seqs]
-        toks = sample_tokens(logits, torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev),
-                             torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev),
-                             torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
-                             torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev),
-                             torch.tensor([s.key for s in seqs], dtype=torch.long, device=dev),
-                             torch.tensor([s.position + 1 for s in seqs], dtype=torch.long, device=dev),
-                             flags=sampling_flags(ps))
-        lps = token_logprobs(logits, toks, inplace=True)
+        temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32)
+        top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long)
+        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
+        min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
+        kinds = row_kinds(temp, top_k, top_p, min_p)  # on the host tensors: no device sync
+        keys = torch.tensor([s.key for s in seqs], dtype=torch.long)
+        pos = torch.tensor([s.position + 1 for s in seqs], dtype=torch.long)
+        dev = self.device
+        toks, lps = _sample(logits, temp.to(dev), top_k.to(dev), top_p.to(dev), min_p.to(dev), keys.to(dev),
+                            pos.to(dev), kinds, [p.logprobs_mode == "processed" for p in ps])
         host = torch.stack([toks.double(), lps.double()]).tolist()
         for seq, t, lp in zip(seqs, host[0], host[1]):
             seq.append(int(t), lp, self.tools, self.tokenizer, self.max_seq_len)
@@ -308,14 +309,13 @@ class Engine:
             self._batch = DecodeBatch(active, self.device)
         db = self._batch
         logits = self.model.forward_step(db.tokens[:, None], db.step_batch(), self.kv)
-        toks = sample_tokens(logits, db.temperature, db.top_k, db.top_p, db.min_p, db.keys, db.positions + 1,
-                             flags=db.flags)
-        lps = token_logprobs(logits, toks, inplace=True)
+        toks, lps = _sample(logits, db.temperature, db.top_k, db.top_p, db.min_p, db.keys, db.positions + 1,
+                            db.kinds, db.processed)
         host = torch.stack([toks.double(), lps.double()]).tolist()  # the step's one device-to-host copy
         forced: list[tuple[int, int]] = []
         changed = False
         for i, seq in enumerate(db.seqs):
-            if seq.next_is_forced():
+            if seq.next_is_forced():  # its row was sampled too (it costs less than a gather); dropped
                 tok, lp = seq.forced.popleft(), None
                 forced.append((i, tok))
             else:
@@ -374,6 +374,24 @@ class Engine:
                     others.append(out)
         self._ready.extend(others)  # streaming requests that finished meanwhile stay for their owner
         return results  # type: ignore[return-value]
+
+
+def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+            min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, kinds: list[tuple],
+            processed: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ((B,) int64) and each row's logprob ((B,) float32) in its request's
+    logprobs_mode: processed (under the distribution sampled from) where `processed[i]`, raw
+    (log_softmax of the logits) elsewhere. Overwrites `logits`. See engine/sampling.py."""
+    any_p = any(processed)
+    toks, proc = sample_with_logprobs(logits, temperature, top_k, top_p, min_p, keys, positions,
+                                      processed=any_p, kinds=kinds)
+    if any_p and all(processed):
+        return toks, proc
+    raw = token_logprobs(logits, toks, inplace=True)  # last: it overwrites the logits
+    if not any_p:
+        return toks, raw
+    mask = torch.tensor(processed, device=logits.device)
+    return toks, torch.where(mask, proc, raw)
 
 
 def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str = "auto", *, tokenizer=None,

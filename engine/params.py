@@ -26,7 +26,16 @@ class SamplingParams:
         min_p: drop tokens whose probability is below min_p * p(most likely token); in [0, 1).
         seed: with (prompt_id, sample_index, position) it keys the sampling noise, so a
             sample is the same whatever the batch it runs in (see engine/sampling.py).
-        stop_token_ids: None means the model's default stop tokens; [] means none.
+        stop_token_ids: None means the model's default stop tokens; [] means none. A sample
+            that samples one ends with it: the token is kept in Sample.tokens (mask 1, with
+            its logprob), as verl, TRL and vLLM expect, so a trainer can score the choice to stop.
+        stop: stop strings (None or a tuple of non-empty strings; a single string is one stop
+            string). A sample ends at the token that completes one of them in its decoded text;
+            its tokens are all kept, the text ends before the stop string (engine/stop_strings.py).
+        logprobs_mode: "raw" (log_softmax of the model's raw logits, temperature 1, no
+            truncation: what a trainer recomputes from the weights) or "processed" (the
+            log-probability under the distribution the token was drawn from, after temperature,
+            top_k, top_p and min_p; 0 for greedy: what importance-sampling corrections need).
         calculator: run the calculator tool on <|python_start|>...<|python_end|> spans.
 
     top_k, top_p and min_p apply to the temperature-scaled distribution (as in vLLM and
@@ -41,6 +50,8 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] | list[int] | None = None
+    stop: tuple[str, ...] | list[str] | str | None = None
+    logprobs_mode: str = "raw"
     calculator: bool = True
 
     def __post_init__(self) -> None:
@@ -63,8 +74,9 @@ def check_sampling_value(name: str, v: Any) -> Any:
     """Validate and normalise one sampling field; the one set of rules for the engine's
     SamplingParams and the job spec's `sampling` section.
 
-    Returns the normalised value (top_k None -> 0, stop_token_ids list -> tuple, floats as
-    float). Raises ValueError("must be ..., got X") for a bad value, KeyError for an unknown name.
+    Returns the normalised value (top_k None -> 0, stop_token_ids and stop lists -> tuples, a
+    single stop string -> a 1-tuple, an empty stop list -> None, floats as float). Raises
+    ValueError("must be ..., got X") for a bad value, KeyError for an unknown name.
     """
     if name in ("num_samples", "max_tokens"):
         if not _is_int(v) or v < 1:
@@ -94,6 +106,17 @@ def check_sampling_value(name: str, v: Any) -> Any:
         if not isinstance(v, (list, tuple)) or any(not _is_int(t) or t < 0 for t in v):
             raise ValueError(f"must be a list of non-negative token ids (or null for the model's default), got {v!r}")
         return tuple(v)
+    elif name == "stop":
+        if v is None:
+            return None
+        if isinstance(v, str):
+            v = (v,)
+        if not isinstance(v, (list, tuple)) or any(not isinstance(x, str) or not x for x in v):
+            raise ValueError(f"must be a non-empty string or a list of them (or null for none), got {v!r}")
+        return tuple(v) or None
+    elif name == "logprobs_mode":
+        if v not in LOGPROBS_MODES:
+            raise ValueError(f"must be one of {', '.join(LOGPROBS_MODES)}, got {v!r}")
     elif name == "calculator":
         if not isinstance(v, bool):
             raise ValueError(f"must be true or false, got {v!r}")
@@ -103,7 +126,8 @@ def check_sampling_value(name: str, v: Any) -> Any:
 
 
 SAMPLING_FIELDS = ("num_samples", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
-                   "stop_token_ids", "calculator")
+                   "stop_token_ids", "stop", "logprobs_mode", "calculator")
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass(slots=True)
@@ -128,13 +152,18 @@ class ToolCall:
 class Sample:
     """One continuation of one prompt.
 
-    tokens: generated token ids, forced tool-output tokens included, terminal stop token
-        excluded. mask: one per token, 1 sampled by the model, 0 forced (tool output).
-    logprobs: one per token; for sampled tokens log_softmax(raw logits)[token] in nats,
-        computed from the model's unscaled fp32 logits (temperature 1, no top-k/top-p/min-p
-        truncation), i.e. what a trainer recomputes from the same weights; None for forced tokens.
-    finish_reason: "stop" (a stop token was sampled), "length" (max_tokens or the context
-        window) or "error" (see `error`).
+    tokens: generated token ids, forced tool-output tokens included, and the stop token that
+        ended the sample (if one did) as the last token. mask: one per token, 1 sampled by the
+        model (the stop token included), 0 forced (tool output).
+    logprobs: one per token, in nats, None for forced tokens. SamplingParams.logprobs_mode
+        "raw": log_softmax(raw logits)[token], from the model's unscaled fp32 logits
+        (temperature 1, no top-k/top-p/min-p truncation), i.e. what a trainer recomputes from
+        the same weights; "processed": the log-probability of the token under the distribution
+        the sampler drew it from (0 for greedy).
+    finish_reason: "stop" (a stop token was sampled, or a stop string completed), "length"
+        (max_tokens or the context window) or "error" (see `error`).
+    stop_reason: what ended a "stop" sample, as vLLM reports it: the stop token id (int, also
+        tokens[-1]) or the stop string (str); None otherwise.
     """
 
     prompt_id: str
@@ -147,6 +176,7 @@ class Sample:
     error: str | None = None
     num_prompt_tokens: int = 0
     seed: int = 0
+    stop_reason: int | str | None = None
 
 
 @dataclass(slots=True)

@@ -17,14 +17,18 @@ Order of operations (the same as Hugging Face's warpers and vLLM): logits / temp
 then top_k, then top_p on the renormalised top_k distribution, then min_p (relative to
 the most likely token), then the race among the surviving tokens. temperature 0 is argmax.
 
-Logprobs are always those of the raw model: log_softmax(logits)[token] at temperature 1
-with no truncation, in nats, fp32; they are what a trainer recomputes from the same weights.
+Logprobs come in two kinds (SamplingParams.logprobs_mode), both in nats, fp32:
+- raw (token_logprobs): log_softmax(logits)[token] at temperature 1 with no truncation;
+  what a trainer recomputes from the same weights;
+- processed (sample_with_logprobs): the log-probability of the token under the distribution
+  the race drew it from (after temperature, top_k, top_p, min_p; 0 for greedy); what an
+  importance-sampling correction between the rollout and the trainer's policy needs
+  (verl's rollout_is, TRL's vllm_importance_sampling_correction).
 """
 from __future__ import annotations
 
 import hashlib
 import threading
-from dataclasses import dataclass
 
 import torch
 
@@ -85,14 +89,18 @@ def race_noise(keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Ten
     """log E for each candidate: E = -log(u), u uniform in (0, 1) hashed from the counters.
 
     keys: (B, 2) int64 (request_key words); positions: (B,) int64, the position of the token
-    being sampled; token_ids: (B, K) int64 candidate ids. Returns (B, K) float64.
+    being sampled; token_ids: (B, K) int64 candidate ids, or (K,) candidates shared by every
+    row (their first round hashed once). Returns (B, K) float64.
     u = (lowbias32 chained over token id ^ 0x9E3779B9, position, key word 1, key word 0, plus
     0.5) / 2**32.
     """
     h = token_ids.to(torch.int32) ^ _SEED
+    _mix32_(h, torch.empty_like(h))
+    if h.dim() == 1:
+        h = h.expand(keys.shape[0], h.shape[0]).contiguous()
     tmp = torch.empty_like(h)
     out = torch.empty(h.shape, dtype=torch.float64, device=h.device)
-    return _race_noise_from(_mix32_(h, tmp), tmp, out, keys, positions)
+    return _race_noise_from(h, tmp, out, keys, positions)
 
 
 def race_noise_vocab(keys: torch.Tensor, positions: torch.Tensor, V: int) -> torch.Tensor:
@@ -114,96 +122,142 @@ def race_noise_vocab(keys: torch.Tensor, positions: torch.Tensor, V: int) -> tor
     return out
 
 
-@dataclass(slots=True, frozen=True)
-class SamplingFlags:
-    """Which sampling path a batch takes, decided on the host from the rows' parameters (so
-    choosing it costs no device-to-host transfer). Build with `sampling_flags`.
-
-    all_greedy: every row has temperature 0. all_top_k: every row is greedy or has top_k > 0.
-    any_truncation: some row uses top_k, top_p, min_p or is greedy. any_top_p, any_min_p: some
-    row uses that filter. max_top_k: the largest top_k of the batch (greedy rows count 1).
-    """
-
-    all_greedy: bool
-    all_top_k: bool
-    any_truncation: bool
-    any_top_p: bool
-    any_min_p: bool
-    max_top_k: int
-
-
-def sampling_flags(params) -> SamplingFlags:
-    """SamplingFlags of a batch from each row's engine.params.SamplingParams (or any objects
-    with temperature, top_k, top_p and min_p)."""
-    greedy = [p.temperature <= 0 for p in params]
-    k = [1 if gr else (p.top_k or 0) for gr, p in zip(greedy, params)]
-    top_p = [p.top_p < 1.0 for p in params]
-    min_p = [p.min_p > 0.0 for p in params]
-    return SamplingFlags(all_greedy=all(greedy), all_top_k=all(x > 0 for x in k),
-                         any_truncation=any(x > 0 for x in k) or any(top_p) or any(min_p),
-                         any_top_p=any(top_p), any_min_p=any(min_p), max_top_k=max(k, default=0))
-
-
-def _flags_from_tensors(temperature, top_k, top_p, min_p) -> SamplingFlags:
-    greedy = temperature <= 0
-    k = torch.where(greedy, torch.ones_like(top_k), top_k)
-    return SamplingFlags(all_greedy=bool(greedy.all()), all_top_k=bool((k > 0).all()),
-                         any_truncation=bool(((k > 0) | (top_p < 1.0) | (min_p > 0.0)).any()),
-                         any_top_p=bool((top_p < 1.0).any()), any_min_p=bool((min_p > 0.0).any()),
-                         max_top_k=int(k.max()) if k.numel() else 0)
-
-
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                  flags: SamplingFlags | None = None) -> torch.Tensor:
-    """Choose one token per row.
+                  min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Choose one token per row: sample_with_logprobs without the processed logprobs.
 
     logits: (B, V) float32 raw model logits. temperature, top_p, min_p: (B,) float32;
     top_k: (B,) int64 (0 = off); keys: (B, 2) int64; positions: (B,) int64.
-    flags: the batch's SamplingFlags when the caller knows them (the engine decides them on
-    the host); None derives them from the tensors (a device-to-host sync on a GPU).
-    Returns (B,) int64 token ids. Parameters may differ per row (one batch, many requests).
+    Returns (B,) int64 token ids.
+    """
+    return sample_with_logprobs(logits, temperature, top_k, top_p, min_p, keys, positions)[0]
+
+
+def sample_with_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                         min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                         processed: bool = False, kinds: list[tuple] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Choose one token per row and, with `processed`, its log-probability under the
+    distribution it was drawn from.
+
+    logits: (B, V) float32 raw model logits. temperature, top_p, min_p: (B,) float32;
+    top_k: (B,) int64 (0 = off); keys: (B, 2) int64; positions: (B,) int64.
+    kinds: row_kinds of the same parameters when the caller has them on the host (the engine
+    computes them once per batch), so that choosing the path costs no device-to-host copy;
+    None derives them from the tensors.
+    Returns (tokens (B,) int64, processed logprobs (B,) float32 or None). Parameters may
+    differ per row (one batch, many requests).
+
+    The processed logprob is log(p_v / sum of p over the surviving tokens), where p is the
+    exact distribution the race samples from: softmax(logits / T) renormalised over top_k,
+    restricted by top_p and min_p (computed in float64 from the same float32 values the
+    race uses); 0 for greedy rows, whose "distribution" is the argmax.
+
+    Rows are grouped by how they are sampled (greedy; top_k = k, per k; top_p / min_p without
+    top_k; plain), and each group runs on its own, so a row's arithmetic (the candidate count
+    its softmax runs over, the path it takes) depends on its own parameters only: a request
+    gets the same token and logprob bits whatever other requests share its batch.
 
     Cost: one top-k (or, without top_k, one sort when top_p/min_p is on) over the vocabulary
     and the rest over the K candidates, except plain sampling, which races the whole
     vocabulary without sorting.
     """
+    if kinds is None:
+        kinds = row_kinds(temperature, top_k, top_p, min_p)
+    groups: dict[tuple, list[int]] = {}
+    for i, kind in enumerate(kinds):
+        groups.setdefault(kind, []).append(i)
+    B, dev = logits.shape[0], logits.device
+    if len(groups) == 1 and (kinds[0][0] in ("greedy", "top_k") or B <= _CHUNK_ROWS):
+        return _sample_group(kinds[0], logits, temperature, top_p, min_p, keys, positions, processed)
+    tokens = torch.empty(B, dtype=torch.long, device=dev)
+    lps = torch.empty(B, dtype=torch.float32, device=dev) if processed else None
+    for kind, rows in groups.items():
+        # Vocabulary-wide kinds run _CHUNK_ROWS rows at a time: their (rows, V) float64
+        # buffers then stay in cache (256 rows at once were 3x slower per row than 64).
+        step = len(rows) if kind[0] in ("greedy", "top_k") else _CHUNK_ROWS
+        for i in range(0, len(rows), step):
+            r = torch.tensor(rows[i:i + step], device=dev)
+            t, lp = _sample_group(kind, logits.index_select(0, r), temperature[r], top_p[r], min_p[r], keys[r],
+                                  positions[r], processed)
+            tokens[r] = t
+            if lps is not None:
+                lps[r] = lp
+    return tokens, lps
+
+
+_CHUNK_ROWS = 32
+
+
+def row_kinds(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              min_p: torch.Tensor) -> list[tuple]:
+    """How each row is sampled: ("greedy",), ("top_k", k), ("sorted",) (top_p / min_p without
+    top_k) or ("plain",). Arguments as sample_with_logprobs's (a device-to-host copy when
+    they live on a GPU: call it on the host tensors)."""
+    out = []
+    for t, k, p, m in zip(temperature.tolist(), top_k.tolist(), top_p.tolist(), min_p.tolist()):
+        if t <= 0:
+            out.append(("greedy",))
+        elif k > 0:
+            out.append(("top_k", int(k)))
+        elif p < 1.0 or m > 0.0:
+            out.append(("sorted",))
+        else:
+            out.append(("plain",))
+    return out
+
+
+def _sample_group(kind: tuple, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                  processed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows that share `kind` (see sample_with_logprobs)."""
     B, V = logits.shape
-    if flags is None:
-        flags = _flags_from_tensors(temperature, top_k, top_p, min_p)
-    if flags.all_greedy:
-        return torch.argmax(logits, dim=-1)
-    greedy = temperature <= 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    k_on = (top_k > 0) | greedy
-    top_k = torch.where(greedy, torch.ones_like(top_k), top_k)  # greedy = top-1
-    if flags.all_top_k:
+    if kind[0] == "greedy":
+        tokens = torch.argmax(logits, dim=-1)
+        return tokens, (torch.zeros(B, dtype=torch.float32, device=logits.device) if processed else None)
+    t = temperature[:, None]
+    if kind[0] == "plain":  # no truncation: race over the whole vocabulary
+        x = (logits / t).double()
+        tokens = torch.argmax(race_noise_vocab(keys, positions, V).neg_().add_(x), dim=-1)  # x - noise
+        if not processed:
+            return tokens, None
+        return tokens, (x.gather(1, tokens[:, None])[:, 0] - _logsumexp_rows(x)).float()
+    if kind[0] == "top_k":
         # Dividing by a positive temperature keeps the order, so the top-k of the raw
         # logits are the candidates; only they are scaled.
-        vals, idx = torch.topk(logits, min(flags.max_top_k, V), dim=-1)
-    elif flags.any_truncation:
+        vals, idx = torch.topk(logits, min(kind[1], V), dim=-1)
+    else:
         vals, idx = torch.sort(logits, dim=-1, descending=True)
-    else:  # no truncation anywhere: race over the whole vocabulary
-        score = race_noise_vocab(keys, positions, V).neg_().add_((logits / t).double())  # = scaled - noise
-        return torch.argmax(score, dim=-1)
-    K = vals.shape[1]
-    vals = vals / t
-    rank = torch.arange(K, device=logits.device)[None, :]
-    keep = (rank < top_k[:, None]) | ~k_on[:, None]
     # log-probabilities renormalised over the top_k survivors (HF's and vLLM's order)
-    logp = torch.log_softmax(vals.masked_fill(~keep, float("-inf")), dim=-1)
-    if flags.any_top_p:
-        p_on = top_p < 1.0
+    logp = torch.log_softmax(vals / t, dim=-1)
+    keep = torch.ones_like(logp, dtype=torch.bool)
+    p_on = top_p < 1.0
+    if bool(p_on.any()):
         p = torch.exp(logp)
         before = torch.cumsum(p, dim=-1) - p  # mass strictly before this token
         keep = keep & ((before < top_p[:, None]) | ~p_on[:, None])
-    if flags.any_min_p:
-        m_on = min_p > 0.0
+    m_on = min_p > 0.0
+    if bool(m_on.any()):
         keep = keep & ((logp >= logp[:, :1] + torch.log(min_p.clamp_min(1e-30))[:, None]) | ~m_on[:, None])
     keep[:, 0] = True  # the most likely token always survives
-    score = logp.double() - race_noise(keys, positions, idx)
-    score = score.masked_fill(~keep, float("-inf"))
-    return idx.gather(1, torch.argmax(score, dim=-1, keepdim=True))[:, 0]
+    lpd = logp.double().masked_fill(~keep, float("-inf"))
+    # Only survivors can win the race, and they come first (top_p and min_p keep a prefix of
+    # the sorted candidates), so the noise is hashed for the columns up to the last survivor:
+    # the same winner, without hashing the whole vocabulary for top_p / min_p.
+    width = int((keep * torch.arange(1, keep.shape[1] + 1, device=keep.device)).max())
+    race = lpd[:, :width] - race_noise(keys, positions, idx[:, :width])
+    choice = torch.argmax(race, dim=-1, keepdim=True)
+    tokens = idx.gather(1, choice)[:, 0]
+    if not processed:
+        return tokens, None
+    return tokens, (lpd.gather(1, choice)[:, 0] - _logsumexp_rows(lpd)).float()
+
+
+def _logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dim of (B, K) (-inf entries allowed, the row max finite),
+    summed in the same order whatever B is (see _row_sums)."""
+    m = x.amax(dim=-1, keepdim=True)
+    return _row_sums(torch.exp(x - m)).log() + m[:, 0]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -219,3 +273,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, inplace: bool = F
     else:
         out = torch.log_softmax(logits, dim=-1)
     return out.gather(1, tokens[:, None])[:, 0]
+
+
+def _row_sums(x: torch.Tensor) -> torch.Tensor:
+    """x.sum(dim=-1) for x (B, V), added up in the same order whatever B is.
+
+    On CPU, torch sums a lone row (an output of one element) by splitting it across threads
+    (its two-pass reduction), while the rows of a larger batch are each summed by one
+    thread; the two orders differ in the last bits, so a batch of one is summed as two
+    copies of its row.
+    """
+    if x.shape[0] == 1 and x.device.type == "cpu":
+        return x.repeat(2, 1).sum(dim=-1)[:1]
+    return x.sum(dim=-1)

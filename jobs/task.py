@@ -17,6 +17,13 @@ exception; the error names the file, the row and the column):
 - tokens: the ids as-is; null/empty lists, null elements, negative ids and ids >=
   tokenizer.vocab_size are errors.
 - id_column (if set): a null id is an error row (its prompt_id falls back to "<file>:<row>").
+- sampling_column (if set): the row's struct overrides the job's sampling (jobs/row_params.py);
+  a bad value is an error row naming the field.
+- openai_batch: each JSONL line is parsed, checked and tokenized by jobs/openai_batch.py.
+
+Output text: the sample's tokens decoded, without the stop token that ended it and cut
+before the stop string that ended it (engine.stop_strings.completion_text); `stop_reason`
+is that stop string, or the stop token's text (e.g. "<|im_end|>").
 """
 from __future__ import annotations
 
@@ -26,9 +33,12 @@ from typing import Any
 import pyarrow as pa
 
 from cluster.task import UnitRequest, UnitResult, WorkUnit
-from jobs.dataset import JobPlan, read_rows
+from engine.stop_strings import completion_text
+from jobs import uri
+from jobs.dataset import JobPlan, read_rows_counted
 from jobs.output import (META_COUNTS, META_FINGERPRINT, META_UNIT, META_VERSION, OUTPUT_SCHEMA, batchgen_version,
                          canonical_output, output_schema, write_part)
+from jobs.row_params import row_params
 from jobs.spec import JobSpec
 
 def text_bos(tokenizer: Any) -> int | None:
@@ -75,11 +85,14 @@ def check_messages(messages: Any) -> str | None:
 class JobTask:
     """The UnitTask of a batchgen job (see module docstring and cluster/task.py).
 
-    JobTask(spec, plan, output_path=None): output_path defaults to spec.output.path; relative
-    paths are made absolute here, on the driver.
+    JobTask(spec, plan, output_path=None, staged=None): output_path defaults to
+    spec.output.path; relative paths are made absolute here, on the driver. staged: {staged
+    copy's source: the input file's name} for units that read a re-chunked copy
+    (jobs/staging.py).
     """
 
-    def __init__(self, spec: JobSpec, plan: JobPlan, output_path: str | None = None):
+    def __init__(self, spec: JobSpec, plan: JobPlan, output_path: str | None = None,
+                 staged: dict[str, str] | None = None):
         self.engine_kwargs: dict[str, Any] = spec.engine_kwargs()
         self.params = spec.sampling_params()
         self.output_path = canonical_output(output_path if output_path is not None else spec.output.path)
@@ -89,14 +102,21 @@ class JobTask:
         self.id_column = spec.input.id_column
         self.passthrough = list(spec.input.passthrough)
         self.file_names = {f.path: f.name for f in plan.files}
+        self.file_names.update(staged or {})
+        self._decoded: dict[int, int] = {}  # unit index -> input rows decoded to read it
+        self.sampling_column = spec.input.sampling_column
         self.passthrough_fields = list(plan.passthrough_fields)
         self.schema = output_schema(self.passthrough_fields)
+        self.batch = plan.batch  # openai_batch: each unit's byte range in the JSONL file
+        self.model_name = spec.model.path
 
     # ------------------------------------------------------------ reading
     def _columns(self) -> list[str]:
         cols = [self.column]
         if self.id_column:
             cols.append(self.id_column)
+        if self.sampling_column:
+            cols.append(self.sampling_column)
         cols.extend(self.passthrough)
         return list(dict.fromkeys(cols))
 
@@ -104,14 +124,19 @@ class JobTask:
         """One UnitRequest per row of `unit`, in row order (see the module docstring for the
         rules). Bad rows become requests with prompt_tokens None and an error naming the file,
         row (0-based, within the file) and column. Raises only if the file cannot be read."""
+        if self.format == "openai_batch":
+            from jobs.openai_batch import read_unit
+
+            return read_unit(self, unit, tokenizer)
         name = self.file_names.get(unit.source, unit.source)
-        table = read_rows(unit.source, unit.row_start, unit.row_end, self._columns())
+        table, self._decoded[unit.index] = read_rows_counted(unit.source, unit.row_start, unit.row_end, self._columns())
         if table.num_rows != unit.num_rows:
             raise RuntimeError(f"{name}: rows {unit.row_start}..{unit.row_end} of unit {unit.index} could not be read "
                                f"(got {table.num_rows} rows; was the input file changed after the job started?)")
         prompts = table.column(self.column).to_pylist()
         ids = table.column(self.id_column).to_pylist() if self.id_column else None
         passthrough = {c: table.column(c).to_pylist() for c in self.passthrough}
+        sampling = table.column(self.sampling_column).to_pylist() if self.sampling_column else None
         bos = text_bos(tokenizer) if self.format == "text" else None
         vocab = getattr(tokenizer, "vocab_size", None)
         out: list[UnitRequest] = []
@@ -125,6 +150,10 @@ class JobTask:
                     error = f"{where} column {self.id_column!r}: prompt id is null"
                 else:
                     pid = str(ids[i])
+            params = None
+            if sampling is not None:
+                params, why = row_params(self.params, sampling[i], f"{where} column {self.sampling_column!r} ")
+                error = error or why
             tokens = None
             if error is None:
                 tokens, why = self._tokenize(value, tokenizer, bos, vocab)
@@ -132,11 +161,14 @@ class JobTask:
                     error = f"{where} column {self.column!r}: {why}"
                     tokens = None
             out.append(UnitRequest(prompt_id=pid, prompt_tokens=tokens, error=error,
-                                   passthrough={c: passthrough[c][i] for c in self.passthrough}))
+                                   passthrough={c: passthrough[c][i] for c in self.passthrough},
+                                   params=params))
         return out
 
-    def _tokenize(self, value: Any, tokenizer: Any, bos: int | None, vocab: int | None) -> tuple[list[int] | None, str | None]:
-        fmt = self.format
+    def _tokenize(self, value: Any, tokenizer: Any, bos: int | None, vocab: int | None,
+                  fmt: str | None = None) -> tuple[list[int] | None, str | None]:
+        """(token ids, None) or (None, why) for one prompt of format `fmt` (default input.format)."""
+        fmt = fmt or self.format
         if fmt == "text":
             if value is None:
                 return None, "prompt is null"
@@ -183,20 +215,21 @@ class JobTask:
         atomically as part-<index>.parquet (see jobs.output.write_part).
 
         outputs[i] is the engine.params.RequestOutput of requests[i] (error_output for a bad
-        row). `tokenizer` decodes each sample's tokens into the `text` column (null without
-        one, or if decoding fails). Raises ValueError when outputs do not match requests
-        (a worker bug; the unit is retried) and the write's OSError/pyarrow errors.
+        row). `tokenizer` decodes each sample's tokens into the `text` column and its stop
+        token into `stop_reason` (null without one, or if decoding fails). Raises ValueError
+        when outputs do not match requests (a worker bug; the unit is retried) and the
+        write's OSError/pyarrow errors.
         """
         if len(outputs) != len(requests) or len(requests) != unit.num_rows:
             raise ValueError(f"unit {unit.index}: {len(requests)} requests and {len(outputs)} outputs for "
                              f"{unit.num_rows} rows")
-        n = self.params.num_samples
         cols: dict[str, list[Any]] = {f.name: [] for f in self.schema}
         counts = {"prompts": len(requests), "rows": 0, "generated_tokens": 0, "prompt_tokens": 0, "tool_calls": 0,
-                  "tool_errors": 0, "error_rows": 0}
+                  "tool_errors": 0, "error_rows": 0, "input_rows_decoded": self._decoded.pop(unit.index, 0)}
         for req, out in zip(requests, outputs):
             if out is None:
                 raise ValueError(f"unit {unit.index}: no output for prompt {req.prompt_id!r}")
+            n = (req.params or self.params).num_samples
             samples = sorted(out.samples, key=lambda s: s.sample_index)
             if [s.sample_index for s in samples] != list(range(n)):
                 raise ValueError(f"unit {unit.index}: prompt {req.prompt_id!r} has samples "
@@ -207,7 +240,7 @@ class JobTask:
                 text = None
                 if tokenizer is not None and (s.tokens or s.finish_reason != "error"):
                     try:
-                        text = tokenizer.decode(list(s.tokens))
+                        text = completion_text(tokenizer, s.tokens, s.stop_reason)
                     except Exception:  # decoding is best effort; tokens are the data
                         text = None
                 calls = [{"start": c.start, "end": c.end, "expr": c.expr, "output": c.output, "error": c.error}
@@ -220,6 +253,7 @@ class JobTask:
                 cols["logprobs"].append(list(s.logprobs))
                 cols["text"].append(text)
                 cols["finish_reason"].append(s.finish_reason)
+                cols["stop_reason"].append(_stop_reason_text(s.stop_reason, tokenizer))
                 cols["tool_calls"].append(calls)
                 cols["num_prompt_tokens"].append(s.num_prompt_tokens or len(prompt or []))
                 cols["num_tokens"].append(len(s.tokens))
@@ -227,6 +261,11 @@ class JobTask:
                 cols["error"].append(s.error)
                 for c in self.passthrough:
                     cols[c].append(req.passthrough.get(c))
+                if self.format == "openai_batch":
+                    from jobs.openai_batch import sample_columns
+
+                    for c, v in sample_columns(req, s, text, tokenizer).items():
+                        cols[c].append(v)
                 counts["rows"] += 1
                 counts["generated_tokens"] += len(s.tokens)
                 counts["tool_calls"] += len(calls)
@@ -235,14 +274,28 @@ class JobTask:
         meta = {
             META_FINGERPRINT: self.fingerprint.encode(),
             META_UNIT: json.dumps({"index": unit.index, "file": self.file_names.get(unit.source, unit.source),
-                                   "source": unit.source, "row_start": unit.row_start,
+                                   "source": uri.redact(unit.source), "row_start": unit.row_start,
                                    "row_end": unit.row_end}).encode(),
             META_COUNTS: json.dumps(counts).encode(),
             META_VERSION: batchgen_version().encode(),
         }
         table = pa.Table.from_pydict(cols, schema=self.schema.with_metadata(meta))
         path = write_part(self.output_path, unit.index, table)
+        counts.pop("input_rows_decoded")  # recorded in the file; not a UnitResult field
         return UnitResult(index=unit.index, path=path, **counts)
+
+
+def _stop_reason_text(reason: int | str | None, tokenizer: Any) -> str | None:
+    """The stop_reason column: the stop string, or the stop token's text (its id as text when
+    the tokenizer cannot decode it)."""
+    if reason is None or isinstance(reason, str):
+        return reason
+    if tokenizer is not None:
+        try:
+            return tokenizer.decode([reason])
+        except Exception:  # noqa: BLE001 - a padded vocabulary id
+            pass
+    return str(reason)
 
 
 __all__ = ["JobTask", "OUTPUT_SCHEMA", "check_messages", "text_bos"]

@@ -161,3 +161,60 @@ def test_submit_validates_first(tmp_path, monkeypatch, capsys):
     cfg.write_text("")
     assert main(["submit", str(cfg), "--address", "http://h:8265", "--set", "sampling.seed=1"]) == 0
     assert calls == [(str(cfg), "http://h:8265", ["sampling.seed=1"])]
+
+
+def _plan_config(tmp_path, **extra):
+    import pyarrow as pa
+
+    inp = tmp_path / "in.parquet"
+    if not inp.exists():
+        pq.write_table(pa.table({"prompt": [f"q{i}" for i in range(10)]}), inp, row_group_size=4)
+    cfg = tmp_path / "job.yaml"
+    cluster = {"unit_rows": 4, **extra}
+    cfg.write_text(json.dumps({"input": {"path": str(inp)}, "output": {"path": str(tmp_path / "out")},
+                               "cluster": cluster}))
+    return cfg
+
+
+def test_plan_prints_the_plan_without_ray_or_a_model(tmp_path, capsys):
+    cfg = _plan_config(tmp_path)
+    assert main(["plan", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "input:" in out and "(1 file, 10 prompts)" in out and "in.parquet: 10 rows in 3 row groups" in out
+    assert "units:         3 (cluster.unit_rows 4)" in out and "rows decoded:  10 for 10 prompts (1.00x)" in out
+    assert "model:         smollm2 (cpu, float32)" in out and f"output:        {tmp_path / 'out'}: new" in out
+    assert "lease:         free" in out and "fingerprint:   " in out
+    assert not (tmp_path / "out").exists()  # plan writes nothing
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_plan_reports_resume_and_refuses_another_jobs_output(tmp_path, capsys):
+    import pyarrow as pa
+
+    from jobs.dataset import plan_job
+    from jobs.output import OutputDir, write_part
+    from jobs.spec import load_spec
+
+    cfg = _plan_config(tmp_path)
+    spec = load_spec(cfg)
+    OutputDir(spec.output.path).prepare(plan_job(spec), spec)
+    write_part(spec.output.path, 1, pa.table({"x": [1]}))
+    assert main(["plan", str(cfg)]) == 0
+    assert ": resume, 1 of 3 units committed" in capsys.readouterr().out
+    assert main(["plan", str(cfg), "--set", "sampling.seed=5"]) == 2
+    out = capsys.readouterr().out
+    assert "holds another job's output" in out and "sampling.seed: 0 -> 5" in out
+    r = cli("plan", cfg, "--set", "sampling.top_p=2")
+    assert r.returncode == 2 and "sampling.top_p: must be in (0, 1], got 2" in r.stderr
+
+
+def test_local_run_asking_for_more_gpus_than_the_machine_has_exits_2(tmp_path):
+    """Ray would otherwise be told of GPUs that are not there, and the extra actors would
+    run on CPU in another dtype. 64 GPUs: more than any test machine has."""
+    cfg = _plan_config(tmp_path, num_workers=64, gpus_per_worker=1)
+    for verb in ("plan", "run"):
+        r = cli(verb, cfg)
+        assert r.returncode == 2, r.stderr
+        assert "cluster.gpus_per_worker: the job asks for 64 GPU(s) (num_workers 64 x gpus_per_worker 1) but this " \
+               "machine has" in r.stderr
+    assert not (tmp_path / "out").exists()

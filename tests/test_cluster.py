@@ -131,22 +131,42 @@ class FakeTask:
     """Units over an in-memory list of prompts; writes part-<index>.txt atomically.
 
     fail: unit index -> "once" (fails its first attempt; a marker file records it),
-    "always" (read_unit raises). broken_engine: the worker's engine cannot load.
+    "always" (read_unit raises). broken_engine: the worker's engine cannot load (True), or
+    only in the first worker that tries ("once"). poison_first_worker: every unit fails in
+    the first worker process that reads one (its pid is recorded in a marker file).
+    hang_unit: the first read of this unit hangs (a stuck filesystem) for 120 s.
     """
 
     out_dir: str
     prompts: list
     fail: dict = field(default_factory=dict)
-    broken_engine: bool = False
+    broken_engine: object = False
+    poison_first_worker: bool = False
+    hang_unit: int | None = None
     engine_kwargs: dict = field(default_factory=dict)
     params: FakeParams = field(default_factory=FakeParams)
 
+    def _first(self, name):
+        """True in the first process to ask (atomic: O_EXCL), and forever in that process."""
+        marker = os.path.join(self.out_dir, name)
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            return True
+        except FileExistsError:
+            return open(marker).read() == str(os.getpid())
+
     def load_engine(self):
-        if self.broken_engine:
+        if self.broken_engine is True or (self.broken_engine == "once" and self._first("broken-engine")):
             raise FileNotFoundError("checkpoint /nowhere/model.pt not found")
         return FakeEngine()
 
     def read_unit(self, unit, tokenizer):
+        if self.poison_first_worker and self._first("poisoned"):
+            raise OSError(f"stale NFS handle (unit {unit.index})")
+        if unit.index == self.hang_unit and self._first("hung"):
+            threading.Event().wait(120)  # a hang, not a synchronisation: the test never waits for it
         mode = self.fail.get(unit.index)
         marker = os.path.join(self.out_dir, f"failed-{unit.index}")
         if mode == "always" or (mode == "once" and not os.path.exists(marker)):
@@ -226,7 +246,12 @@ def test_worker_takes_a_second_unit_while_the_first_is_in_flight(tmp_path):
     w.shutdown()
 
 
-def test_worker_engine_failure_fails_the_units_not_hangs(tmp_path):
+def test_worker_engine_failure_fails_the_units_and_breaks_the_worker(tmp_path):
+    """An engine exception fails the unit (no hang), and the worker never builds a second
+    engine in the same process: it drops the first and refuses further units, so that the
+    driver replaces the process (see test_faults for the replacement on Ray)."""
+    from cluster.worker import EngineLoopError
+
     task = FakeTask(str(tmp_path), ["boom", "ok"])
     w = GenerationWorker(task, "w0")
 
@@ -234,10 +259,12 @@ def test_worker_engine_failure_fails_the_units_not_hangs(tmp_path):
         raise RuntimeError("CUDA error: device-side assert")
 
     w.engine.step = bad_step
-    with pytest.raises(RuntimeError, match="device-side assert"):
+    with pytest.raises(EngineLoopError, match="device-side assert"):
         w.run_unit(WorkUnit(0, "mem", 0, 2))
-    # the engine was rebuilt: the worker goes on
-    assert w.run_unit(WorkUnit(1, "mem", 0, 2)).rows == 2
+    assert w.engine is None and "device-side assert" in w.progress()["broken"]
+    with pytest.raises(EngineLoopError, match="engine failed earlier"):
+        w.run_unit(WorkUnit(1, "mem", 0, 2))
+    assert not (tmp_path / "part-1.txt").exists()
     w.shutdown()
 
 
@@ -264,11 +291,101 @@ def test_pool_dispatch_retry_and_failures(ray_local, tmp_path):
     with pytest.raises(UnitFailed, match=r"unit 1 \(mem rows 3-6\) failed 2 times.*cannot read unit 1"):
         run_units(FakeTask(str(tmp_path), prompts, fail={1: "always"}), units, num_workers=2, num_cpus=1,
                   num_gpus=0, max_unit_attempts=2, on_result=None, on_progress=None)
-    # a worker that cannot load its model fails the run at once, with the load error
-    with pytest.raises(UnitFailed, match="could not start: FileNotFoundError: checkpoint /nowhere/model.pt not found"):
+    # a worker that cannot load its model is started again; the run fails once every slot
+    # failed 3 starts in a row, with the load error
+    with pytest.raises(UnitFailed, match=r"workers keep failing to start \(3 attempts in a row for each of 2 worker "
+                                         r"slot\(s\)\); last error: worker worker-\d+ could not start: "
+                                         r"FileNotFoundError: checkpoint /nowhere/model.pt not found"):
         run_units(FakeTask(str(tmp_path), prompts, broken_engine=True), units, num_workers=2, num_cpus=1,
                   num_gpus=0, max_unit_attempts=3, on_result=None, on_progress=None)
-    assert time.time() - t < 120
+    assert time.time() - t < 240
+
+
+def test_dispatcher_runs_several_batches_on_the_same_workers(ray_local, tmp_path):
+    """Started once, several runs: the workers (and their engines) live across runs, and a
+    failed start (the first constructor raises) is retried without failing anything."""
+    from cluster.pool import UnitDispatcher
+
+    _by_value()
+    prompts = [f"prompt {i}" for i in range(12)]
+    units = fake_units(len(prompts), 2)
+    task = FakeTask(str(tmp_path), prompts, broken_engine="once")
+    with UnitDispatcher(task, num_workers=2, num_cpus=1) as pool:
+        assert pool.wait_ready() == 2
+        first = pool.run(units[:3])
+        names = sorted(w["name"] for w in pool.workers())
+        second = pool.run(units[3:])
+        assert sorted(w["name"] for w in pool.workers()) == names  # no new workers for the second run
+        assert all(w["state"] == "ready" for w in pool.workers())
+        kinds = [k for _, k, _ in pool.events]
+    assert sorted(r.index for r in first) == [0, 1, 2] and sorted(r.index for r in second) == [3, 4, 5]
+    assert kinds.count("start") == 3 and kinds.count("ready") == 2  # one constructor failed and was retried
+    assert any(k == "replaced" and "could not start: FileNotFoundError" in d for _, k, d in pool.events)
+    lines = [ln for u in units for ln in (tmp_path / f"part-{u.index}.txt").read_text().splitlines()]
+    assert lines == [f"{i}\t{p[::-1]}" for i, p in enumerate(prompts)]
+
+
+def test_a_worker_that_fails_every_unit_is_replaced(ray_local, tmp_path):
+    """One worker fails each unit it reads (say a broken mount on its node): after 3 in a
+    row it is replaced, its units are retried on the other worker, and the run completes
+    without any unit reaching max_unit_attempts."""
+    _by_value()
+    prompts = [f"prompt {i}" for i in range(16)]
+    units = fake_units(len(prompts), 2)
+    from cluster.pool import UnitDispatcher
+
+    with UnitDispatcher(FakeTask(str(tmp_path), prompts, poison_first_worker=True), num_workers=2, num_cpus=1,
+                        max_unit_attempts=3) as pool:
+        res = pool.run(units)
+        events = list(pool.events)
+    assert sorted(r.index for r in res) == list(range(len(units)))
+    replaced = [d for _, k, d in events if k == "replaced"]
+    assert len(replaced) == 1 and "3 units failed in a row on it" in replaced[0], replaced
+    assert sum(k == "unit_failed" for _, k, _ in events) == 3
+    assert all("stale NFS handle" in d for _, k, d in events if k == "unit_failed")
+
+
+def test_overdue_unit_gets_a_second_copy_and_the_first_commit_wins(ray_local, tmp_path):
+    """A unit whose read hangs on one worker passes unit_timeout_s: a second copy runs on
+    the other worker and commits; the run completes with every unit once, without waiting
+    for the hung copy."""
+    from cluster.pool import UnitDispatcher
+
+    _by_value()
+    prompts = [f"prompt {i}" for i in range(12)]
+    units = fake_units(len(prompts), 2)
+    t = time.time()
+    with UnitDispatcher(FakeTask(str(tmp_path), prompts, hang_unit=2), num_workers=2, num_cpus=1,
+                        unit_timeout_s=3) as pool:
+        res = pool.run(units)
+        events = [(k, d) for _, k, d in pool.events]
+    assert time.time() - t < 100  # well before the 120 s hang ends
+    hung_on = open(tmp_path / "hung").read()
+    overdue = [d for k, d in events if k == "overdue" and d.startswith("unit 2 on ")]
+    assert overdue and any(k == "hedge" and d.startswith("unit 2 second copy on ") for k, d in events), events
+    assert sorted(r.index for r in res) == list(range(len(units)))  # each unit reported once
+    assert [r.index for r in res].count(2) == 1 and hung_on  # the copy that committed is not the hung one
+    lines = [ln for u in units for ln in (tmp_path / f"part-{u.index}.txt").read_text().splitlines()]
+    assert lines == [f"{i}\t{p[::-1]}" for i, p in enumerate(prompts)]
+
+
+def test_no_node_can_host_a_worker(ray_local, tmp_path):
+    """Workers needing a resource no alive node has: a local Ray instance fails the run in
+    seconds saying so; where an autoscaler may add nodes the progress report says the run
+    is waiting for nodes (and start_timeout_s still bounds the wait)."""
+    _by_value()
+    units = fake_units(4, 2)
+    task = FakeTask(str(tmp_path), ["a", "b", "c", "d"])
+    t = time.time()
+    with pytest.raises(UnitFailed, match=r"no Ray node can host a worker: none of the 1 alive Ray nodes has the "
+                                         r"resources of one worker \(CPU 1, tpu_v9 1\)"):
+        run_units(task, units, num_workers=1, actor_options={"resources": {"tpu_v9": 1}})
+    assert time.time() - t < 30
+    reports = []
+    with pytest.raises(UnitFailed, match=r"no worker became ready within 3s .*waiting|no worker became ready within 3s"):
+        run_units(task, units, num_workers=1, actor_options={"resources": {"tpu_v9": 1}}, may_add_nodes=True,
+                  start_timeout_s=3, on_progress=reports.append, progress_interval_s=0.2)
+    assert reports and "none of the 1 alive Ray nodes" in reports[-1]["waiting_for_nodes"]
 
 
 # ------------------------------------------------------------------ run_job end to end

@@ -46,8 +46,9 @@ def test_directory_recursive_sorted_and_global_unit_index(tmp_path):
     (tmp_path / "d" / "notes.txt").write_text("ignored")
     plan = plan_job(spec_for(tmp_path / "d"))
     assert [f.name for f in plan.files] == ["a.parquet", "b.parquet", "sub/c.parquet"]
+    # b.parquet's one 5-row group (more than unit_rows 4, at most 2x) is cut in two halves
     assert [(u.index, os.path.basename(u.source), u.row_start, u.row_end) for u in plan.units] == [
-        (0, "a.parquet", 0, 3), (1, "b.parquet", 0, 4), (2, "b.parquet", 4, 5), (3, "c.parquet", 0, 4)]
+        (0, "a.parquet", 0, 3), (1, "b.parquet", 0, 3), (2, "b.parquet", 3, 5), (3, "c.parquet", 0, 4)]
 
 
 def test_glob_and_relative_root(tmp_path, monkeypatch):
@@ -156,3 +157,94 @@ def test_demo_data_is_small():
     from jobs.dataset import DATA_DIR
 
     assert (DATA_DIR / "demo_prompts.parquet").stat().st_size < 50_000
+
+
+# ------------------------------------------------------------------ row groups, staging, URIs
+
+def test_prepared_files_give_units_that_decode_only_their_rows(tmp_path):
+    """`batchgen prepare` writes 256-row groups; with unit_rows 256 every unit is one row
+    group and decodes exactly its rows (nothing is staged)."""
+    from jobs.cli import prepare_jsonl
+    from jobs.dataset import read_rows_counted
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(f'{{"prompt": "q{i}"}}\n' for i in range(600)))
+    prepare_jsonl(str(src), str(tmp_path / "p.parquet"))
+    assert [pq.ParquetFile(tmp_path / "p.parquet").metadata.row_group(i).num_rows for i in range(3)] == [256, 256, 88]
+    plan = plan_job(spec_for(tmp_path / "p.parquet", cluster__unit_rows=256))
+    assert [(u.row_start, u.row_end) for u in plan.units] == [(0, 256), (256, 512), (512, 600)]
+    assert plan.rows_decoded == 600 and plan.staged_files == []
+    t, decoded = read_rows_counted(plan.units[1].source, 256, 512, ["prompt"])
+    assert decoded == 256 and t.column(0).to_pylist() == [f"q{i}" for i in range(256, 512)]
+
+
+def test_staging_rechunks_a_large_row_group_once(tmp_path):
+    """A file whose single row group is far larger than its units is staged: its columns are
+    rewritten once with unit_rows-row groups, the units read that copy (same rows, each
+    decoding only its own), a second staging reuses the copy, and a damaged copy is redone."""
+    from jobs.dataset import read_rows, read_rows_counted
+    from jobs.output import OutputDir
+    from jobs.staging import stage_inputs
+
+    f = write_prompts(str(tmp_path / "big.parquet"), [f"q{i}" for i in range(100)], other=pa.array(range(100)))
+    spec = spec_for(f, cluster__unit_rows=8, output__path=str(tmp_path / "out"))
+    plan = plan_job(spec)
+    assert [x.staged for x in plan.files] == [True] and plan.rows_decoded == 200 and len(plan.units) == 13
+    out = OutputDir(spec.output.path)
+    out.ensure_writable()
+    units, names, decoded = stage_inputs(plan, out, 8, ["prompt"], plan.units)
+    assert decoded == 100 and len(names) == 1 and list(names.values()) == ["big.parquet"]
+    copy = units[0].source
+    assert copy.startswith(str(tmp_path / "out" / "_batchgen" / "staged")) and all(u.source == copy for u in units)
+    for orig, moved in zip(plan.units, units):
+        t, n = read_rows_counted(moved.source, moved.row_start, moved.row_end, ["prompt"])
+        assert n == moved.num_rows  # the copy's row groups are the units
+        assert t.column(0).to_pylist() == read_rows(orig.source, orig.row_start, orig.row_end, ["prompt"]).column(0).to_pylist()
+    assert pq.read_schema(copy).names == ["prompt"]  # only the columns the job reads
+    assert stage_inputs(plan, out, 8, ["prompt"], plan.units)[2] == 0  # reused
+    data = open(copy, "rb").read()
+    open(copy, "wb").write(data[: len(data) // 2])
+    assert stage_inputs(plan, out, 8, ["prompt"], plan.units)[2] == 100  # damaged: rewritten
+    assert out.verify() == [f"{out.shown}: manifest _batchgen/manifest.json is missing (not a batchgen output directory?)"]
+
+
+def test_uri_options_are_not_globs_and_credentials_are_redacted():
+    from jobs import uri
+
+    u = "s3://KEY:SECRET@bkt/in/part-*.parquet?endpoint_override=127.0.0.1:9000&scheme=http"
+    assert uri.split_query(u) == ("s3://KEY:SECRET@bkt/in/part-*.parquet", "endpoint_override=127.0.0.1:9000&scheme=http")
+    assert uri.redact(u) == "s3://bkt/in/part-*.parquet?endpoint_override=127.0.0.1:9000&scheme=http"
+    assert uri.join("s3://bkt/run?region=eu-west-1", "part-000001.parquet") == "s3://bkt/run/part-000001.parquet?region=eu-west-1"
+    assert uri.uri_for("s3://KEY:SECRET@bkt/in?region=x", "bkt/in/a.parquet") == "s3://KEY:SECRET@bkt/in/a.parquet?region=x"
+    assert uri.split_query("data/what?.parquet") == ("data/what?.parquet", "")  # a local path: ? is a glob
+
+
+def test_fingerprint_covers_checkpoint_content_cached_by_path_size_mtime(tmp_path):
+    """A retrained checkpoint with the same file sizes is another job (the fingerprint holds
+    every file's SHA-256); the hash cache answers for an unchanged (path, size, mtime)."""
+    from jobs.errors import OutputError
+    from jobs.output import OutputDir
+    from jobs.weights import HashCache
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "model.safetensors").write_bytes(b"a" * 64)
+    (ck / "config.json").write_text("{}")
+    f = write_prompts(str(tmp_path / "p.parquet"), ["q"])
+    spec = spec_for(f, model__path=str(ck), output__path=str(tmp_path / "out"))
+    cache = HashCache()
+    first = plan_job(spec, hash_cache=cache)
+    assert cache.changed and len(cache.entries) == 2
+    assert first.fingerprint_data["model"]["sha256"]["config.json"] == \
+        "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"  # sha256 of "{}"
+    OutputDir(spec.output.path).prepare(first, spec)
+    st = os.stat(ck / "model.safetensors")
+    (ck / "model.safetensors").write_bytes(b"b" * 64)  # retrained: same size
+    second = plan_job(spec, hash_cache=HashCache())
+    assert second.fingerprint != first.fingerprint
+    with pytest.raises(OutputError, match=r"model\.sha256\.model\.safetensors: '[0-9a-f]{64}' -> '[0-9a-f]{64}'"):
+        OutputDir(spec.output.path).prepare(second, spec)
+    # the cache trusts (path, size, mtime): with the old mtime back it answers without reading
+    os.utime(ck / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+    reloaded = HashCache.loads(cache.dumps())
+    assert plan_job(spec, hash_cache=reloaded).fingerprint == first.fingerprint and not reloaded.changed

@@ -104,16 +104,21 @@ def test_continuous_batching_admits_while_others_decode(model):
 
 
 def test_stop_tokens_and_lengths():
-    """A stop token ends a sample with "stop" and is not kept; max_tokens gives "length"."""
-    script = [1, 2, 3, 50, 51, TOK.specials["<|assistant_end|>"], 60, 61]
+    """A stop token ends a sample with "stop" and is kept as its last token (mask 1, a
+    logprob, stop_reason its id); max_tokens counts it and otherwise gives "length"."""
+    end = TOK.specials["<|assistant_end|>"]
+    script = [1, 2, 3, 50, 51, end, 60, 61]
     m = ScriptedLM(script, TOK.vocab_size)
     eng = Engine(m, TOK)
     s = eng.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=10))[0][0]
-    assert (s.tokens, s.mask, s.finish_reason) == ([50, 51], [1, 1], "stop")
+    assert (s.tokens, s.mask, s.finish_reason, s.stop_reason) == ([50, 51, end], [1, 1, 1], "stop", end)
+    assert all(lp is not None for lp in s.logprobs) and len(s.logprobs) == 3
     s = eng.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[51]))[0][0]
-    assert (s.tokens, s.finish_reason) == ([50], "stop")
+    assert (s.tokens, s.finish_reason, s.stop_reason) == ([50, 51], "stop", 51)
+    s = eng.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3))[0][0]
+    assert (s.tokens, s.finish_reason, s.stop_reason) == ([50, 51, end], "stop", end)  # the stop token wins at the limit
     s = eng.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))[0][0]
-    assert (s.tokens, s.finish_reason) == ([50, 51], "length")
+    assert (s.tokens, s.finish_reason, s.stop_reason) == ([50, 51], "length", None)
 
 
 def test_context_window_ends_with_length_and_long_prompt_is_an_error(model):

@@ -143,6 +143,21 @@ def test_batch_variant_mode_gives_the_same_tokens(engine_parts):
             assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
 
 
+def test_thread_count_does_not_matter(engine_parts):
+    """The same tokens and logprobs, bit for bit, with 1 and 2 torch threads: a worker's
+    cpus_per_worker (its thread count) cannot change a sample (a lone-query SDPA call did)."""
+    model, tok = engine_parts
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = tokens(generate(model, tok))
+        torch.set_num_threads(2)
+        two = tokens(generate(model, tok))
+    finally:
+        torch.set_num_threads(threads)
+    assert one == two
+
+
 def test_neighbours_do_not_matter(engine_parts):
     model, tok = engine_parts
     ref = tokens(generate(model, tok))

@@ -117,19 +117,26 @@ def test_kill_workers_mid_unit(ray_local, inputs, reference, tmp_path):
     live: dict[str, dict] = {}
     killed: list[int] = []
 
-    def on_progress(info):
-        live.clear()
-        live.update(info["workers"])
-
-    def on_result(result):
-        # after the 1st, 3rd and 5th commit, SIGKILL a worker that holds units right now
-        if len(killed) < 3 and on_result.n in (1, 3, 5):
+    def kill_if_due():
+        # one kill is due after each of the 1st, 3rd and 5th commits: SIGKILL a worker that
+        # holds units right now, at the first moment one does (the progress reports and the
+        # commits decide when; no timing is assumed)
+        due = sum(on_result.n >= k for k in (1, 3, 5))
+        if len(killed) < due:
             for p in live.values():
                 if p["active_units"] and p["pid"] not in killed and _is_worker(p["pid"]):
                     os.kill(p["pid"], signal.SIGKILL)
                     killed.append(p["pid"])
                     break
+
+    def on_progress(info):
+        live.clear()
+        live.update(info["workers"])
+        kill_if_due()
+
+    def on_result(result):
         on_result.n += 1
+        kill_if_due()
 
     on_result.n = 0
     results = run_units(JobTask(spec, plan), plan.units, num_workers=2, num_cpus=1, num_gpus=0,
@@ -145,7 +152,7 @@ def test_kill_workers_mid_unit(ray_local, inputs, reference, tmp_path):
 
 class CrashBeforeCommit(JobTask):
     """Writes unit `crash_unit`'s temporary file completely, then the process dies before
-    the rename that commits it (once: a marker file remembers)."""
+    the link that commits it (once: a marker file remembers)."""
 
     def __init__(self, spec, plan, crash_unit, marker):
         super().__init__(spec, plan)
@@ -156,16 +163,16 @@ class CrashBeforeCommit(JobTask):
             open(self.marker, "w").close()
 
             # Units are written concurrently by the actor's call threads, so only this unit's
-            # rename may die; another unit's rename goes through as usual.
-            real_replace = os.replace
+            # commit (a hard link) may die; another unit's goes through as usual.
+            real_link = os.link
 
-            def die_instead_of_rename(src, dst):
+            def die_instead_of_commit(src, dst):
                 if os.path.basename(src).startswith(f".tmp-part-{self.crash_unit:06d}-"):
                     assert os.path.getsize(src) > 0  # the temp file was fully written
                     os._exit(17)
-                return real_replace(src, dst)
+                return real_link(src, dst)
 
-            os.replace = die_instead_of_rename
+            os.link = die_instead_of_commit
         return super().write_unit(unit, requests, outputs, tokenizer)
 
 
@@ -215,6 +222,7 @@ def test_workers_that_keep_dying_fail_the_job(ray_local, inputs, tmp_path):
 
 # ------------------------------------------------------------------ kill the driver, rerun
 
+@pytest.mark.slow
 def test_kill_driver_then_rerun(inputs, reference, tmp_path):
     """`batchgen run` in a subprocess with its own Ray instance, SIGKILLed once a unit is
     committed; the same command again resumes and completes the dataset."""
@@ -256,4 +264,175 @@ def test_kill_driver_then_rerun(inputs, reference, tmp_path):
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
     st = OutputDir(str(out)).status()
     assert st["success"] and st["summary"]["units_this_run"] == 12 - len(committed)
+    check_exactly_once(out, reference)
+
+
+# ------------------------------------------------------------------ a stopped (hung) worker
+
+def test_stopped_worker_is_replaced_and_its_units_run_again(ray_local, inputs, reference, tmp_path):
+    """SIGSTOP the only worker once it has committed a unit: its units pass
+    cluster.unit_timeout_s (no other worker can take a second copy), it shows no progress
+    when pinged, so it is replaced and its units run again on the fresh worker; the dataset
+    equals the uninterrupted run. (Second copies on a live worker: test_cluster.)"""
+    from cluster.pool import UnitDispatcher
+
+    spec = job_spec(inputs, tmp_path / "out", max_unit_attempts=6)
+    plan, out = prepared(spec)
+    stopped: list[tuple[str, int]] = []
+    pool = UnitDispatcher(JobTask(spec, plan), num_workers=1, num_cpus=1, max_unit_attempts=6, unit_timeout_s=5,
+                          suspect_timeout_s=5)
+
+    def on_result(result):
+        if not stopped:
+            w = pool.workers()[0]
+            os.kill(w["info"]["pid"], signal.SIGSTOP)
+            stopped.append((w["name"], w["info"]["pid"]))
+
+    try:
+        with pool:
+            results = pool.run(plan.units, on_result=on_result)
+            events = [(k, d) for _, k, d in pool.events]
+    finally:
+        for _, pid in stopped:  # ray.kill asks a process to exit; a stopped one cannot: end it
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    name = stopped[0][0]
+    assert any(k == "overdue" and d.endswith(f"on {name}") for k, d in events), events
+    assert ("suspect", name) in events
+    replaced = [i for i, (k, d) in enumerate(events) if k == "replaced" and d.startswith(f"{name}: stalled: no progress")]
+    assert replaced, events
+    assert any(k == "ready" for k, _ in events[replaced[0]:]), events  # a fresh worker took over
+    assert sorted(r.index for r in results) == [u.index for u in plan.units]
+    assert name not in {r.worker for r in results[1:]}  # nothing after the stop came from the stopped worker
+    out.cleanup_temp_files()
+    check_exactly_once(tmp_path / "out", reference)
+
+
+# ------------------------------------------------------------------ an engine that raises
+
+class EngineFailsOnce(JobTask):
+    """The real engine, whose step raises once across all workers (a marker file, created
+    exclusively, decides which call)."""
+
+    def __init__(self, spec, plan, marker, staged=None):
+        super().__init__(spec, plan, staged=staged)
+        self.marker = marker
+
+    def load_engine(self):
+        from engine import load_engine
+
+        eng = load_engine(**self.engine_kwargs, num_threads=1)
+        real_step = eng.step
+
+        def step():
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return real_step()
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        eng.step = step
+        return eng
+
+
+def test_worker_whose_engine_raises_is_replaced(ray_local, inputs, reference, tmp_path):
+    from cluster.pool import UnitDispatcher
+
+    spec = job_spec(inputs, tmp_path / "out", max_unit_attempts=3)
+    plan, out = prepared(spec)
+    marker = str(tmp_path / "engine-failed")
+    with UnitDispatcher(EngineFailsOnce(spec, plan, marker), num_workers=2, num_cpus=1, max_unit_attempts=3) as pool:
+        results = pool.run(plan.units)
+        events = [(k, d) for _, k, d in pool.events]
+    assert os.path.exists(marker)
+    replaced = [d for k, d in events if k == "replaced"]
+    assert len(replaced) == 1 and "its engine failed: " in replaced[0], replaced
+    assert "RuntimeError('CUDA error: an illegal memory access was encountered')" in replaced[0]
+    assert [k for k, _ in events].count("start") == 3  # the failed worker's slot got a fresh process
+    assert any(k == "unit_failed" and "illegal memory access" in d for k, d in events)
+    assert sorted(r.index for r in results) == [u.index for u in plan.units]
+    check_exactly_once(tmp_path / "out", reference)
+
+
+# ------------------------------------------------------------------ the raylet dies; a second driver
+
+def _raylet_of(pid: int) -> int:
+    for p in _descendants(pid):
+        try:
+            if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"/raylet"):
+                return p
+        except OSError:
+            continue
+    raise AssertionError(f"no raylet under pid {pid}")
+
+
+@pytest.mark.slow
+def test_raylet_killed_then_rerun_and_a_second_driver_refused(inputs, reference, tmp_path):
+    """`batchgen run` (its own local Ray instance): once a unit is committed the node dies:
+    its raylet and the worker processes under it are SIGKILLed together (as when the
+    machine or the raylet's cgroup goes; actor calls do not pass through the raylet, so
+    workers left alive would go on until the GCS declares the node dead). The driver exits 1
+    within 60 s naming the cause, and releases its lease. The rerun completes the job
+    identically; while it runs, a second `batchgen run` on the same output exits 2 naming
+    the rerun's pid and leaves the rerun's lease alone."""
+    out = tmp_path / "out"
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(job_spec(inputs, out, num_workers=1).to_dict()))
+    cmd = [sys.executable, "-m", "jobs.cli", "run", str(cfg)]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(ROOT)
+    first = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    ray_procs: list[int] = []
+    try:
+        deadline = time.time() + 180
+        while not list(out.glob("part-*.parquet")):  # bounded poll for the first committed unit
+            assert first.poll() is None, first.stdout.read()[-3000:]
+            assert time.time() < deadline, "no unit committed within 180s"
+            time.sleep(0.1)
+        ray_procs = _descendants(first.pid)
+        raylet = _raylet_of(first.pid)
+        for p in [raylet] + _descendants(raylet):
+            os.kill(p, signal.SIGKILL)
+        killed = time.monotonic()
+        said = first.communicate(timeout=120)[0]
+        took = time.monotonic() - killed
+    finally:
+        for p in _descendants(first.pid) + ray_procs:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    error = [ln for ln in said.splitlines() if ln.startswith("error: ")]
+    print(f"driver exited {took:.1f}s after the node died: {error}")
+    assert first.returncode == 1, said[-3000:]
+    assert took < 60, (took, said[-3000:])
+    assert "error: job failed after" in said and "no Ray node can host a worker" in said, said[-3000:]
+    assert "the Ray node this job runs on died" in said, said[-3000:]
+    assert not (out / "_batchgen" / "lease.json").exists()
+    assert not (out / "_SUCCESS").exists()
+
+    rerun = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        lease = out / "_batchgen" / "lease.json"
+        deadline = time.time() + 120
+        while not (lease.exists() and f'"pid": {rerun.pid}' in lease.read_text()):  # bounded poll: rerun holds it
+            assert rerun.poll() is None, rerun.stdout.read()[-3000:]
+            assert time.time() < deadline, "the rerun took no lease within 120s"
+            time.sleep(0.05)
+        second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+        assert f"is in use by another batchgen driver: pid {rerun.pid} on host" in second.stderr, second.stderr
+        assert f'"pid": {rerun.pid}' in lease.read_text()  # the lease is still the rerun's
+        said = rerun.communicate(timeout=300)[0]
+    finally:
+        for p in _descendants(rerun.pid):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert rerun.returncode == 0, said[-3000:]
     check_exactly_once(out, reference)

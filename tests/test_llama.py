@@ -273,8 +273,8 @@ def test_load_engine_detects_llama_family(checkpoint, tmp_path):
 
 def test_stop_tokens_from_config_and_generation_config(checkpoint, tmp_path):
     """eos_token_id (int or list) from generation_config.json, else config.json, becomes
-    ModelInfo.stop_token_ids; the engine stops there by default (finish_reason "stop") and
-    not when the request says stop_token_ids=[]."""
+    ModelInfo.stop_token_ids; the engine stops there by default (finish_reason "stop", the
+    stop token kept as the last token) and not when the request says stop_token_ids=[]."""
     d, _ = checkpoint("qwen2")
     target = tmp_path / "ckpt"
     shutil.copytree(d, target)
@@ -292,7 +292,7 @@ def test_stop_tokens_from_config_and_generation_config(checkpoint, tmp_path):
     assert model.info.stop_token_ids == (stop_at, 9)
     s = Engine(model, _Tokenizer()).generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=20))[0][0]
     first = free.tokens.index(stop_at)
-    assert s.finish_reason == "stop" and s.tokens == free.tokens[:first]
+    assert s.finish_reason == "stop" and s.tokens == free.tokens[:first + 1] and s.stop_reason == stop_at
     s = Engine(model, _Tokenizer()).generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=20,
                                                                          stop_token_ids=[]))[0][0]
     assert s.finish_reason == "length" and s.tokens == free.tokens

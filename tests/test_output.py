@@ -131,12 +131,12 @@ import jobs.output as out
 import pyarrow as pa
 def die(*a):
     os._exit(9)
-out.os.replace = die
+out.os.link = die
 out.write_part({path!r}, 3, pa.table({{"x": [1, 2]}}))
 """
 
 
-def test_kill_between_write_and_rename_leaves_no_part_file(tmp_path):
+def test_kill_between_write_and_commit_leaves_no_part_file(tmp_path):
     spec, plan, task, od = make_job(tmp_path)
     od.prepare(plan, spec)
     proc = subprocess.run([sys.executable, "-c", KILLER.format(root=str(ROOT), path=od.path)])
@@ -159,10 +159,36 @@ def test_failed_write_removes_temp(tmp_path, monkeypatch):
     def boom(*a):
         raise OSError("disk full")
 
+    monkeypatch.setattr("jobs.output.os.link", boom)
     monkeypatch.setattr("jobs.output.os.replace", boom)
     with pytest.raises(OSError):
         run_unit(task, plan.units[0])
     assert [n for n in os.listdir(od.path) if not n.startswith("_")] == []
+
+
+def test_first_commit_wins(tmp_path, monkeypatch):
+    """A unit written twice (a retry, or a second copy after a deadline) keeps the first
+    file: the second commit finds it and leaves it alone, also where the filesystem has no
+    hard links (the rename fallback)."""
+    from jobs.output import write_part
+
+    spec, plan, task, od = make_job(tmp_path)
+    od.prepare(plan, spec)
+    first = pa.table({"x": [1]})
+    path = write_part(od.path, 0, first)
+    before = (Path(path).stat().st_ino, Path(path).read_bytes())
+    assert write_part(od.path, 0, pa.table({"x": [2]})) == path
+    assert (Path(path).stat().st_ino, Path(path).read_bytes()) == before
+
+    def no_links(*a):
+        raise OSError(95, "Operation not supported")
+
+    monkeypatch.setattr("jobs.output.os.link", no_links)
+    write_part(od.path, 0, pa.table({"x": [3]}))
+    write_part(od.path, 1, pa.table({"x": [4]}))
+    assert pq.read_table(path).column("x").to_pylist() == [1]
+    assert pq.read_table(Path(od.path) / part_name(1)).column("x").to_pylist() == [4]
+    assert od.temp_files() == []
 
 
 def test_status_and_verify_clean(tmp_path):
@@ -206,6 +232,11 @@ def corrupt(kind, tmp_path, od, plan, task):
         t = pq.read_table(out / part_name(0))
         pq.write_table(t, out / part_name(1))  # same prompt ids in another unit
         return "duplicate row prompt_id='in.parquet:0' sample_index=0"
+    if kind == "duplicate_in_file":  # right row count, one (prompt, sample) twice
+        t = pq.read_table(out / part_name(0))
+        pq.write_table(pa.concat_tables([t.slice(0, 7), t.slice(2, 1)]).replace_schema_metadata(t.schema.metadata),
+                       out / part_name(0))
+        return "part-000000.parquet: duplicate row prompt_id='in.parquet:1' sample_index=0 (twice in this file)"
     if kind == "orphan":
         (out / ".tmp-part-000001-abcdef.parquet").write_bytes(b"partial")
         return ".tmp-part-000001-abcdef.parquet: orphan temporary file"
@@ -232,7 +263,7 @@ def corrupt(kind, tmp_path, od, plan, task):
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["rows", "fingerprint", "schema", "duplicate", "orphan", "unexpected", "extra_unit",
+@pytest.mark.parametrize("kind", ["rows", "fingerprint", "schema", "duplicate", "duplicate_in_file", "orphan", "unexpected", "extra_unit",
                                   "success_missing", "truncated", "no_manifest", "bad_manifest"])
 def test_verify_catches(tmp_path, kind):
     spec, plan, task, od = make_job(tmp_path)
@@ -308,3 +339,28 @@ def test_unwritable_output(tmp_path):
     with pytest.raises(OutputError, match="cannot create directory") as e:
         OutputDir(spec.output.path).prepare(plan, spec)
     assert e.value.exit_code == 2
+
+
+def test_stop_reason_column_and_text(tmp_path):
+    """A sample ended by a stop token keeps it in `tokens` (counted in num_tokens); `text`
+    leaves it out and `stop_reason` holds its text. A stop string ends `text` before it and
+    is the stop_reason; a sample cut at max_tokens has none."""
+    spec, plan, task, od = make_job(tmp_path, n=2, unit_rows=2, num_samples=3)
+    od.prepare(plan, spec)
+    tok = FakeTok()
+    tok.decode_token_bytes = lambda t: bytes([t - 10])
+    reqs = task.read_unit(plan.units[0], tok)
+    stop_id = 10 + ord("!")
+    hi = [10 + b for b in b"Hi"]
+    samples = [Sample(prompt_id="x", sample_index=0, tokens=hi + [stop_id], mask=[1, 1, 1], logprobs=[-1.0, -2.0, -0.5],
+                      finish_reason="stop", stop_reason=stop_id),
+               Sample(prompt_id="x", sample_index=1, tokens=[10 + b for b in b"ok\n\nQ"], mask=[1] * 5,
+                      logprobs=[-1.0] * 5, finish_reason="stop", stop_reason="\n\n"),
+               Sample(prompt_id="x", sample_index=2, tokens=hi, mask=[1, 1], logprobs=[-1.0, -1.0])]
+    outs = [RequestOutput(None, r.prompt_id, r.prompt_tokens, samples) for r in reqs]
+    res = task.write_unit(plan.units[0], reqs, outs, tok)
+    rows = pq.read_table(res.path).to_pylist()[:3]
+    assert [(r["text"], r["stop_reason"], r["finish_reason"], r["num_tokens"]) for r in rows] == [
+        ("Hi", "!", "stop", 3), ("ok", "\n\n", "stop", 5), ("Hi", None, "length", 2)]
+    assert rows[0]["tokens"][-1] == stop_id and rows[0]["mask"][-1] == 1 and rows[0]["logprobs"][-1] == -0.5
+    assert res.generated_tokens == 2 * (3 + 5 + 2)

@@ -184,3 +184,17 @@ def test_race_noise_is_exactly_lowbias32():
     assert torch.equal(race_noise_vocab(keys, pos, V), want)
     cand = torch.randint(0, V, (len(keys), 50), generator=torch.Generator().manual_seed(0))
     assert torch.equal(race_noise(keys, pos, cand), want.gather(1, cand))
+
+
+def test_race_noise_is_stable_and_shared_ids_hash_the_same():
+    """Golden values of the noise (changing the hash changes every dataset), and the (K,)
+    shared-candidates form plain sampling uses equals the per-row (B, K) form."""
+    from engine.sampling import race_noise
+
+    keys = torch.tensor([request_key(123, "file.parquet:7", 3), request_key(0, "a", 1)], dtype=torch.long)
+    pos = torch.tensor([17, 0])
+    got = race_noise(keys, pos, torch.tensor([[0, 5, 49151], [2, 3, 100000]]))
+    assert got.tolist() == [[-0.9586945307457354, -0.7938122088899546, -0.49943557426851076],
+                            [1.213688908191209, 1.8066017905482934, 0.5279359020829093]]
+    shared = torch.arange(300)
+    assert torch.equal(race_noise(keys, pos, shared), race_noise(keys, pos, shared.expand(2, 300).contiguous()))

@@ -20,13 +20,13 @@ def test_defaults_from_empty_file(tmp_path):
                           "kv_cache_gb": None, "max_seq_len": None, "batch_invariant": True,
                           "prefix_sharing": True}
     assert d["input"] == {"path": "prompts.parquet", "format": "text", "column": "prompt", "id_column": None,
-                          "passthrough": []}
-    assert d["output"] == {"path": "out/demo"}
+                          "passthrough": [], "sampling_column": None}
+    assert d["output"] == {"path": "out/demo", "lease_timeout_s": 120}
     assert d["sampling"] == {"num_samples": 4, "max_tokens": 256, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
-                             "min_p": 0.0, "seed": 0, "stop_token_ids": None}
+                             "min_p": 0.0, "seed": 0, "stop_token_ids": None, "stop": None, "logprobs_mode": "raw"}
     assert d["tools"] == {"calculator": True}
     assert d["cluster"] == {"address": None, "num_workers": 1, "gpus_per_worker": 0, "cpus_per_worker": 1,
-                            "unit_rows": 256, "max_unit_attempts": 3}
+                            "unit_rows": 256, "max_unit_attempts": 3, "unit_timeout_s": None}
 
 
 def test_chat_default_column(tmp_path):
@@ -94,7 +94,12 @@ def test_bad_overrides(tmp_path, override, fragment):
     ("model: {kv_cache_gb: 0}", "model.kv_cache_gb: must be a number of GiB > 0"),
     ("model: {dtype: int8}", "model.dtype: Input should be"),
     ("model: {path: ''}", "model.path: must not be empty"),
-    ("input: {format: xml}", "input.format: Input should be 'text', 'chat' or 'tokens'"),
+    ("model: {path: 's3://b/ckpt'}", "model.path: 's3://b/ckpt': object store URIs are not supported"),
+    ("model: {tokenizer: 'gs://b/tok'}", "model.tokenizer: 'gs://b/tok': object store URIs are not supported"),
+    ("cluster: {unit_timeout_s: 0}", "cluster.unit_timeout_s: must be a number of seconds > 0"),
+    ("cluster: {unit_timeout_s: soon}", "cluster.unit_timeout_s: must be a number, got 'soon'"),
+    ("output: {lease_timeout_s: 1}", "output.lease_timeout_s: must be a number of seconds >= 5"),
+    ("input: {format: xml}", "input.format: Input should be 'text', 'chat', 'tokens' or 'openai_batch'"),
     ("input: {passthrough: [a, a]}", "input.passthrough: column 'a' is listed twice"),
     ("input: {passthrough: [text]}", "input.passthrough: column 'text' would overwrite the output column"),
     ("tools: {calculator: maybe}", "tools.calculator: Input should be a valid boolean"),
@@ -142,10 +147,28 @@ def test_sampling_params_and_engine_kwargs(tmp_path):
                                     "batch_invariant": True, "prefix_sharing": True}
 
 
+def test_device_and_dtype_resolved_on_the_driver(tmp_path):
+    """auto never depends on the machine the driver or a worker happens to run on: a CPU
+    job is cpu/float32 on a GPU node too, a GPU job is cuda/bfloat16, and the fingerprint
+    names the device kind and dtype (so a resumed job cannot switch either)."""
+    cpu = load_spec(write(tmp_path, ""))
+    gpu = load_spec(write(tmp_path, ""), ["cluster.gpus_per_worker=1"])
+    assert (cpu.engine_kwargs()["device"], cpu.engine_kwargs()["dtype"]) == ("cpu", "float32")
+    assert (gpu.engine_kwargs()["device"], gpu.engine_kwargs()["dtype"]) == ("cuda", "bfloat16")
+    assert cpu.fingerprint_dict()["model"]["device"] == "cpu" and gpu.fingerprint_dict()["model"]["dtype"] == "bfloat16"
+    assert cpu.fingerprint_dict() != gpu.fingerprint_dict()
+    explicit = load_spec(write(tmp_path, ""), ["model.device=cuda:1", "model.dtype=fp16"])
+    assert explicit.engine_kwargs()["device"] == "cuda:1" and explicit.fingerprint_dict()["model"]["device"] == "cuda"
+    assert explicit.fingerprint_dict()["model"]["dtype"] == "float16"
+    # aliases are the same job
+    assert load_spec(write(tmp_path, ""), ["model.dtype=fp32"]).fingerprint_dict() == cpu.fingerprint_dict()
+
+
 def test_fingerprint_dict_ignores_placement(tmp_path):
     a = load_spec(write(tmp_path, ""), ["output.path=x", "cluster.num_workers=1"]).fingerprint_dict()
     b = load_spec(write(tmp_path, ""), ["output.path=y", "cluster.num_workers=2", "cluster.address=auto",
                                         "model.max_num_seqs=3", "model.device=cpu",
+                                        "cluster.unit_timeout_s=30", "output.lease_timeout_s=60",
                                         "model.prefix_sharing=false"]).fingerprint_dict()
     assert a == b
     c = load_spec(write(tmp_path, ""), ["sampling.seed=1"]).fingerprint_dict()

@@ -39,6 +39,14 @@ class ByteTokenizer:
         out.append(buf.decode("utf-8", "replace"))
         return "".join(out)
 
+    def decode_token_bytes(self, token: int) -> bytes:
+        if 0 <= token < 256:
+            return bytes([token])
+        inv = {v: k for k, v in self.specials.items()}
+        if token not in inv:
+            raise ValueError(f"token id {token} is not in the vocabulary")
+        return inv[token].encode()
+
     def special(self, name):
         return self.specials.get(name)
 

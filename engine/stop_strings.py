@@ -1,0 +1,83 @@
+"""Stop strings: found token by token in a sample's bytes, and cut from its text.
+
+A stop string may be split across any number of tokens, and a byte-level token may hold
+part of a UTF-8 character, so matching decoded text token by token would see U+FFFD where
+a character is split. The matcher works on bytes instead: each token's raw bytes
+(`tokenizer.decode_token_bytes`) are appended to a window that keeps only the last
+`len(longest stop) - 1` bytes of what came before, and the stop strings' UTF-8 encodings
+are searched in it. The cost per token is bounded by the token's and the longest stop
+string's length, never by the sample's: nothing is re-decoded. Byte matching is exact text
+matching because UTF-8 is self-synchronising: the encoding of a string occurs in the
+encoding of a text exactly where the string occurs in the text, and an incomplete
+character at the end of the window cannot complete a match until its last byte arrives.
+
+vLLM does the same job on incrementally detokenized text (vllm/v1/engine/detokenizer.py,
+`check_stop_strings`): the sample ends at the token that completes the first stop string,
+every generated token is kept, and the text ends before the stop string.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def token_bytes(tokenizer: Any, token: int) -> bytes:
+    """The bytes one token adds to a sample's text; b"" for an id the tokenizer lacks (a
+    model vocabulary padded past the tokenizer's)."""
+    try:
+        return tokenizer.decode_token_bytes(token)
+    except ValueError:
+        return b""
+
+
+class StopStringMatcher:
+    """Finds the first stop string in a byte stream fed token by token.
+
+    stops: non-empty strings. `feed(data)` returns the stop string completed by `data` (the one
+    starting earliest when several complete at once, then the first listed), or None.
+    """
+
+    __slots__ = ("stops", "keep", "tail")
+
+    def __init__(self, stops: tuple[str, ...]):
+        if not stops or any(not s for s in stops):
+            raise ValueError(f"stop strings must be non-empty, got {stops!r}")
+        self.stops = [(s, s.encode("utf-8")) for s in stops]
+        self.keep = max(len(b) for _, b in self.stops) - 1
+        self.tail = b""
+
+    def feed(self, data: bytes) -> str | None:
+        window = self.tail + data
+        best: tuple[int, str] | None = None
+        for s, b in self.stops:
+            i = window.find(b)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        # No match was complete before this token, so a later one must end in `data`: only
+        # the last keep bytes can start it.
+        self.tail = window[-self.keep:] if self.keep else b""
+        return None if best is None else best[1]
+
+
+def completion_text(tokenizer: Any, tokens: list[int], stop_reason: int | str | None) -> str:
+    """A finished sample's text: `tokens` decoded without the stop token that ended it, and
+    cut before the stop string that ended it.
+
+    stop_reason: Sample.stop_reason (an int: tokens[-1] is that stop token; a str: the stop
+    string completed in the last token). The cut is at the stop string's first occurrence in
+    tokenizer.decode(tokens); where the tokenizer's decoding differs from the tokens' raw
+    bytes there (SentencePiece drops a leading space, clean_up_tokenization_spaces joins
+    punctuation) and the string is not found, the text is the raw bytes before it, decoded.
+    Raises ValueError for token ids the tokenizer cannot decode.
+    """
+    toks = list(tokens)
+    if isinstance(stop_reason, int) and not isinstance(stop_reason, bool) and toks and toks[-1] == stop_reason:
+        toks.pop()
+    text = tokenizer.decode(toks)
+    if not isinstance(stop_reason, str):
+        return text
+    i = text.find(stop_reason)
+    if i >= 0:
+        return text[:i]
+    raw = b"".join(token_bytes(tokenizer, t) for t in toks)
+    j = raw.find(stop_reason.encode("utf-8"))
+    return raw[: j if j >= 0 else len(raw)].decode("utf-8", errors="replace")

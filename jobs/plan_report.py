@@ -1,0 +1,81 @@
+"""`batchgen plan`: what `run` would do, without Ray, without a model, without writing.
+
+    batchgen plan configs/job.yaml [--set KEY=VALUE ...]
+
+Validates the config and the inputs exactly as `run` does (exit 2 on a bad one), then prints
+the input files, prompts, units, the input rows the units will decode, the output's state
+(new, resuming with N units committed, or another job's output), the output lease and the
+fingerprint. Reads the checkpoint hash cache of the output directory but never writes it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from jobs import uri
+
+SHOW_FILES = 10
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count:,} {word}{'' if count == 1 else 's'}"
+
+
+def describe_plan(spec: Any) -> tuple[str, int]:
+    """(the report, exit code): 0, or 2 when `run` would refuse the output directory.
+
+    Raises SpecError / InputError (exit code 2) as `run` does."""
+    from jobs.dataset import plan_job
+    from jobs.lease import OutputLease
+    from jobs.output import OutputDir
+    from jobs.runner import check_local_gpus, load_hash_cache
+
+    out = OutputDir(spec.output.path)
+    plan = plan_job(spec, hash_cache=load_hash_cache(out))
+    check_local_gpus(spec)
+    lines = [f"config:        {spec.source}",
+             f"input:         {uri.redact(spec.input.path)} ({_n(len(plan.files), 'file')}, {_n(plan.num_prompts, 'prompt')})"]
+    for f in plan.files[:SHOW_FILES]:
+        lines.append(f"  {f.name}: {_n(f.num_rows, 'row')} in {_n(len(f.row_groups), 'row group')}"
+                     + (" (staged: row groups larger than 2 x unit_rows)" if f.staged else ""))
+    if len(plan.files) > SHOW_FILES:
+        lines.append(f"  ... {len(plan.files) - SHOW_FILES:,} more files")
+    staged = plan.staged_files
+    ratio = plan.rows_decoded / plan.num_prompts if plan.num_prompts else 0.0
+    lines.append(f"units:         {len(plan.units):,} (cluster.unit_rows {spec.cluster.unit_rows})")
+    lines.append(f"rows decoded:  {plan.rows_decoded:,} for {plan.num_prompts:,} prompts ({ratio:.2f}x)"
+                 + (f"; {_n(len(staged), 'file')} re-chunked into output.path/_batchgen/staged first" if staged else ""))
+    lines.append(f"model:         {spec.model.path} ({spec.resolved_device()}, {spec.resolved_dtype()})")
+    lines.append(f"fingerprint:   {plan.fingerprint}")
+    code = 0
+    manifest = None
+    try:
+        manifest = out.read_manifest()
+    except Exception as e:  # noqa: BLE001 - reported, as `run` would refuse it
+        lines.append(f"output:        {out.shown}: {e}")
+        code = 2
+    if manifest is not None:
+        if manifest.get("fingerprint") == plan.fingerprint:
+            done = len(out.committed_units())
+            lines.append(f"output:        {out.shown}: resume, {done:,} of {len(plan.units):,} units committed")
+        else:
+            from jobs.output import describe_differences
+
+            diffs = describe_differences(manifest.get("fingerprint_data") or {}, plan.fingerprint_data)
+            lines.append(f"output:        {out.shown}: holds another job's output (fingerprint "
+                         f"{str(manifest.get('fingerprint'))[:12]}); `run` refuses it without --overwrite; "
+                         f"differences: {'; '.join(diffs[:10]) or '(none recorded)'}")
+            code = 2
+    elif code == 0:
+        lines.append(f"output:        {out.shown}: new")
+    lease = OutputLease(out, plan.fingerprint, spec.output.lease_timeout_s)
+    current = lease.read()
+    if current is None:
+        lines.append("lease:         free")
+    else:
+        why = lease.stale(current, time.time())
+        lines.append(f"lease:         held by {current.get('holder')} (job {str(current.get('fingerprint'))[:12]})"
+                     + (f"; stale ({why}): `run` would take it over" if why else "; `run` would stop (exit 2)"))
+        if why is None:
+            code = 2
+    return "\n".join(lines), code

@@ -1,0 +1,120 @@
+"""`from jobs import run_job` (a config path, a dict or a JobSpec, with overrides) and the
+output read with no conversion by pandas, polars, duckdb and Hugging Face `datasets`.
+
+One small job on tiny-random (stop strings, so stop_reason holds strings and token texts)
+runs once on a local Ray instance; the other calls resume it (nothing runs again).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray")
+
+ROOT = Path(__file__).resolve().parents[1]
+COLUMNS = ["prompt_id", "sample_index", "tokens", "mask", "logprobs", "text", "finish_reason", "stop_reason",
+           "num_tokens", "tool_calls"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    from jobs import run_job
+
+    d = tmp_path_factory.mktemp("api")
+    pq.write_table(pa.table({"id": [f"q{i}" for i in range(6)],
+                             "prompt": [f"Question {i}: what is {i} + {i}?" for i in range(6)]}), d / "in.parquet")
+    config = {"model": {"path": "tiny-random", "max_num_seqs": 16},
+              "input": {"path": str(d / "in.parquet"), "id_column": "id"},
+              "output": {"path": str(d / "out")},
+              "sampling": {"num_samples": 3, "max_tokens": 8, "top_k": 20, "seed": 1},
+              "cluster": {"unit_rows": 4}}
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    try:
+        result = run_job(config, {"sampling.stop": ["e", "o"], "sampling.logprobs_mode": "processed"})
+        yield d, config, result
+    finally:
+        ray.shutdown()
+
+
+def test_run_job_from_a_dict_returns_the_dataset(job):
+    d, config, result = job
+    assert result.output_path == str(d / "out")
+    assert result.summary["samples"] == 18 and result.summary["units"] == 2 and result.summary["error_rows"] == 0
+    table = result.to_table()
+    assert table.num_rows == 18
+    rows = table.to_pylist()
+    assert [(r["prompt_id"], r["sample_index"]) for r in rows] == [(f"q{i}", j) for i in range(6) for j in range(3)]
+    assert all(len(r["tokens"]) == len(r["mask"]) == len(r["logprobs"]) == r["num_tokens"] <= 8 for r in rows)
+    stopped = [r for r in rows if r["finish_reason"] == "stop"]
+    assert stopped and all(r["stop_reason"] in ("e", "o") or r["tokens"][-1] in (100256, 100260) for r in stopped)
+
+
+def test_run_job_from_a_path_and_a_spec_resumes(job, tmp_path):
+    """The same job as a YAML path with --set-style strings, and as a JobSpec with a mapping:
+    the same fingerprint, so both resume it (no unit runs) and see the same rows."""
+    from jobs import load_job_spec, run_job
+
+    d, config, result = job
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    again = run_job(cfg, ["sampling.stop=[e, o]", "sampling.logprobs_mode=processed"])
+    assert again.summary["units_this_run"] == 0 and again.summary["fingerprint"] == result.summary["fingerprint"]
+    assert again.to_table().equals(result.to_table())
+    spec = load_job_spec(cfg)
+    third = run_job(spec, {"sampling.stop": ["e", "o"], "sampling.logprobs_mode": "processed"})
+    assert third.summary["fingerprint"] == result.summary["fingerprint"]
+    from jobs.errors import SpecError
+
+    with pytest.raises(SpecError, match="unknown key sampling.temprature"):
+        run_job(spec, {"sampling.temprature": 0.5})
+
+
+def test_readers_load_the_output_without_conversion(job, tmp_path, monkeypatch):
+    """pandas, polars, duckdb and Hugging Face datasets read the output directory (or its
+    part-*.parquet glob) as written, and agree with pyarrow value for value."""
+    d, _, result = job
+    out = d / "out"
+    want = result.to_table(COLUMNS).to_pylist()
+
+    import pandas as pd
+
+    df = pd.read_parquet(out, columns=COLUMNS)  # the directory: _batchgen/ and _SUCCESS are skipped
+    assert len(df) == len(want)
+    for got, w in zip(df.to_dict("records"), want):
+        assert (got["prompt_id"], got["sample_index"]) == (w["prompt_id"], w["sample_index"])
+        assert list(got["tokens"]) == w["tokens"] and list(got["mask"]) == w["mask"]
+        assert list(got["logprobs"]) == pytest.approx(w["logprobs"])
+        assert got["stop_reason"] == w["stop_reason"] if w["stop_reason"] is not None else pd.isna(got["stop_reason"])
+
+    import polars as pl
+
+    pdf = pl.read_parquet(str(out / "part-*.parquet"), columns=COLUMNS)
+    assert pdf.schema["tokens"] == pl.List(pl.Int32) and pdf.schema["mask"] == pl.List(pl.Int8)
+    assert pdf.schema["logprobs"] == pl.List(pl.Float32)
+    assert pdf.to_dicts() == [{**w, "tool_calls": w["tool_calls"]} for w in want]
+
+    import duckdb
+
+    con = duckdb.connect()
+    got = con.execute(f"SELECT prompt_id, sample_index, tokens, mask, stop_reason, len(tokens) AS n "
+                      f"FROM read_parquet('{out}/part-*.parquet') ORDER BY prompt_id, sample_index").fetchall()
+    assert [(g[0], g[1], list(g[2]), list(g[3]), g[4], g[5]) for g in got] == \
+        [(w["prompt_id"], w["sample_index"], w["tokens"], w["mask"], w["stop_reason"], w["num_tokens"]) for w in want]
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from datasets import load_dataset
+
+    ds = load_dataset("parquet", data_files=str(out / "part-*.parquet"), split="train",
+                      cache_dir=str(tmp_path / "hf-cache"))
+    assert ds.num_rows == len(want)
+    hf = ds.select_columns(COLUMNS).to_list()
+    assert [(r["prompt_id"], r["sample_index"], r["tokens"], r["mask"], r["stop_reason"]) for r in hf] == \
+        [(w["prompt_id"], w["sample_index"], w["tokens"], w["mask"], w["stop_reason"]) for w in want]
+    assert [r["logprobs"] for r in hf] == [pytest.approx(w["logprobs"]) for w in want]

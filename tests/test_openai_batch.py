@@ -1,0 +1,351 @@
+"""OpenAI Batch files: the line parser (vLLM's own example file, every kind of malformed line),
+the whole pipeline on SmolLM2 in-process (chat template, completions, logprobs, stop strings),
+and `batchgen run-batch` on 210 GSM8K lines: every custom_id answered once and in order,
+malformed lines as 400 lines, and a driver killed mid-job then rerun giving the same file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.params import SamplingParams
+from jobs.openai_batch import parse_line
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = [json.loads(line)["question"] for line in (ROOT / "jobs" / "data" / "gsm8k_demo.jsonl").open()]
+BASE = SamplingParams(num_samples=1, max_tokens=256, top_k=0, seed=0)
+
+# vLLM's example batch file (examples/offline_inference/openai_batch/openai_example_batch.jsonl,
+# as its documentation shows it)
+VLLM_EXAMPLE = """\
+{"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "meta-llama/Meta-Llama-3-8B-Instruct", "messages": [{"role": "system", "content": "You are a helpful assistant."},{"role": "user", "content": "Hello world!"}],"max_completion_tokens": 1000}}
+{"custom_id": "request-2", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "meta-llama/Meta-Llama-3-8B-Instruct", "messages": [{"role": "system", "content": "You are an unhelpful assistant."},{"role": "user", "content": "Hello world!"}],"max_completion_tokens": 1000}}
+"""
+
+
+def line(custom_id="c", url="/v1/chat/completions", **body):
+    if url == "/v1/chat/completions":
+        body.setdefault("messages", [{"role": "user", "content": "Hi"}])
+    else:
+        body.setdefault("prompt", "Once upon a time")
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def test_vllm_example_file_parses():
+    for i, raw in enumerate(VLLM_EXAMPLE.splitlines(), 1):
+        p = parse_line(raw.encode(), i, BASE, "example.jsonl")
+        assert p.error is None, p.error
+        assert (p.custom_id, p.kind, p.model) == (f"request-{i}", "chat", "meta-llama/Meta-Llama-3-8B-Instruct")
+        assert p.params.max_tokens == 1000 and p.params.num_samples == 1
+        assert [m["role"] for m in p.prompt] == ["system", "user"]
+
+
+def test_body_parameters_map_to_sampling_params():
+    p = parse_line(line(max_completion_tokens=7, max_tokens=99, temperature=0.5, top_p=0.9, n=3, seed=11,
+                        stop="\n\nQ:", logprobs=True, top_logprobs=0, top_k=-1, min_p=0.05, user="u").encode(),
+                   1, BASE, "f")
+    assert p.error is None and p.logprobs
+    sp = p.params
+    assert (sp.max_tokens, sp.temperature, sp.top_p, sp.num_samples, sp.seed, sp.stop, sp.top_k, sp.min_p) == \
+        (7, 0.5, 0.9, 3, 11, ("\n\nQ:",), 0, 0.05)
+    p = parse_line(line(url="/v1/completions", prompt=[1, 2, 3], logprobs=0, ignore_eos=True, stop=["a", "b"]).encode(),
+                   2, BASE, "f")
+    assert p.error is None and p.prompt == [1, 2, 3] and p.logprobs
+    assert p.params.stop_token_ids == () and p.params.stop == ("a", "b") and p.params.max_tokens == 256
+    p = parse_line(line(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                               {"type": "text", "text": "b"}]}]).encode(), 3, BASE, "f")
+    assert p.prompt == [{"role": "user", "content": "a\nb"}]
+    assert parse_line(line(url="/v1/completions", prompt=["only one"]).encode(), 4, BASE, "f").prompt == "only one"
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    ("not json", "f line 9: not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    (json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}), "custom_id: must be a non-empty string"),
+    (line(extra=1).replace('"body"', '"bodyx"'), "unknown key 'bodyx'"),
+    (line().replace('"POST"', '"GET"'), 'method: must be "POST", got \'GET\''),
+    (line(url="/v1/embeddings"), "url: '/v1/embeddings' is not supported"),
+    (json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": [1]}), "body: must be a JSON object"),
+    (line(temperature=-1), "body.temperature: must be a finite number >= 0"),
+    (line(n=0), "body.n: must be an integer >= 1"),
+    (line(max_completion_tokens="ten"), "body.max_completion_tokens: must be an integer >= 1"),
+    (line(stop=["ok", ""]), "body.stop: must be a non-empty string or a list of them"),
+    (line(top_logprobs=3, logprobs=True), "body.top_logprobs: 3 is not supported"),
+    (line(logprobs=1), "body.logprobs: must be true or false"),
+    (line(url="/v1/completions", logprobs=2), "body.logprobs: 2 asks for the 2 most likely alternatives"),
+    (line(presence_penalty=0.5), "body.presence_penalty: 0.5 is not supported"),
+    (line(stream=True), "body.stream: True is not supported"),
+    (line(tools=[{"type": "function"}]), "body.tools: not supported by batchgen for /v1/chat/completions"),
+    (line(response_format={"type": "json_object"}), "body.response_format: not supported"),
+    (line(url="/v1/completions", prompt=["a", "b"]), "body.prompt: holds 2 prompts; batchgen takes one prompt per"),
+    (line(url="/v1/completions", prompt=""), "body.prompt: is an empty string"),
+    (line(url="/v1/completions", prompt=[1, -2]), "body.prompt: token ids must be >= 0"),
+    (line(url="/v1/completions", best_of=3, n=1), "body.best_of: 3 is not supported"),
+    (line(messages=[]), "body.messages: must be a non-empty list"),
+    (line(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "message 0 content part 0: type 'image_url' is not supported"),
+    (line(messages=[{"role": "user", "content": None}]), "message 0 (user) has no content"),
+    (line(messages=[{"role": "assistant", "content": "x", "tool_calls": []}]), "message 0: 'tool_calls' is not supported"),
+])
+def test_malformed_lines_are_errors_naming_the_field(raw, fragment):
+    p = parse_line(raw.encode(), 9, BASE, "f")
+    assert p.error is not None and p.params is None
+    assert p.error.startswith("f line 9: ") and fragment in p.error, p.error
+
+
+def test_openai_batch_spec_defaults():
+    """num_samples and top_k default to OpenAI's (1, off) for openai_batch unless the config sets them."""
+    from jobs.errors import SpecError
+    from jobs.spec import JobSpec
+
+    s = JobSpec.from_dict({"input": {"path": "b.jsonl", "format": "openai_batch"}}).sampling
+    assert (s.num_samples, s.top_k, s.temperature) == (1, 0, 1.0)
+    s = JobSpec.from_dict({"input": {"path": "b.jsonl", "format": "openai_batch"},
+                           "sampling": {"num_samples": 2, "top_k": 5}}).sampling
+    assert (s.num_samples, s.top_k) == (2, 5)
+    with pytest.raises(SpecError, match="input: id_column is not used with format openai_batch"):
+        JobSpec.from_dict({"input": {"path": "b.jsonl", "format": "openai_batch", "id_column": "x"}})
+
+
+# ------------------------------------------------------------------ SmolLM2, in-process
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from engine import load_engine
+
+    return load_engine("smollm2", device="cpu", dtype="float32", max_seq_len=512, max_num_seqs=8)
+
+
+def run_in_process(engine, spec):
+    """The job's units through one engine without Ray (what a worker does), then the responses."""
+    from jobs.dataset import plan_job
+    from jobs.output import OutputDir
+    from jobs.task import JobTask
+    from engine.params import RequestOutput, error_output
+
+    plan = plan_job(spec)
+    OutputDir(spec.output.path).prepare(plan, spec)
+    task = JobTask(spec, plan)
+    for unit in plan.units:
+        reqs = task.read_unit(unit, engine.tokenizer)
+        good = [r for r in reqs if r.prompt_tokens is not None]
+        results = engine.generate([r.prompt_tokens for r in good], [r.params for r in good],
+                                  prompt_ids=[r.prompt_id for r in good])
+        samples = {id(r): res for r, res in zip(good, results)}
+        outs = [RequestOutput(None, r.prompt_id, r.prompt_tokens, samples[id(r)]) if r.prompt_tokens is not None
+                else error_output(None, r.prompt_id, None, r.params, r.error) for r in reqs]
+        task.write_unit(unit, reqs, outs, engine.tokenizer)
+    return plan
+
+
+def test_smollm2_chat_and_completions(smollm2, tmp_path):
+    """Chat lines render with SmolLM2's ChatML template and answer as the engine does on the
+    same rendered prompt; the stop token <|im_end|> ends the chat answer (stop_reason its
+    text, kept in the dataset's tokens, not in the content or the logprobs); a completion
+    stops on a string; a bad line is a 400 between them."""
+    from engine.stop_strings import completion_text
+    from jobs.openai_batch import write_responses
+    from jobs.output import OutputDir
+    from jobs.spec import JobSpec
+
+    q = QUESTIONS[1]  # SmolLM2 answers it greedily in 101 tokens, <|im_end|> included
+    lines = [
+        line("chat-1", messages=[{"role": "user", "content": q}], temperature=0, max_completion_tokens=140,
+             logprobs=True),
+        line("bad", temperature="hot"),
+        line("comp-1", url="/v1/completions", prompt="The capital of France is", temperature=0, max_tokens=20,
+             stop=[".", "\n"], logprobs=0, model="my-model"),
+    ]
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    spec = JobSpec.from_dict({"model": {"path": "smollm2", "max_seq_len": 512},
+                              "input": {"path": str(inp), "format": "openai_batch"},
+                              "output": {"path": str(tmp_path / "out")}, "cluster": {"unit_rows": 2}})
+    plan = run_in_process(smollm2, spec)
+    assert len(plan.units) == 2 and OutputDir(spec.output.path).verify() == []
+    n = write_responses(spec.output.path, str(tmp_path / "results.jsonl"))
+    out = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert n == 3 and [o["custom_id"] for o in out] == ["chat-1", "bad", "comp-1"]
+
+    tok = smollm2.tokenizer
+    chat = out[0]["response"]
+    assert chat["status_code"] == 200 and out[0]["error"] is None
+    body = chat["body"]
+    assert body["object"] == "chat.completion" and body["model"] == "smollm2"
+    (choice,) = body["choices"]
+    prompt = tok.render_chat([{"role": "user", "content": q}])
+    s = smollm2.generate([prompt], SamplingParams(temperature=0, max_tokens=140, top_k=0), prompt_ids=["chat-1"])[0][0]
+    assert choice["message"] == {"role": "assistant", "content": completion_text(tok, s.tokens, s.stop_reason)}
+    assert s.finish_reason == "stop" and s.tokens[-1] == 2  # a trained model ends its answer with <|im_end|>
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "<|im_end|>")
+    assert "<|im_end|>" not in choice["message"]["content"] and "bolts" in choice["message"]["content"]
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == [tok.decode([t]) for t in s.tokens[:-1]]
+    assert [c["logprob"] for c in content] == pytest.approx(s.logprobs[:-1], abs=1e-6)
+    assert bytes(b for c in content for b in c["bytes"]).decode() == choice["message"]["content"]
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(s.tokens),
+                             "total_tokens": len(prompt) + len(s.tokens)}
+
+    bad = out[1]
+    assert bad["response"] == {"status_code": 400, "request_id": bad["response"]["request_id"], "body": None}
+    assert "batch.jsonl line 2: body.temperature: must be a finite number" in bad["error"]["message"]
+
+    comp = out[2]["response"]["body"]
+    assert comp["object"] == "text_completion" and comp["model"] == "my-model"
+    (c,) = comp["choices"]
+    assert c["finish_reason"] == "stop" and c["stop_reason"] in (".", "\n") and c["stop_reason"] not in c["text"]
+    assert "Paris" in c["text"]
+    lp = c["logprobs"]
+    assert "".join(lp["tokens"]).startswith(c["text"]) and lp["text_offset"][0] == 0
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == comp["usage"]["completion_tokens"]
+
+
+# ------------------------------------------------------------------ run-batch, 210 lines, kill and rerun
+
+def batch_lines() -> tuple[list[str], dict[int, str]]:
+    """210 request lines from GSM8K questions (chat, some with n > 1, stop strings, logprobs;
+    completions with text and token prompts), a blank line, and malformed lines.
+    Returns (lines, {1-based line number: expected error fragment})."""
+    lines: list[str] = []
+    bad: dict[int, str] = {}
+    for i in range(210):
+        q = QUESTIONS[i % len(QUESTIONS)]
+        body: dict = {"model": "tiny", "max_completion_tokens": 3 + i % 5}
+        if i % 7 == 3:
+            body["n"] = 2 + i % 2
+        if i % 5 == 1:
+            body["stop"] = ["e", "\n"]
+        if i % 4 == 2:
+            body["logprobs"] = True
+        if i % 11 == 5:
+            body.update(temperature=0.0)
+        if i % 13 == 6:
+            body.update(top_k=20, min_p=0.01, seed=i)
+        if i % 9 == 4:
+            comp = {"model": "tiny", "prompt": q if i % 2 else [100, 200, 300 + i], "max_tokens": 4, "logprobs": 0}
+            lines.append(line(f"req-{i}", url="/v1/completions", **comp))
+        else:
+            lines.append(line(f"req-{i}", messages=[{"role": "user", "content": q}], **body))
+    malformed = {
+        17: ("{not json", "not valid JSON"),
+        40: (json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {}}), "custom_id: must be"),
+        77: (line("req-bad-url", url="/v1/embeddings"), "url: '/v1/embeddings' is not supported"),
+        101: (line("req-top", top_logprobs=5, logprobs=True), "body.top_logprobs: 5 is not supported"),
+        150: (line("req-temp", temperature=-2), "body.temperature: must be"),
+        180: (line("req-7"), "custom_id: 'req-7' is also the custom_id of line"),
+        199: (line("req-img", messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "type 'image_url'"),
+    }
+    for at in sorted(malformed):
+        lines.insert(at - 1, malformed[at][0])
+        bad[at] = malformed[at][1]
+    lines.insert(60, "")  # a blank line: skipped, no response
+    bad = {(k if k <= 60 else k + 1): v for k, v in bad.items()}
+    return lines, bad
+
+
+def test_run_batch_210_lines_kill_and_rerun(tmp_path):
+    """The reference is the same job run in-process (a unit at a time, one thread, as the
+    worker's one CPU): the file of the killed-and-rerun command equals it (its `created`
+    aside: each output directory has its own start time)."""
+    import torch
+
+    from engine import load_engine
+    from jobs.cli import batch_spec
+    from jobs.openai_batch import write_responses
+    from jobs.output import OutputDir
+    from test_faults import _descendants
+
+    lines, bad = batch_lines()
+    assert sum(1 for x in lines if x.strip()) >= 210
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    sets = ["cluster.unit_rows=32", "model.max_num_seqs=64", "sampling.top_k=20"]  # top_k: a fast sampler on 100k tokens
+
+    ref = tmp_path / "ref" / "results.jsonl"
+    spec = batch_spec(str(inp), str(ref), model="tiny-random", overrides=sets)
+    threads = torch.get_num_threads()
+    try:
+        run_in_process(load_engine("tiny-random", device="cpu", dtype="float32", num_threads=1), spec)
+    finally:
+        torch.set_num_threads(threads)
+    assert OutputDir(spec.output.path).verify() == []
+    write_responses(spec.output.path, str(ref))
+    out = [json.loads(x) for x in ref.read_text().splitlines()]
+
+    # one response per request line, in input order; 400s exactly for the malformed lines
+    request_lines = [(n, x) for n, x in enumerate(lines, 1) if x.strip()]
+    assert len(out) == len(request_lines)
+    for (n, raw), o in zip(request_lines, out):
+        try:
+            cid = json.loads(raw).get("custom_id")
+        except ValueError:
+            cid = None
+        assert o["custom_id"] == cid
+        if n in bad:
+            assert o["response"]["status_code"] == 400 and o["response"]["body"] is None
+            assert o["error"]["message"].startswith(f"batch.jsonl line {n}: ") and bad[n] in o["error"]["message"]
+            continue
+        assert o["response"]["status_code"] == 200 and o["error"] is None, o
+        req = json.loads(raw)["body"]
+        body = o["response"]["body"]
+        n_choices = req.get("n", 1)
+        assert [c["index"] for c in body["choices"]] == list(range(n_choices))
+        limit = req.get("max_completion_tokens") or req.get("max_tokens")
+        assert body["usage"]["completion_tokens"] <= limit * n_choices
+        for c in body["choices"]:
+            text = c["message"]["content"] if "message" in c else c["text"]
+            if isinstance(c["stop_reason"], str) and c["stop_reason"] in req.get("stop", []):
+                assert c["finish_reason"] == "stop" and c["stop_reason"] not in text
+            assert (c["logprobs"] is not None) == ("logprobs" in req)
+    assert len({o["id"] for o in out}) == len(out)
+    assert sum(len(o["response"]["body"]["choices"]) for o in out if o["response"]["body"]) > len(out) - len(bad)
+    assert any(c["stop_reason"] == "e" for o in out if o["response"]["body"] for c in o["response"]["body"]["choices"])
+
+    # the same command in a subprocess, SIGKILLed once a unit is committed, then run again
+    work = tmp_path / "killed"
+    work.mkdir()
+    cmd = [sys.executable, "-m", "jobs.cli", "run-batch", "-i", str(inp), "-o", str(work / "results.jsonl"),
+           "--model", "tiny-random"] + [a for s in sets for a in ("--set", s)]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(ROOT)
+    dataset = work / "results.parquet"
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    ray_procs: list[int] = []
+    try:
+        deadline = time.time() + 240
+        while not list(dataset.glob("part-*.parquet")):  # bounded poll for the first committed unit
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.time() < deadline, "no unit committed within 240s"
+            time.sleep(0.1)
+        ray_procs = _descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        for p in _descendants(proc.pid) + ray_procs:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    committed = OutputDir(str(dataset)).committed_units()
+    assert 1 <= len(committed) < len(OutputDir(str(dataset)).read_manifest()["units"])
+    assert not (work / "results.jsonl").exists()
+    rerun = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400, start_new_session=True)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
+    st = OutputDir(str(dataset)).status()
+    assert st["success"] and st["summary"]["units_this_run"] == st["units_total"] - len(committed)
+    again = [json.loads(x) for x in (work / "results.jsonl").read_text().splitlines()]
+
+    def without_created(o):
+        if o["response"]["body"]:
+            o["response"]["body"].pop("created")
+        return o
+
+    assert [without_created(o) for o in again] == [without_created(o) for o in out]
