@@ -4,11 +4,15 @@ Workload (issue #2): a GPT-2-small-shaped model (124M parameters, random weights
 transformers' save_pretrained), the first 32 GSM8K test questions as plain-text prompts,
 num_samples=4, max_tokens=128, top_k=50, temperature 1, fp32 on the CPU. The baseline is
 transformers' `generate(num_return_sequences=4)` on the same checkpoint and token ids.
-Both count generated tokens (up to and including <|endoftext|>). The engine runs twice:
-with batch_invariant=True (the default: every sample bit-identical whatever its batch) and
-False (one masked attention call per step); the script prints each rate and its ratio. Machines are noisy: compare the ratio, not the absolute numbers.
+Both count generated tokens (up to and including <|endoftext|>). The engine runs with
+batch_invariant=True (the default: every sample bit-identical whatever its batch) and False
+(the batched attention path GPUs use). The script also measures this machine's fp32 GEMM
+peak (torch.matmul, 2048^3, the same threads) and prints each engine rate as a fraction of
+the compute floor, peak / (2 x parameters) tokens/s: the rate if every parameter's
+multiply-add ran at the GEMM peak and nothing else took time. Machines are noisy: compare
+ratios from one run, not absolute numbers.
 
-    python bench/bench_engine.py [--prompts 32] [--max-tokens 128] [--skip-hf]
+    python bench/bench_engine.py [--prompts 32] [--max-tokens 128] [--skip-hf] [--data ../shared/data]
 """
 from __future__ import annotations
 
@@ -26,6 +30,18 @@ sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared" / "data"
 
 
+def gemm_peak(threads: int, n: int = 2048, reps: int = 5) -> float:
+    """Best fp32 torch.matmul rate over `reps` n x n x n products, in FLOP/s."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.matmul(a, b)
+    best = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=32)
@@ -35,6 +51,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layers", type=int, default=12, help="GPT-2 small has 12")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--data", type=Path, default=SHARED, help="directory with gsm8k/ and tokenizers/")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -43,10 +60,10 @@ def main() -> None:
     from engine import SamplingParams, load_engine
     from engine.tokenizer import Tokenizer
 
-    ranks = SHARED / "tokenizers" / "gpt2.tiktoken"
-    questions = SHARED / "gsm8k" / "test.jsonl"
+    ranks = args.data / "tokenizers" / "gpt2.tiktoken"
+    questions = args.data / "gsm8k" / "test.jsonl"
     if not ranks.exists() or not questions.exists():
-        sys.exit(f"needs ../shared/data beside the checkout ({ranks}, {questions})")
+        sys.exit(f"needs ../shared/data beside the checkout, or --data ({ranks}, {questions})")
     tok = Tokenizer.from_tiktoken_file(ranks)
     prompts = [tok.encode(json.loads(line)["question"]) for line in questions.open()][: args.prompts]
 
@@ -59,6 +76,10 @@ def main() -> None:
           f"{args.threads} threads")
     print(f"workload: {len(prompts)} GSM8K prompts (mean {sum(map(len, prompts)) / len(prompts):.0f} tokens), "
           f"num_samples={args.num_samples}, max_tokens={args.max_tokens}, top_k={args.top_k}")
+    peak = gemm_peak(args.threads)
+    floor = peak / (2 * n_params)
+    print(f"fp32 GEMM peak (torch.matmul 2048^3, {args.threads} threads): {peak / 1e9:.1f} GFLOP/s; "
+          f"compute floor peak / (2 x parameters) = {floor:.1f} tokens/s")
 
     eos = tok.special("<|endoftext|>")
     longest = max(map(len, prompts)) + args.max_tokens
@@ -75,7 +96,8 @@ def main() -> None:
         n = sum(len(s.tokens) for row in res for s in row)
         rates[invariant] = n / dt
         samples[invariant] = [s.tokens for row in res for s in row]
-        print(f"batchgen engine (batch_invariant={invariant}): {n} tokens in {dt:.1f} s = {n / dt:.1f} tokens/s")
+        print(f"batchgen engine (batch_invariant={invariant}): {n} tokens in {dt:.1f} s = {n / dt:.1f} tokens/s "
+              f"= {n / dt / floor:.0%} of the compute floor")
         del eng
     same = sum(a == b for a, b in zip(samples[True], samples[False]))
     print(f"  samples with identical tokens in both modes: {same} of {len(samples[True])}")

@@ -8,7 +8,10 @@ call changes, and what the batch-invariant choice costs. Prints:
 2. pointwise: how many of 256,000 inputs get a different value on the scalar-tail path
    than on the SIMD path, for torch's kernels and the engine's exp/tanh compositions;
 3. attention: the largest change of a row's SDPA output between a call over 1, 2 or 3 rows
-   and one over 4 rows of identical shape.
+   and one over 4 rows of identical shape;
+4. the CPU flash kernel (what the engine's decode attention calls): for which numbers of
+   query rows per (batch, head) item the result depends on the thread running the item;
+5. and which row counts of one call change a row's result (a last block of 1-3 rows).
 
     python bench/bench_invariance.py [--threads 2]
 """
@@ -69,7 +72,7 @@ def pointwise(g: torch.Generator) -> None:
         print(f"   {name:20s} {int((simd != tail).sum()):6d}")
 
 
-def attention(g: torch.Generator) -> None:
+def attention(g: torch.Generator, threads: int) -> None:
     print("3. attention (SDPA, one query per row): max row change, 1/2/3 rows vs 4 of the same shape")
     for h, kv, length, d in ((4, 2, 8, 32), (12, 12, 300, 64)):
         q = torch.randn(4, h, 1, d, generator=g)
@@ -78,6 +81,33 @@ def attention(g: torch.Generator) -> None:
         drift = [(F.scaled_dot_product_attention(q[:n], k[:n], v[:n], enable_gqa=h != kv) - full[:n]).abs().max().item()
                  for n in (1, 2, 3)]
         print(f"   heads {h}/{kv}, {length} keys: " + ", ".join(f"{x:.1e}" for x in drift))
+    # The engine's decode attention (engine/attention.py) relies on the next two measurements.
+    fa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    print(f"4. CPU flash kernel, items (batch x head) with m query rows: does an item's result depend on the "
+          f"thread that runs it ({threads} threads vs 1)?")
+    for d in (8, 64):
+        dependent = []
+        for m in range(1, 13):
+            for length in (33, 100, 600):
+                q = torch.randn(16, 6, m, d, generator=g)
+                k, v = torch.randn(16, 6, length, d, generator=g), torch.randn(16, 6, length, d, generator=g)
+                torch.set_num_threads(1)
+                one = fa(q, k, v, 0.0, False)[0]
+                torch.set_num_threads(threads)
+                if not torch.equal(one, fa(q, k, v, 0.0, False)[0]):
+                    dependent.append(m)
+                    break
+        print(f"   head_dim {d}: thread-dependent for m in {dependent}")
+    print("5. CPU flash kernel, one item with r query rows: rows whose result differs from the same rows "
+          "in a call of 256 rows")
+    for d in (8, 64):
+        for length in (5, 100, 1100):
+            q = torch.randn(1, 3, 256, d, generator=g)
+            k, v = torch.randn(1, 3, length, d, generator=g), torch.randn(1, 3, length, d, generator=g)
+            full = fa(q, k, v, 0.0, False)[0]
+            moved = [r for r in range(1, 70) if not torch.equal(fa(q[:, :, :r], k, v, 0.0, False)[0], full[:, :, :r])]
+            print(f"   head_dim {d}, {length} keys: r in {moved} "
+                  f"({'none a multiple of 4' if all(r % 4 for r in moved) else 'SOME multiple of 4'})")
 
 
 def main() -> None:
@@ -90,7 +120,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     projections(g)
     pointwise(g)
-    attention(g)
+    attention(g, args.threads)
 
 
 if __name__ == "__main__":

@@ -66,11 +66,13 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """"auto" is bfloat16 on a CUDA GPU that supports it, float32 elsewhere (nanochat's rule)."""
+    """"auto" is bfloat16 on a CUDA GPU with native bfloat16 (compute capability 8.0 and up:
+    Ampere, Hopper, ...), float32 elsewhere: on CPUs and older GPUs bfloat16 is emulated
+    (torch.cuda.is_bf16_supported() says True there too) and slower than float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0):
             return torch.bfloat16
         return torch.float32
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

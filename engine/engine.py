@@ -1,11 +1,15 @@
-"""The step loop: admit, prefill once, fan out, decode everyone, finish and free.
+"""The step loop: admit, prefill once, decode everyone, finish and free.
 
 Each `step()`:
-1. the scheduler admits waiting prompts into free slots; they are prefilled together in
-   one right-padded batch, each prompt once, its KV copied to the slots of its other
-   samples (nanochat's "prefill once, sample many"), and every sample draws its first token;
+1. the scheduler admits waiting requests into KV memory and decoding slots (memory by
+   need, engine/scheduler.py); prompts admitted for the first time are prefilled together
+   in one right-padded batch, each prompt once, its KV written once to its own run; every
+   admitted sample draws its first token from its prompt's last logits (samples admitted
+   later draw it from the same stored logits: no second prefill);
 2. every running sample decodes one token in one batch (continuous batching: rows that
-   finish free their slot at once, and the next step admits waiting prompts into it);
+   finish free their memory at once, and the next step admits waiting samples into it).
+   With prefix sharing, a sample attends to its prompt's stored KV, read once per prompt
+   for all its samples, and to its own generated KV (engine/attention.py);
 3. finished requests are returned.
 
 `generate()` runs steps until its prompts are done; workers use the streaming form
@@ -19,12 +23,16 @@ from typing import Sequence as Seq
 
 import torch
 
+from engine.decode_batch import DecodeBatch
 from engine.kv_cache import KVCache, StepBatch
+from engine.kv_layout import KVLayout
 from engine.models.base import CausalLM
 from engine.params import RequestOutput, Sample, SamplingParams, error_output
-from engine.sampling import request_key, sample_with_logprobs, token_logprobs
-from engine.scheduler import PrefillGroup, Scheduler
+from engine.sampling import request_key, row_kinds, sample_with_logprobs, token_logprobs
+from engine.scheduler import Admission, Scheduler
 from engine.sequence import Request, Sequence, ToolTokens
+
+BLOCK_SIZE = 16  # KV positions per allocation unit (engine/block_manager.py)
 
 
 def _default_kv_bytes(device: torch.device) -> int:
@@ -39,50 +47,66 @@ def _default_kv_bytes(device: torch.device) -> int:
 
 
 class Engine:
-    """A model, its tokenizer and a preallocated KV cache, serving requests on token ids.
+    """A model, its tokenizer and a KV cache, serving requests on token ids.
 
     Args:
         model: a CausalLM (engine/models). tokenizer: engine.tokenizer.Tokenizer.
-        max_num_seqs: most samples decoding at once (KV slots), before the budget bound.
+        max_num_seqs: most samples decoding at once (the decode batch), before memory bounds it.
         kv_cache_bytes: KV cache budget in bytes (default: 90% of free GPU memory, or a
             quarter of host RAM on CPU, where pages are only committed when written).
-        max_seq_len: positions per slot, prompt + generated, in tokens (default and maximum:
-            the model's context window). Smaller values fit more slots in the budget.
+            Memory is reserved by need: a prompt's KV once, plus what each sample can
+            generate (min(max_tokens, max_seq_len - prompt length) positions).
+        max_seq_len: the longest sequence, prompt + generated, in tokens (default and
+            maximum: the model's context window).
         max_prefill_tokens: bound on one prefill batch (prompts x longest prompt, tokens).
-        batch_invariant: on CPU (float32), make every sample's logits, and so its tokens and
-            logprobs, bit-identical whatever batch it runs in (attention row by row; the
-            projections are oneDNN's batch-invariant kernels either way). False trades that
-            for 9-10% more throughput (bench/bench_engine.py, GPT-2 small); tokens then match except at rare near-ties
-            (logits move by about 1e-7). GPUs are not batch-invariant in either mode.
-    Raises ValueError if the budget cannot hold a single slot.
+        batch_invariant: on CPU, make every sample's logits, and so its tokens and logprobs,
+            bit-identical whatever batch it runs in (engine/attention.py; the projections are
+            oneDNN's batch-invariant kernels either way). False runs the batched attention
+            path that GPUs use; tokens then match except at rare near-ties (logits move by
+            about 1e-7). GPUs are not batch-invariant in either mode.
+        prefix_sharing: samples of a prompt attend to its stored KV, read once per prompt
+            per step for all of them (cascade attention); False gives each sample its own
+            copy of the prompt's KV (more memory, more reads; the logits differ in the last
+            bits, the tokens only at rare near-ties).
+    Raises ValueError if the budget cannot hold one sequence of max_seq_len tokens.
     Not thread-safe: one thread drives an engine (cluster/worker.py serialises access).
     """
 
     def __init__(self, model: CausalLM, tokenizer, *, max_num_seqs: int = 256, kv_cache_bytes: int | None = None,
-                 max_seq_len: int | None = None, max_prefill_tokens: int = 8192, batch_invariant: bool = True):
+                 max_seq_len: int | None = None, max_prefill_tokens: int = 8192, batch_invariant: bool = True,
+                 prefix_sharing: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         info = model.info
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.max_seq_len = min(max_seq_len or info.context_len, info.context_len)
-        slot_bytes = KVCache.bytes_per_slot(info.n_layer, info.n_kv_head, info.head_dim, self.max_seq_len,
-                                            self.dtype, info.state_dims)
+        self.prefix_sharing = prefix_sharing
+        bs = BLOCK_SIZE
+        pos_bytes = KVCache.bytes_per_position(info.n_layer, info.n_kv_head, info.head_dim, self.dtype)
+        self.block_bytes = bs * pos_bytes
+        need = Scheduler.min_blocks(self.max_seq_len, bs, prefix_sharing)
+        useful = max(need, max_num_seqs * (2 * -(-self.max_seq_len // bs) + 1))
         budget = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_bytes(self.device)
-        num_slots = min(max_num_seqs, budget // slot_bytes)
-        if num_slots < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes cannot hold one slot of {self.max_seq_len} tokens "
-                             f"({slot_bytes} bytes); raise kv_cache_bytes or lower max_seq_len")
-        self.kv = KVCache(info.n_layer, info.n_kv_head, info.head_dim, num_slots, self.max_seq_len,
-                          self.dtype, self.device, info.state_dims, batch_invariant=batch_invariant)
-        self.scheduler = Scheduler(num_slots, max_prefill_tokens)
+        num_blocks = min(useful, budget // self.block_bytes)
+        if num_blocks < need:
+            raise ValueError(f"KV cache budget of {budget} bytes cannot hold one sequence of {self.max_seq_len} "
+                             f"tokens ({need * self.block_bytes} bytes); raise kv_cache_bytes or lower max_seq_len")
+        self.kv = KVCache(info.n_layer, info.n_kv_head, info.head_dim, max_num_seqs, self.max_seq_len,
+                          self.dtype, self.device, info.state_dims, batch_invariant=batch_invariant,
+                          num_positions=num_blocks * bs)
+        self.scheduler = Scheduler(max_num_seqs, num_blocks, bs, self.max_seq_len, max_prefill_tokens,
+                                   prefix_sharing)
         self.running: dict[int, Sequence] = {}
+        self._batch: DecodeBatch | None = None  # the running rows on the device; None: rebuild
         self._ready: list[RequestOutput] = []
         self.tools = self._tool_tokens(tokenizer)
         # the checkpoint's own end tokens (Llama family: eos_token_id) when it names any
         self.default_stop_ids = frozenset(info.stop_token_ids or tokenizer.default_stop_token_ids)
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
+        self.peak_kv_bytes = 0  # most KV memory reserved at once
+        self._kv_row_bytes = [0, 0]  # (sum over decode steps of reserved bytes, of running rows)
 
     @staticmethod
     def _tool_tokens(tokenizer) -> ToolTokens | None:
@@ -92,7 +116,29 @@ class Engine:
 
     @property
     def num_slots(self) -> int:
-        return self.kv.num_slots
+        """Most samples decoding at once (max_num_seqs)."""
+        return self.scheduler.num_slots
+
+    @property
+    def kv_capacity_bytes(self) -> int:
+        return self.scheduler.allocator.num_blocks * self.block_bytes
+
+    @property
+    def kv_used_bytes(self) -> int:
+        """KV memory reserved now (stored prompts and the samples' runs)."""
+        a = self.scheduler.allocator
+        return (a.num_blocks - a.num_free) * self.block_bytes
+
+    def reset_kv_stats(self) -> None:
+        """Start peak_kv_bytes and kv_bytes_per_running_sample afresh (e.g. after a warm-up)."""
+        self.peak_kv_bytes = self.kv_used_bytes
+        self._kv_row_bytes = [0, 0]
+
+    def kv_bytes_per_running_sample(self) -> float:
+        """Reserved KV bytes per running sample over the decode steps so far: the sum over
+        steps of the bytes reserved, over the sum of the samples decoding."""
+        total, rows = self._kv_row_bytes
+        return total / rows if rows else 0.0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_tokens: Seq[int], params: SamplingParams, prompt_id: str | int,
@@ -133,11 +179,18 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit and prefill, decode one token for every running sample; return finished requests."""
         done, self._ready = self._ready, []
-        for chunk in self._by_length(self.scheduler.schedule()):
-            self._prefill(chunk)
-        active = [s for s in self.running.values() if s.finish_reason is None]
-        if active:
-            self._decode(active)
+        admissions = self.scheduler.schedule()
+        if not admissions and not self.running and self.scheduler.waiting:
+            # Nothing runs and nothing fits: stored prompts of waiting requests hold the memory.
+            self.scheduler.evict_prompts()
+            admissions = self.scheduler.schedule()
+            if not admissions:
+                raise RuntimeError("engine: nothing running and no waiting request fits an empty KV cache")
+        if admissions:
+            self._admit(admissions)
+            self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_used_bytes)
+        if any(s.finish_reason is None for s in self.running.values()):
+            self._decode()
         for slot in [s for s, seq in self.running.items() if seq.finish_reason is not None]:
             out = self._finish(self.running.pop(slot))
             if out is not None:
@@ -145,11 +198,11 @@ class Engine:
         return done
 
     @staticmethod
-    def _by_length(groups: list[PrefillGroup], max_padding: float = 0.25) -> list[list[PrefillGroup]]:
-        """Split one step's admissions into prefill batches of similar prompt lengths, so
-        right-padding wastes at most about `max_padding` of the batch's tokens."""
-        chunks: list[list[PrefillGroup]] = []
-        cur: list[PrefillGroup] = []
+    def _by_length(groups: list[Admission], max_padding: float = 0.25) -> list[list[Admission]]:
+        """Split one step's prefills into batches of similar prompt lengths, so right-padding
+        wastes at most about `max_padding` of the batch's tokens."""
+        chunks: list[list[Admission]] = []
+        cur: list[Admission] = []
         real = 0
         for g in sorted(groups, key=lambda g: len(g.request.prompt_tokens)):
             n = len(g.request.prompt_tokens)
@@ -162,111 +215,130 @@ class Engine:
             chunks.append(cur)
         return chunks
 
-    def _prefill(self, groups: list[PrefillGroup]) -> None:
-        lengths = [len(g.request.prompt_tokens) for g in groups]
+    def _prefill(self, group: list[Admission]) -> torch.Tensor:
+        """Prefill the prompts of `group` into their stored runs; (len(group), V) last logits."""
+        lengths = [len(a.request.prompt_tokens) for a in group]
         T = max(lengths)
-        tokens = torch.zeros(len(groups), T, dtype=torch.long)
-        for i, g in enumerate(groups):
-            tokens[i, : lengths[i]] = torch.tensor(g.request.prompt_tokens)
+        tokens = torch.zeros(len(group), T, dtype=torch.long)
+        for i, a in enumerate(group):
+            tokens[i, : lengths[i]] = torch.tensor(a.request.prompt_tokens)
         dev = self.device
-        batch = StepBatch(
-            slots=torch.tensor([g.slots[0] for g in groups], device=dev),
-            positions=torch.arange(T, device=dev).expand(len(groups), T),
-            last_index=torch.tensor(lengths, device=dev) - 1,
-            prefill=True,
-        )
-        self.kv.initialize([s for g in groups for s in g.slots], T)
+        bs = self.scheduler.block_size
+        layout = KVLayout.for_prefill([a.request.kv_block * bs for a in group], lengths, dev)
+        batch = StepBatch(slots=torch.tensor([a.slots[0] for a in group], device=dev),
+                          positions=torch.arange(T, device=dev).expand(len(group), T),
+                          last_index=torch.tensor(lengths, device=dev) - 1, prefill=True, layout=layout)
         logits = self.model.forward_step(tokens.to(dev), batch, self.kv)  # (P, V)
         self.num_prefill_tokens += sum(lengths)
-        src = [g.slots[0] for g in groups for _ in g.slots[1:]]
-        dst = [s for g in groups for s in g.slots[1:]]
-        if dst:
-            self.kv.copy_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev), T)
-        seqs, rows = [], []
-        for i, g in enumerate(groups):
-            for j, slot in enumerate(g.slots):
-                idx = g.first_sample + j
-                seq = Sequence(g.request, idx, slot, request_key(g.request.params.seed, g.request.prompt_id, idx))
+        return logits
+
+    def _admit(self, admissions: list[Admission]) -> None:
+        """Prefill new prompts, start every admitted sample and draw its first token."""
+        first: dict[int, torch.Tensor] = {}
+        for chunk in self._by_length([a for a in admissions if a.prefill]):
+            logits = self._prefill(chunk)
+            for i, a in enumerate(chunk):
+                first[id(a.request)] = logits[i]
+        bs = self.scheduler.block_size
+        dev = self.device
+        seqs: list[Sequence] = []
+        rows: list[torch.Tensor] = []
+        copies: list[tuple[int, int, int]] = []  # (from, to, length): prompt copies without sharing
+        for a in admissions:
+            req = a.request
+            P = len(req.prompt_tokens)
+            lg = first[id(req)] if a.prefill else req.first_logits
+            prompt_start = req.kv_block * bs
+            size = self.scheduler.own_blocks(req)
+            for j, (slot, block) in enumerate(zip(a.slots, a.own_blocks)):
+                idx = a.first_sample + j
+                seq = Sequence(req, idx, slot, request_key(req.params.seed, req.prompt_id, idx), own_block=block,
+                               own_blocks=size, own_start=block * bs, own_pos0=P if self.prefix_sharing else 0,
+                               prefix_start=prompt_start if self.prefix_sharing else -1)
+                if not self.prefix_sharing:
+                    copies.append((prompt_start, block * bs, P))
                 self.running[slot] = seq
                 seqs.append(seq)
-                rows.append(i)
-        self._sample_and_append(seqs, logits[torch.tensor(rows, device=dev)])
+                rows.append(lg)
+            pending = req.next_sample < req.params.num_samples
+            if self.kv.state:
+                slots = torch.tensor(a.slots, device=dev)
+                if a.prefill:  # the prefill left the state in the first sample's slot
+                    self.kv.copy_state(slots[:1].expand(len(a.slots)), slots)
+                    req.prompt_state = self.kv.read_state(a.slots[0]) if pending else None
+                else:
+                    self.kv.write_state(slots, req.prompt_state)
+            if pending and a.prefill:
+                req.first_logits = lg.clone()
+        if copies:
+            src = torch.tensor([s + i for s, _, n in copies for i in range(n)], device=dev)
+            dst = torch.tensor([d + i for _, d, n in copies for i in range(n)], device=dev)
+            self.kv.copy_positions(src, dst)
+        for a in admissions:
+            req = a.request
+            if req.next_sample == req.params.num_samples:  # no sample left to admit
+                if self.prefix_sharing:
+                    req.first_logits = req.prompt_state = None
+                else:  # every sample has its copy: the stored prompt is done
+                    self.scheduler.release_prompt(req)
+        self._batch = None
+        self._sample_first(seqs, torch.stack(rows))
 
-    def _decode(self, seqs: list[Sequence]) -> None:
-        seqs.sort(key=lambda s: s.slot)
-        lo, hi = seqs[0].slot, seqs[-1].slot
-        span = hi - lo + 1
+    def _sample_first(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Each new sample's first token from its prompt's last logits (N, V)."""
+        ps = [s.request.params for s in seqs]
+        temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32)
+        top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long)
+        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
+        min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
+        kinds = row_kinds(temp, top_k, top_p, min_p)  # on the host tensors: no device sync
+        keys = torch.tensor([s.key for s in seqs], dtype=torch.long)
+        pos = torch.tensor([s.position + 1 for s in seqs], dtype=torch.long)
         dev = self.device
-        if span <= 2 * len(seqs):
-            # Decode the whole slot range [lo, hi]: idle slots in it compute a dummy row, and
-            # attention reads the cache as a view instead of gathering it.
-            rows = [s.slot - lo for s in seqs]
-            tokens = torch.zeros(span, dtype=torch.long)
-            positions = torch.zeros(span, dtype=torch.long)
-            slots = torch.arange(lo, hi + 1)
-            slot_start = lo
-        else:
-            rows = list(range(len(seqs)))
-            tokens = torch.zeros(len(seqs), dtype=torch.long)
-            positions = torch.zeros(len(seqs), dtype=torch.long)
-            slots = torch.tensor([s.slot for s in seqs])
-            slot_start = None
-        kv_len = max(s.position for s in seqs) + 1
-        self.kv.initialize(slots.tolist(), kv_len)
-        r = torch.tensor(rows)
-        tokens[r] = torch.tensor([s.last_token for s in seqs])
-        positions[r] = torch.tensor([s.position for s in seqs])
-        live = None
-        if len(rows) != len(tokens):
-            live = [False] * len(tokens)
-            for i in rows:
-                live[i] = True
-        batch = StepBatch(slots=slots.to(dev), positions=positions[:, None].to(dev),
-                          last_index=torch.zeros(len(tokens), dtype=torch.long, device=dev), prefill=False,
-                          kv_len=kv_len, slot_start=slot_start, live=live)
-        logits = self.model.forward_step(tokens[:, None].to(dev), batch, self.kv)
-        if len(rows) != len(tokens):  # drop the idle slots' dummy rows
-            logits = logits[r.to(dev)]
-        self._sample_and_append(seqs, logits)
+        toks, lps = _sample(logits, temp.to(dev), top_k.to(dev), top_p.to(dev), min_p.to(dev), keys.to(dev),
+                            pos.to(dev), kinds, [p.logprobs_mode == "processed" for p in ps])
+        host = torch.stack([toks.double(), lps.double()]).tolist()
+        for seq, t, lp in zip(seqs, host[0], host[1]):
+            seq.append(int(t), lp, self.tools, self.tokenizer, self.max_seq_len)
+        self.num_generated_tokens += len(seqs)
 
-    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Pick each sequence's next token (forced tool output, or sampled from `logits`)."""
-        free_rows = [i for i, s in enumerate(seqs) if not s.next_is_forced()]
-        sampled: dict[int, tuple[int, float]] = {}
-        if free_rows:
-            sub = [seqs[i] for i in free_rows]
-            lg = logits if len(free_rows) == len(seqs) else logits[torch.tensor(free_rows, device=self.device)]
-            ps = [s.request.params for s in sub]
-            dev = self.device
-            temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
-            top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev)
-            top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
-            min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev)
-            keys = torch.tensor([s.key for s in sub], dtype=torch.long, device=dev)
-            pos = torch.tensor([s.position + 1 for s in sub], dtype=torch.long, device=dev)
-            processed = [p.logprobs_mode == "processed" for p in ps]
-            toks, proc = sample_with_logprobs(lg, temp, top_k, top_p, min_p, keys, pos, processed=any(processed))
-            # raw logprobs last: token_logprobs overwrites the logits
-            raw = None if all(processed) else token_logprobs(lg, toks, inplace=True).tolist()
-            proc_l = None if proc is None else proc.tolist()
-            lps = [proc_l[j] if pr else raw[j] for j, pr in enumerate(processed)]  # type: ignore[index]
-            for i, t, lp in zip(free_rows, toks.tolist(), lps):
-                sampled[i] = (t, lp)
-        for i, seq in enumerate(seqs):
-            if i in sampled:
-                tok, lp = sampled[i]
-            else:
+    def _decode(self) -> None:
+        if self._batch is None:
+            active = [s for s in self.running.values() if s.finish_reason is None]
+            active.sort(key=lambda s: s.own_start)
+            self._batch = DecodeBatch(active, self.device)
+        db = self._batch
+        logits = self.model.forward_step(db.tokens[:, None], db.step_batch(), self.kv)
+        toks, lps = _sample(logits, db.temperature, db.top_k, db.top_p, db.min_p, db.keys, db.positions + 1,
+                            db.kinds, db.processed)
+        host = torch.stack([toks.double(), lps.double()]).tolist()  # the step's one device-to-host copy
+        forced: list[tuple[int, int]] = []
+        changed = False
+        for i, seq in enumerate(db.seqs):
+            if seq.next_is_forced():  # its row was sampled too (it costs less than a gather); dropped
                 tok, lp = seq.forced.popleft(), None
+                forced.append((i, tok))
+            else:
+                tok, lp = int(host[0][i]), host[1][i]
             seq.append(tok, lp, self.tools, self.tokenizer, self.max_seq_len)
-            self.num_generated_tokens += 1
+            changed |= seq.finish_reason is not None
+        self.num_generated_tokens += len(db.seqs)
+        self._kv_row_bytes[0] += self.kv_used_bytes
+        self._kv_row_bytes[1] += len(db.seqs)
+        if changed:
+            self._batch = None
+        else:
+            db.advance(toks, forced)
 
     def _finish(self, seq: Sequence) -> RequestOutput | None:
-        self.scheduler.release(seq.slot)
+        self.scheduler.release_sample(seq.slot, seq.own_block, seq.own_blocks)
+        self._batch = None
         req = seq.request
         req.samples[seq.sample_index] = seq.to_sample(self.tokenizer)
         req.num_finished += 1
         if req.num_finished < req.params.num_samples:
             return None
+        self.scheduler.release_prompt(req)
         return RequestOutput(request_id=req.request_id, prompt_id=req.prompt_id, prompt_tokens=req.prompt_tokens,
                              samples=list(req.samples))
 
@@ -304,10 +376,28 @@ class Engine:
         return results  # type: ignore[return-value]
 
 
+def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+            min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, kinds: list[tuple],
+            processed: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ((B,) int64) and each row's logprob ((B,) float32) in its request's
+    logprobs_mode: processed (under the distribution sampled from) where `processed[i]`, raw
+    (log_softmax of the logits) elsewhere. Overwrites `logits`. See engine/sampling.py."""
+    any_p = any(processed)
+    toks, proc = sample_with_logprobs(logits, temperature, top_k, top_p, min_p, keys, positions,
+                                      processed=any_p, kinds=kinds)
+    if any_p and all(processed):
+        return toks, proc
+    raw = token_logprobs(logits, toks, inplace=True)  # last: it overwrites the logits
+    if not any_p:
+        return toks, raw
+    mask = torch.tensor(processed, device=logits.device)
+    return toks, torch.where(mask, proc, raw)
+
+
 def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str = "auto", *, tokenizer=None,
                 step: int | None = None, max_num_seqs: int = 256, kv_cache_bytes: int | None = None,
                 max_seq_len: int | None = None, max_prefill_tokens: int = 8192,
-                num_threads: int | None = None, batch_invariant: bool = True) -> Engine:
+                num_threads: int | None = None, batch_invariant: bool = True, prefix_sharing: bool = True) -> Engine:
     """Load a checkpoint (engine/checkpoint.py: "smollm2", "tiny-random", HF Llama family or GPT-2,
     GGUF, nanochat) into an Engine.
 
@@ -322,4 +412,5 @@ def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str =
         torch.set_num_threads(max(1, int(num_threads)))
     model, tok = load_checkpoint(path, device=device, dtype=dtype, tokenizer=tokenizer, step=step)
     return Engine(model, tok, max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes, max_seq_len=max_seq_len,
-                  max_prefill_tokens=max_prefill_tokens, batch_invariant=batch_invariant)
+                  max_prefill_tokens=max_prefill_tokens, batch_invariant=batch_invariant,
+                  prefix_sharing=prefix_sharing)

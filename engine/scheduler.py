@@ -1,13 +1,23 @@
-"""Which prompts get slots, and when (continuous batching under a fixed KV budget).
+"""Who gets KV memory and decoding slots, and when (continuous batching, memory by need).
 
-The KV cache has a fixed number of slots; a sample holds one slot from its prefill to its
-last token, and gives it back at once when it finishes, so waiting prompts are admitted
-while others are still decoding (continuous batching, as in vLLM / nano-vllm). A prompt's
-samples are admitted together when they fit, so the prompt is prefilled once and its KV
-fanned out; a prompt with more samples than the whole cache has slots is admitted in
-groups (each group prefills the prompt again; sampling is keyed per sample, so the result
-is the same). Free slots are handed out lowest first, which keeps the decode batch a
-compact range of slots that attention can read without copying.
+The KV arena (engine/kv_cache.py) is handed out in contiguous runs of blocks
+(engine/block_manager.py):
+- a prompt's run, written once by its prefill. With prefix sharing (the default) every
+  sample of the prompt reads it; it is freed when the prompt's last sample finishes.
+  Without prefix sharing each sample copies it into its own run, and it is freed as soon
+  as the last sample is admitted;
+- one run per sample, reserved at admission for everything it can generate:
+  min(max_tokens, max_seq_len - prompt length) positions (plus its copy of the prompt
+  without prefix sharing), so a running sample never waits for memory.
+
+Admission follows arrival order. A prompt needs its own run and at least one sample's run to
+be admitted (it is prefilled then); it takes as many of its samples as fit, and the rest
+join later as memory and slots free up, reading the stored prompt without a new prefill.
+A request that does not fit is passed over for this step (later, smaller ones may fit).
+Memory therefore bounds concurrency by what requests need, not by max_seq_len. If nothing
+is running and nothing fits, the stored prompts of waiting requests are dropped (they are
+prefilled again when admitted; sampling is keyed per sample, so the samples are the same):
+with nothing allocated, any request fits, so the engine never deadlocks.
 """
 from __future__ import annotations
 
@@ -15,28 +25,43 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
+from engine.block_manager import BlockAllocator
 from engine.sequence import Request
 
 
 @dataclass(slots=True)
-class PrefillGroup:
-    """Samples [first_sample, first_sample + len(slots)) of `request`, prefilled together."""
+class Admission:
+    """Samples [first_sample, first_sample + len(slots)) of `request`, admitted this step.
+
+    slots: one decoding slot per sample; own_blocks: the first block of each sample's own
+    run (`Scheduler.own_blocks(request)` blocks long); prefill: the prompt has no stored KV
+    yet and is prefilled this step.
+    """
 
     request: Request
     first_sample: int
     slots: list[int]
+    own_blocks: list[int]
+    prefill: bool
 
 
 class Scheduler:
-    """Admission control over `num_slots` KV slots.
+    """Admission control over `num_slots` decoding slots and `num_blocks` KV blocks.
 
-    max_prefill_tokens: bound on one prefill batch's padded size (prompts x longest prompt,
-    in tokens), which bounds prefill activation memory; a single longer prompt still runs alone.
+    block_size: positions per block. max_seq_len: the longest sequence (prompt + generated).
+    max_prefill_tokens: bound on one step's prefill (prompts x longest prompt, in tokens),
+    which bounds prefill activation memory; a single longer prompt still runs alone.
+    prefix_sharing: samples read their prompt's stored run (True) or their own copy (False).
     """
 
-    def __init__(self, num_slots: int, max_prefill_tokens: int):
+    def __init__(self, num_slots: int, num_blocks: int, block_size: int, max_seq_len: int,
+                 max_prefill_tokens: int, prefix_sharing: bool = True):
         self.num_slots = num_slots
+        self.block_size = block_size
+        self.max_seq_len = max_seq_len
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_sharing = prefix_sharing
+        self.allocator = BlockAllocator(num_blocks)
         self.free: list[int] = list(range(num_slots))
         heapq.heapify(self.free)
         self.waiting: deque[Request] = deque()
@@ -44,39 +69,99 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def release(self, slot: int) -> None:
-        heapq.heappush(self.free, slot)
-
     @property
     def num_free(self) -> int:
+        """Free decoding slots."""
         return len(self.free)
 
-    def schedule(self) -> list[PrefillGroup]:
-        """Admit what fits now, in arrival order (a prompt that does not fit is passed over)."""
-        groups: list[PrefillGroup] = []
-        longest = 0
+    def _blocks(self, positions: int) -> int:
+        return max(1, -(-positions // self.block_size))
+
+    def prompt_blocks(self, req: Request) -> int:
+        """Blocks of a request's stored prompt run."""
+        return self._blocks(len(req.prompt_tokens))
+
+    def own_blocks(self, req: Request) -> int:
+        """Blocks reserved for each sample of `req`: what it can generate, and its copy of the
+        prompt without prefix sharing."""
+        n = len(req.prompt_tokens)
+        gen = min(req.params.max_tokens, self.max_seq_len - n)
+        return self._blocks(gen if self.prefix_sharing else n + gen)
+
+    @staticmethod
+    def min_blocks(max_seq_len: int, block_size: int, prefix_sharing: bool) -> int:
+        """The fewest blocks that admit any request with a prompt of up to max_seq_len tokens
+        into an empty cache: a prompt run and one sample's run."""
+        full = -(-max_seq_len // block_size)
+        return full + 1 if prefix_sharing else 2 * full
+
+    def schedule(self) -> list[Admission]:
+        """Admit what fits now, in arrival order (see the module docstring)."""
+        admitted: list[Admission] = []
+        prefills, longest = 0, 0
         kept: deque[Request] = deque()
+        alloc = self.allocator
         while self.waiting:
+            if not self.free or alloc.num_free == 0:  # nothing more can be admitted this step
+                break
             req = self.waiting.popleft()
-            remaining = req.params.num_samples - req.next_sample
-            if remaining <= len(self.free):
-                n = remaining
-            elif remaining > self.num_slots and self.free:
-                n = len(self.free)  # more samples than the cache holds: admit a group now
-            else:
+            pending = req.params.num_samples - req.next_sample
+            needs_prefill = req.kv_block is None
+            prompt_block = None
+            if needs_prefill:
+                new_longest = max(longest, len(req.prompt_tokens))
+                if prefills and (prefills + 1) * new_longest > self.max_prefill_tokens:
+                    self.waiting.appendleft(req)
+                    break
+                # Prompts from the top of the arena, samples from the bottom: the runs of samples
+                # admitted together stay adjacent, and attention reads them as one strided view.
+                prompt_block = alloc.allocate(self.prompt_blocks(req), from_end=True)
+                if prompt_block is None:
+                    kept.append(req)
+                    continue
+            size = self.own_blocks(req)
+            owns: list[int] = []
+            while len(owns) < min(pending, len(self.free)):
+                b = alloc.allocate(size)
+                if b is None:
+                    break
+                owns.append(b)
+            if not owns:
+                if prompt_block is not None:
+                    alloc.free(prompt_block, self.prompt_blocks(req))
                 kept.append(req)
                 continue
-            new_longest = max(longest, len(req.prompt_tokens))
-            if groups and (len(groups) + 1) * new_longest > self.max_prefill_tokens:
-                kept.append(req)
-                kept.extend(self.waiting)
-                self.waiting.clear()
-                break
-            longest = new_longest
-            slots = [heapq.heappop(self.free) for _ in range(n)]
-            groups.append(PrefillGroup(req, req.next_sample, slots))
-            req.next_sample += n
+            if needs_prefill:
+                req.kv_block = prompt_block
+                prefills, longest = prefills + 1, new_longest
+            slots = [heapq.heappop(self.free) for _ in owns]
+            admitted.append(Admission(req, req.next_sample, slots, owns, needs_prefill))
+            req.next_sample += len(owns)
             if req.next_sample < req.params.num_samples:
                 kept.append(req)
+        kept.extend(self.waiting)
         self.waiting = kept
-        return groups
+        return admitted
+
+    def release_sample(self, slot: int, own_block: int, own_blocks: int) -> None:
+        """A sample finished: its slot and own run are free."""
+        heapq.heappush(self.free, slot)
+        self.allocator.free(own_block, own_blocks)
+
+    def release_prompt(self, req: Request) -> None:
+        """Free a request's stored prompt run (and what its later samples would have needed)."""
+        if req.kv_block is not None:
+            self.allocator.free(req.kv_block, self.prompt_blocks(req))
+            req.kv_block = None
+        req.first_logits = None
+        req.prompt_state = None
+
+    def evict_prompts(self) -> int:
+        """Drop the stored prompts of waiting requests with no running sample (the engine's
+        way out when nothing runs and nothing fits); returns how many were dropped."""
+        n = 0
+        for req in self.waiting:
+            if req.kv_block is not None and req.next_sample == req.num_finished:
+                self.release_prompt(req)
+                n += 1
+        return n

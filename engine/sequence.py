@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.params import Sample, SamplingParams, ToolCall
 from engine.stop_strings import StopStringMatcher, token_bytes
@@ -41,7 +42,14 @@ class ToolTokens:
 
 @dataclass(slots=True)
 class Request:
-    """A prompt waiting for, or holding, slots. `next_sample` counts samples already admitted."""
+    """A prompt waiting for, or holding, KV memory and decoding slots.
+
+    next_sample counts samples already admitted, num_finished those done. While some of its
+    samples still wait, a prefilled prompt keeps its KV run (`kv_block`: the first block of
+    the run, None before the prefill), the logits its first tokens are drawn from
+    (`first_logits`, (vocab,) float32) and the model state after it (`prompt_state`, for
+    models with per-sequence state), so that those samples join later without a prefill.
+    """
 
     request_id: object
     prompt_id: str
@@ -51,20 +59,32 @@ class Request:
     samples: list[Sample | None]
     next_sample: int = 0
     num_finished: int = 0
+    kv_block: int | None = None
+    first_logits: Any = None
+    prompt_state: dict | None = None
 
 
 @dataclass(slots=True)
 class Sequence:
-    """One sample decoding in one KV-cache slot.
+    """One sample decoding in one slot, with its own run of the KV arena.
 
     `last_token` is the token to feed at `position` on the next decode step; `key` keys its
-    sampling noise (see engine/sampling.py).
+    sampling noise (see engine/sampling.py). slot: its row of per-sequence model state and
+    its key in Engine.running. KV (engine/kv_layout.py): sequence positions own_pos0, ... live
+    at arena positions own_start, ...; prefix_start is the arena position of its prompt's
+    shared run (-1: it has its own copy of the prompt, own_pos0 = 0). own_block, own_blocks:
+    the run as the scheduler allocated it.
     """
 
     request: Request
     sample_index: int
     slot: int
     key: tuple[int, int]
+    own_block: int = 0
+    own_blocks: int = 0
+    own_start: int = 0
+    own_pos0: int = 0
+    prefix_start: int = -1
     tokens: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)

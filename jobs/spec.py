@@ -1,7 +1,7 @@
 """The job spec: a YAML file validated with pydantic before any work starts.
 
     model:    {path: smollm2, dtype: auto, device: auto, tokenizer: null, max_num_seqs: 256,
-               kv_cache_gb: null, max_seq_len: null, batch_invariant: true}
+               kv_cache_gb: null, max_seq_len: null, batch_invariant: true, prefix_sharing: true}
     input:    {path: prompts.parquet, format: text, column: prompt, id_column: null, passthrough: [],
                sampling_column: null}
     output:   {path: out/demo, lease_timeout_s: 120}
@@ -121,6 +121,7 @@ class ModelSpec(_Section):
     kv_cache_gb: Any = None
     max_seq_len: Any = None
     batch_invariant: bool = True
+    prefix_sharing: bool = True
 
     @field_validator("path", "tokenizer")
     @classmethod
@@ -325,12 +326,13 @@ class JobSpec(_Section):
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.load_engine: path, device and dtype (resolved, see the
         module docstring), tokenizer, max_num_seqs, kv_cache_bytes (kv_cache_gb * 2**30, or
-        None), max_seq_len and batch_invariant."""
+        None), max_seq_len, batch_invariant and prefix_sharing."""
         m = self.model
         return {"path": m.path, "device": self.resolved_device(), "dtype": self.resolved_dtype(), "tokenizer": m.tokenizer,
                 "max_num_seqs": m.max_num_seqs,
                 "kv_cache_bytes": None if m.kv_cache_gb is None else int(m.kv_cache_gb * 2**30),
-                "max_seq_len": m.max_seq_len, "batch_invariant": m.batch_invariant}
+                "max_seq_len": m.max_seq_len, "batch_invariant": m.batch_invariant,
+                "prefix_sharing": m.prefix_sharing}
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a plain dict (YAML/JSON-able), without `source`."""
@@ -346,7 +348,10 @@ class JobSpec(_Section):
         Per-row sampling values live in the input files, which plan_job fingerprints.
         Excluded: output.path, the cluster's address/width/resources, the device index,
         max_num_seqs, kv_cache_gb (sampling is keyed per sample, so batch composition and
-        worker count do not change the rows).
+        worker count do not change the rows), and prefix_sharing: with batch_invariant on CPU
+        it gives bit-identical rows either way (the engine splits every sample's attention at
+        the end of its prompt in both modes, tests/test_kv_memory.py); elsewhere it moves
+        logits in the last bits, as batching does.
         """
         return {
             "model": {**model_identity(self.model.path, self.model.tokenizer), "dtype": self.resolved_dtype(),

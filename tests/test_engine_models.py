@@ -196,3 +196,13 @@ def test_step_projections_use_onednn(engine_parts):
         before = dict(model._packed_weights)
         model(x)
         assert model._packed_weights == before and not model._reference
+
+
+def test_prefix_sharing_off_gives_identical_samples(engine_parts):
+    """Each sample reading its own copy of the prompt (prefix_sharing=False) gives the same
+    tokens and logprobs, bit for bit, as reading the shared one; with max_num_seqs=4 some
+    samples join after their prompt's prefill (stored logits and model state)."""
+    model, tok = engine_parts
+    params = SamplingParams(num_samples=3, max_tokens=10, top_k=20, stop_token_ids=[])
+    off = Engine(model, tok, max_num_seqs=4, prefix_sharing=False).generate(PROMPTS, params, prompt_ids=IDS)
+    assert tokens(off) == tokens(generate(model, tok))

@@ -127,12 +127,63 @@ def test_logprobs_are_raw_log_softmax():
     assert torch.allclose(token_logprobs(lg, toks), expect, atol=1e-6)
 
 
+def test_inplace_logprobs_equal_and_do_not_depend_on_other_rows():
+    """The engine's in-place form gives the same values as the plain one, and a row's logprob
+    is bit-identical computed alone or among 64 rows of a vocabulary-sized batch."""
+    g = torch.Generator().manual_seed(0)
+    lg = torch.randn(64, 50257, generator=g) * 4
+    toks = torch.randint(0, 50257, (64,), generator=g)
+    plain = token_logprobs(lg, toks)
+    together = token_logprobs(lg.clone(), toks, inplace=True)
+    assert torch.equal(plain, together)
+    for i in (0, 5, 63):
+        assert torch.equal(token_logprobs(lg[i:i + 1].clone(), toks[i:i + 1], inplace=True), together[i:i + 1])
+    padded = torch.cat([lg, torch.zeros(64, 47)], dim=1)[:, :50257]  # a cropped padded vocabulary: a view
+    for n in (1, 4, 64):
+        assert torch.equal(token_logprobs(padded[:n].clone()[:, :50257], toks[:n], inplace=True), plain[:n])
+        assert torch.equal(token_logprobs(padded[:n], toks[:n], inplace=True), plain[:n])
+
+
 def test_request_key_is_stable():
     """Keys come from a fixed hash (not Python's per-process hash()), so every process agrees."""
     assert request_key(0, "a", 0) == request_key(0, "a", 0)
     assert request_key(0, "a", 0) != request_key(0, "a", 1)
     assert request_key(0, "a", 0) != request_key(1, "a", 0)
     assert request_key(123, "file.parquet:7", 3) == (779661763, 627667325)  # golden: changing the hash changes every dataset
+
+
+def _race_noise_int64(keys, positions, token_ids):
+    """The noise's definition, as the engine first wrote it: lowbias32 on int64 tensors."""
+    M = 0xFFFFFFFF
+
+    def mix(x):
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & M
+        x = x ^ (x >> 15)
+        x = (x * 0x846CA68B) & M
+        return x ^ (x >> 16)
+
+    h = mix(token_ids ^ 0x9E3779B9)
+    h = mix(h ^ positions[:, None])
+    h = mix(h ^ keys[:, 1:2])
+    h = mix(h ^ keys[:, 0:1])
+    return torch.log(-torch.log((h.double() + 0.5) * (1.0 / 2**32)))
+
+
+def test_race_noise_is_exactly_lowbias32():
+    """The int32, in-place hash (and its whole-vocabulary form) gives exactly the values of the
+    int64 definition, so samples do not change with the implementation."""
+    from engine.sampling import race_noise, race_noise_vocab
+
+    keys = torch.tensor([request_key(s, f"p{s}", s % 5) for s in range(16)] + [(0xFFFFFFFF, 0x80000000)],
+                        dtype=torch.long)
+    pos = torch.tensor([0, 1, 7, 2**20, 8191] * 3 + [5, 2**31 - 1], dtype=torch.long)
+    V = 3000
+    full = torch.arange(V).expand(len(keys), V)
+    want = _race_noise_int64(keys, pos, full)
+    assert torch.equal(race_noise_vocab(keys, pos, V), want)
+    cand = torch.randint(0, V, (len(keys), 50), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(race_noise(keys, pos, cand), want.gather(1, cand))
 
 
 def test_race_noise_is_stable_and_shared_ids_hash_the_same():

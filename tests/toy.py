@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_cache import KVCache, StepBatch
-from engine.models.base import CausalLM, ModelInfo
+from engine.models.base import CausalLM, ModelInfo, reference_numerics
 
 SPECIALS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
             "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
@@ -52,7 +52,11 @@ class ByteTokenizer:
 
 
 class ToyLM(CausalLM):
-    """A 2-layer pre-norm transformer with learned positions and GQA; random weights."""
+    """A 2-layer pre-norm transformer with learned positions and GQA; random weights.
+
+    Its step projections go through `CausalLM.linear`, as the real models' do, so a row's
+    logits do not depend on the other rows of a step (the cache-free forward uses F.linear).
+    """
 
     def __init__(self, vocab_size=265, n_embd=32, n_head=4, n_kv_head=2, n_layer=2, context_len=64, seed=0,
                  window=None):
@@ -72,15 +76,16 @@ class ToyLM(CausalLM):
         B, T, _ = x.shape
         for l in range(len(self.qkv)):
             h = F.rms_norm(x, (x.shape[-1],))
-            q, k, v = F.linear(h, self.qkv[l]).split([self.n_head * self.hd, self.n_kv_head * self.hd,
+            q, k, v = self.linear(h, self.qkv[l]).split([self.n_head * self.hd, self.n_kv_head * self.hd,
                                                       self.n_kv_head * self.hd], dim=-1)
             q = q.view(B, T, self.n_head, self.hd).transpose(1, 2)
             k = k.view(B, T, self.n_kv_head, self.hd).transpose(1, 2)
             v = v.view(B, T, self.n_kv_head, self.hd).transpose(1, 2)
             y = attend(l, q, k, v)
-            x = x + F.linear(y.transpose(1, 2).reshape(B, T, -1), self.proj[l])
+            x = x + self.linear(y.transpose(1, 2).reshape(B, T, -1), self.proj[l])
         return F.rms_norm(x, (x.shape[-1],))
 
+    @reference_numerics
     def forward(self, tokens):
         T = tokens.shape[1]
         pos = torch.arange(T)[None].expand_as(tokens)
@@ -91,12 +96,12 @@ class ToyLM(CausalLM):
             m = d >= 0 if self.window is None else (d >= 0) & (d <= self.window)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
 
-        return F.linear(self._trunk(tokens, pos, attend), self.head).float()
+        return self.linear(self._trunk(tokens, pos, attend), self.head).float()
 
     def forward_step(self, tokens, batch: StepBatch, kv: KVCache):
         x = self._trunk(tokens, batch.positions, lambda l, q, k, v: kv.attend(l, q, k, v, batch, self.window))
         x = x[torch.arange(x.shape[0]), batch.last_index]
-        return F.linear(x, self.head).float()
+        return self.linear(x, self.head).float()
 
 
 class ScriptedLM(CausalLM):
@@ -119,6 +124,7 @@ class ScriptedLM(CausalLM):
             out[i, nxt] = 30.0
         return out
 
+    @reference_numerics
     def forward(self, tokens):
         T = tokens.shape[1]
         return torch.stack([self._logits(list(range(T))) for _ in range(tokens.shape[0])])

@@ -1,0 +1,100 @@
+"""Where a decode step's time goes: GEMMs against everything else.
+
+The bench_engine.py workload (a GPT-2-small-shaped model, random weights, fp32, 32 GSM8K
+prompts x 4 samples, top_k 50) is admitted, decoded for `--warmup` steps so that all 128
+samples run, then `--steps` decode steps are profiled with torch.profiler. Prints the
+step time, its operators grouped as GEMM (oneDNN / BLAS matmuls), attention (the flash
+kernel), sampling and the rest, and the top operators outside GEMMs.
+
+    python bench/profile_step.py [--threads 2] [--steps 10] [--batch-invariant 1] [--prefix-sharing 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHARED = ROOT.parent / "shared" / "data"
+
+GEMM = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu",)
+SAMPLING = ("aten::topk", "aten::sort", "aten::argmax", "aten::log_softmax", "aten::_log_softmax", "aten::logsumexp")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--batch-invariant", type=int, default=1)
+    ap.add_argument("--prefix-sharing", type=int, default=1)
+    ap.add_argument("--rows", type=int, default=20, help="operators to list")
+    ap.add_argument("--data", type=Path, default=SHARED)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from engine import SamplingParams, load_engine
+    from engine.tokenizer import Tokenizer
+
+    ranks = args.data / "tokenizers" / "gpt2.tiktoken"
+    tok = Tokenizer.from_tiktoken_file(ranks)
+    prompts = [tok.encode(json.loads(line)["question"]) for line in (args.data / "gsm8k" / "test.jsonl").open()][:32]
+    torch.manual_seed(0)
+    tmp = tempfile.mkdtemp(prefix="profile-gpt2-")
+    GPT2LMHeadModel(GPT2Config()).save_pretrained(tmp)
+    eng = load_engine(tmp, device="cpu", dtype="float32", tokenizer=ranks, max_seq_len=400,
+                      batch_invariant=bool(args.batch_invariant), prefix_sharing=bool(args.prefix_sharing))
+    params = SamplingParams(num_samples=4, max_tokens=args.warmup + 2 * args.steps + 10, temperature=1.0, top_k=50,
+                            stop_token_ids=[])
+    for i, p in enumerate(prompts):
+        eng.add_request(p, params, str(i))
+    for _ in range(args.warmup):
+        eng.step()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        eng.step()
+    step_ms = (time.perf_counter() - t0) / args.steps * 1e3
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            eng.step()
+    groups: dict[str, float] = defaultdict(float)
+    others = []
+    total = 0.0
+    for ev in prof.key_averages():
+        us = ev.self_cpu_time_total
+        total += us
+        if ev.key in GEMM:
+            groups["GEMM"] += us
+        elif ev.key in ATTENTION:
+            groups["attention (flash kernel)"] += us
+        elif ev.key in SAMPLING:
+            groups["sampling (top-k, softmax)"] += us
+        else:
+            groups["other"] += us
+            others.append((us, ev.key, ev.count))
+    n = args.steps
+    print(f"decode step, {len(eng.running)} rows, {args.threads} threads, batch_invariant={bool(args.batch_invariant)}, "
+          f"prefix_sharing={bool(args.prefix_sharing)}: {step_ms:.1f} ms per step unprofiled")
+    for name, us in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:28s} {us / n / 1e3:8.1f} ms per step  {us / total:6.1%}")
+    print(f"  {'outside GEMMs':28s} {(total - groups['GEMM']) / n / 1e3:8.1f} ms per step  "
+          f"{(total - groups['GEMM']) / total:6.1%}")
+    print("top operators in 'other':")
+    for us, key, count in sorted(others, reverse=True)[:args.rows]:
+        print(f"  {key:45s} {us / n / 1e3:7.2f} ms per step  {count / n:6.0f} calls per step")
+
+
+if __name__ == "__main__":
+    main()

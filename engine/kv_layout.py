@@ -1,0 +1,332 @@
+"""Where each row of a step keeps its keys and values, and how its attention is grouped.
+
+The KV cache is one arena of positions per layer (engine/kv_cache.py). A decoding row's
+sequence lives in at most two runs of it:
+- a shared prefix: its prompt's run, positions [0, P), written once by the prompt's
+  prefill and read by all of the prompt's samples (prefix sharing on);
+- its own run: positions own_pos0, own_pos0 + 1, ... at arena positions own_start, own_start
+  + 1, ... (own_pos0 = P with prefix sharing, 0 without: then the run holds the sample's own
+  copy of the prompt too).
+
+`KVLayout` holds those numbers for every row (host ints, built by the engine when the set of
+running rows changes, advanced by one position per decode step) and derives what attention
+needs. Attention is split at the end of the prompt (`prompt_len`, a property of the row):
+- generated groups: consecutive rows with as many generated positions so far whose generated
+  keys sit at a regular stride, so one attention call reads them all as one strided view;
+- prompt calls: the rows of one stored prompt put their queries into one attention call
+  against one read of the prompt's keys (cascade attention: Hydragen, arXiv 2402.05099;
+  FlashInfer's cascade kernels); rows holding their own copy of the prompt are grouped like
+  the generated part, over their copies;
+- for the batched path (any device): gather indices and masks as device tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class StridedGroup:
+    """Rows [row_begin, row_end) of the step whose keys of one part (generated, or a copy of
+    the prompt) start at arena positions start + i * stride (i = row - row_begin) and cover
+    the same positions relative to that start: [0, length0 + t) for a generated part
+    (length0 when the layout was built, one more per step since), [0, length0) for a prompt
+    copy; position0 is the rows' common position when the layout was built (prompt copies)."""
+
+    row_begin: int
+    row_end: int
+    start: int
+    stride: int
+    length0: int
+    position0: int
+
+
+@dataclass(slots=True)
+class PrefixCalls:
+    """One layer window's prefix attention, as calls over a gathered query block.
+
+    calls: (start, lo, hi, offset, rows) per call: the rows attend to arena positions
+        [start + lo, start + hi) (prompt positions [lo, hi)); their queries are slots
+        [offset, offset + rows) of the gathered block (rows a multiple of 4, see
+        engine/attention.py).
+    gather: (sum of rows,) int64, per slot of the block the flattened query row it takes,
+        row * g + j (query head j of the group), or B * g for a zero dummy.
+    scatter: (B * g,) int64, per flattened query row its slot in the block, or the sum of
+        rows for "no prefix" (a sentinel slot with output 0 and log-sum-exp -inf).
+    """
+
+    calls: list[tuple[int, int, int, int, int]]
+    gather: torch.Tensor
+    scatter: torch.Tensor
+
+
+@dataclass
+class KVLayout:
+    """Per-row KV placement for one prefill or a run of decode steps (see the module docstring).
+
+    Decode (`for_decode`): own_start, own_pos0, prefix_start (-1: none), position0 (each row's
+    position at the first step) and prompt_len (where attention is split: the prompt's
+    length; 0 for no split) are lists of host ints, one per row. `advance()` moves every
+    row one position on (the next decode step) and drops per-step caches.
+    Prefill (`for_prefill`): own_start is where each row's prompt goes (position 0), lengths
+    its real tokens; rows are right-padded to T.
+    """
+
+    own_start: list[int]
+    own_pos0: list[int]
+    prefix_start: list[int]
+    position0: list[int]
+    prompt_len: list[int]
+    device: torch.device
+    prefill: bool = False
+    lengths: list[int] = field(default_factory=list)
+    t: int = 0
+    _step: dict = field(default_factory=dict)  # per-step caches (cleared by advance)
+    _static: dict = field(default_factory=dict)  # caches valid for the layout's lifetime
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def for_decode(cls, own_start: list[int], own_pos0: list[int], prefix_start: list[int], position0: list[int],
+                   device: torch.device | str, prompt_len: list[int] | None = None) -> KVLayout:
+        n = len(own_start)
+        prompt_len = list(own_pos0) if prompt_len is None else list(prompt_len)
+        if not (len(own_pos0) == len(prefix_start) == len(position0) == len(prompt_len) == n):
+            raise ValueError("KVLayout.for_decode: per-row lists of different lengths")
+        for s, p0, ps, pos, P in zip(own_start, own_pos0, prefix_start, position0, prompt_len):
+            if not (p0 <= P <= pos and (ps < 0 or p0 == P)):
+                raise ValueError(f"KVLayout.for_decode: inconsistent row (own_pos0 {p0}, prompt_len {P}, "
+                                 f"position {pos}, prefix_start {ps})")
+        return cls(list(own_start), list(own_pos0), list(prefix_start), list(position0), prompt_len,
+                   torch.device(device))
+
+    @classmethod
+    def for_prefill(cls, own_start: list[int], lengths: list[int], device: torch.device | str) -> KVLayout:
+        n = len(own_start)
+        return cls(list(own_start), [0] * n, [-1] * n, [0] * n, [0] * n, torch.device(device), prefill=True,
+                   lengths=list(lengths))
+
+    @classmethod
+    def static_slots(cls, slots: list[int], positions: list[int], slot_len: int, device: torch.device | str,
+                     prefill: bool = False, lengths: list[int] | None = None) -> KVLayout:
+        """The static-slot layout: row r's sequence at arena positions slots[r] * slot_len + p,
+        attended as one part."""
+        starts = [s * slot_len for s in slots]
+        if prefill:
+            return cls.for_prefill(starts, lengths or [], device)
+        n = len(slots)
+        return cls.for_decode(starts, [0] * n, [-1] * n, positions, device, prompt_len=[0] * n)
+
+    def advance(self) -> None:
+        """Every row moves one position on (one more decode step)."""
+        self.t += 1
+        self._step.clear()
+
+    # ------------------------------------------------------------------ host views
+    @property
+    def num_rows(self) -> int:
+        return len(self.own_start)
+
+    def positions(self) -> list[int]:
+        return [p + self.t for p in self.position0]
+
+    def has_prefix(self) -> bool:
+        return any(s >= 0 for s in self.prefix_start)
+
+    @staticmethod
+    def _strided(rows: list[int], starts: list[int], keys: list[tuple], make) -> list[StridedGroup]:
+        """Maximal runs of consecutive rows (of `rows`, in order) with equal keys whose starts
+        are at a regular stride."""
+        groups: list[StridedGroup] = []
+        prev_key = None
+        for r in rows:
+            g = groups[-1] if groups else None
+            if g is not None and keys[r] == prev_key and r == g.row_end:
+                n = r - g.row_begin
+                gap = starts[r] - g.start
+                if n == 1 and gap > 0:
+                    g.stride = gap
+                if gap > 0 and gap == n * g.stride:
+                    g.row_end = r + 1
+                    continue
+            groups.append(make(r))
+            prev_key = keys[r]
+        return groups
+
+    def generated_groups(self) -> list[StridedGroup]:
+        """The generated part (positions prompt_len .. position) of every row, in strided groups
+        that cover all rows in order."""
+        if "generated" not in self._static:
+            start = [s + P - p0 for s, P, p0 in zip(self.own_start, self.prompt_len, self.own_pos0)]
+            length = [pos - P for pos, P in zip(self.position0, self.prompt_len)]
+            self._static["generated"] = self._strided(
+                list(range(self.num_rows)), start, [(n,) for n in length],
+                lambda r: StridedGroup(r, r + 1, start[r], 1, length[r], self.position0[r]))
+        return self._static["generated"]
+
+    def copy_groups(self) -> list[StridedGroup]:
+        """The prompt part of rows that hold their own copy of it (positions 0 .. prompt_len - 1
+        at the start of their own run), in strided groups of rows with the same prompt length
+        and position."""
+        if "copies" not in self._static:
+            rows = [r for r in range(self.num_rows) if self.prefix_start[r] < 0 and self.prompt_len[r] > 0]
+            keys = [(P, pos) for P, pos in zip(self.prompt_len, self.position0)]
+            self._static["copies"] = self._strided(
+                rows, self.own_start, keys,
+                lambda r: StridedGroup(r, r + 1, self.own_start[r], 1, self.prompt_len[r], self.position0[r]))
+        return self._static["copies"]
+
+    @staticmethod
+    def key_range(position: int, first: int, end: int, window: int | None) -> tuple[int, int]:
+        """Positions [lo, hi) of [first, end) that a query at `position` sees with a left
+        `window` (keys position - window .. position; None: all)."""
+        lo = first if window is None else max(first, position - window)
+        return lo, min(end, position + 1)
+
+    # ------------------------------------------------------------------ prefix groups
+    def prefix_calls(self, window: int | None, g: int, multiple: int = 4) -> PrefixCalls | None:
+        """The prefix attention of a decode step for layers with this window, with `g` query
+        heads per KV head and each call's query rows padded to a multiple of `multiple`; None
+        when no row sees any shared prefix keys."""
+        key = (window, g, multiple)
+        cache = self._static if window is None else self._step  # windowed ranges move each step
+        if key in cache:
+            return cache[key]
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        t = self.t
+        for r, ps in enumerate(self.prefix_start):
+            if ps < 0:
+                continue
+            lo, hi = self.key_range(self.position0[r] + t, 0, self.own_pos0[r], window)
+            if lo < hi:
+                groups.setdefault((ps, lo, hi), []).append(r)
+        if not groups:
+            cache[key] = None
+            return None
+        B = self.num_rows
+        sentinel_in = B * g
+        gather: list[int] = []
+        scatter = [-1] * (B * g)
+        calls = []
+        for (ps, lo, hi), rows in groups.items():
+            offset = len(gather)
+            for r in rows:
+                for j in range(g):
+                    scatter[r * g + j] = len(gather)
+                    gather.append(r * g + j)
+            n = -(-len(rows) * g // multiple) * multiple
+            gather.extend([sentinel_in] * (n - len(rows) * g))
+            calls.append((ps, lo, hi, offset, n))
+        total = len(gather)
+        scatter = [total if s < 0 else s for s in scatter]
+        dev = self.device
+        pc = PrefixCalls(calls, torch.tensor(gather, dtype=torch.long, device=dev),
+                         torch.tensor(scatter, dtype=torch.long, device=dev))
+        cache[key] = pc
+        return pc
+
+    # ------------------------------------------------------------------ device tensors
+    def _tensor(self, name: str, values: list[int]) -> torch.Tensor:
+        t = self._static.get(name)
+        if t is None:
+            t = self._static[name] = torch.tensor(values, dtype=torch.long, device=self.device)
+        return t
+
+    def write_index(self) -> torch.Tensor:
+        """Decode: (B,) arena position where each row's token of this step goes."""
+        if "write" not in self._step:
+            base = self._tensor("write0", [s - p0 + p for s, p0, p in zip(self.own_start, self.own_pos0,
+                                                                            self.position0)])
+            self._step["write"] = base + self.t if self.t else base
+        return self._step["write"]
+
+    def prefill_write(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill: (arena positions, flat row * T + t indices) of every real prompt token."""
+        key = ("prefill_write", T)
+        if key not in self._static:
+            dst, src = [], []
+            for r, (s, n) in enumerate(zip(self.own_start, self.lengths)):
+                dst.extend(range(s, s + n))
+                src.extend(range(r * T, r * T + n))
+            dev = self.device
+            self._static[key] = (torch.tensor(dst, dtype=torch.long, device=dev),
+                                 torch.tensor(src, dtype=torch.long, device=dev))
+        return self._static[key]
+
+    def own_gather(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Batched path: (index (B, L), valid (B, L), key positions (B, L)) of each row's own keys.
+
+        index holds arena positions (padding points at a written position of the row, so
+        every gathered value is finite); valid is False for padding and keys outside the window.
+        """
+        key = ("own", window)
+        if key not in self._step:
+            dev = self.device
+            pos = self._tensor("pos0", self.position0) + self.t
+            pos0 = self._tensor("own_pos0", self.own_pos0)
+            start = self._tensor("own_start", self.own_start)
+            L = max(p + self.t - p0 + 1 for p, p0 in zip(self.position0, self.own_pos0))
+            j = torch.arange(L, device=dev)[None, :]
+            kpos = pos0[:, None] + j
+            valid = kpos <= pos[:, None]
+            if window is not None:
+                valid &= pos[:, None] - kpos <= window
+            index = torch.where(valid, start[:, None] + j, start[:, None] + (pos - pos0)[:, None])
+            self._step[key] = (index, valid, kpos)
+        return self._step[key]
+
+    def prefix_gather(self, window: int | None) -> tuple | None:
+        """Batched path: the shared prompts as one padded block, or None without any.
+
+        Returns (index (R, P), valid (R, Nq, P), rows (n,), slots (n,), num_slots): R distinct
+        prompts, P the longest, Nq the most rows of one prompt; `rows` are the rows with a
+        prefix and `slots` their query slot prompt * Nq + i (i: the row's place among its
+        prompt's rows), num_slots = R * Nq. index holds arena positions (padding points at the
+        prompt's first position, so every gathered value is finite); valid[r, i, p]: query slot
+        i of prompt r sees prompt position p (prompt length and window).
+        """
+        key = ("prefix", window)
+        if key in self._step:
+            return self._step[key]
+        if not self.has_prefix():
+            self._step[key] = None
+            return None
+        stat = self._static.get("prefix_struct")
+        if stat is None:
+            prompts: dict[int, int] = {}
+            counts: list[int] = []
+            lens: list[int] = []
+            rows, slots = [], []
+            for r, (ps, p0) in enumerate(zip(self.prefix_start, self.own_pos0)):
+                if ps < 0:
+                    continue
+                if ps not in prompts:
+                    prompts[ps] = len(prompts)
+                    counts.append(0)
+                    lens.append(p0)
+                i = prompts[ps]
+                rows.append(r)
+                slots.append((i, counts[i]))
+                counts[i] += 1
+            nq = max(counts)
+            stat = self._static["prefix_struct"] = (list(prompts), lens, nq, rows, [i * nq + c for i, c in slots])
+        starts, lens, nq, rows, slots = stat
+        dev = self.device
+        P = max(lens)
+        R = len(starts)
+        j = torch.arange(P, device=dev)
+        st = self._tensor("prefix_starts", starts)
+        ln = self._tensor("prefix_lens", lens)
+        in_prompt = j[None, :] < ln[:, None]  # (R, P)
+        index = torch.where(in_prompt, st[:, None] + j[None, :], st[:, None])
+        rows_t = self._tensor("prefix_rows", rows)
+        slots_t = self._tensor("prefix_slots", slots)
+        valid = in_prompt[:, None, :].expand(R, nq, P)
+        if window is not None:
+            # each query slot's position (dummy slots: 0; their outputs are never read)
+            pos = torch.zeros(R * nq, dtype=torch.long, device=dev)
+            pos.index_copy_(0, slots_t, (self._tensor("pos0", self.position0) + self.t).index_select(0, rows_t))
+            valid = valid & (pos.view(R, nq, 1) - j[None, None, :] <= window)
+        out = (index, valid, rows_t, slots_t, R * nq)
+        self._step[key] = out
+        return out

@@ -1,0 +1,157 @@
+"""engine.attention: cascade (shared-prefix) decode attention over the KV arena.
+
+Both implementations (the batch-invariant CPU one and the batched one GPUs use) must equal
+plain attention over each row's whole history (prompt + own tokens) computed in float64, for
+grouped-query and plain multi-head shapes, with and without a sliding window. The invariant
+one must also give every row bit-identical output whatever other rows share the step, in
+whatever order: that is what makes the engine's samples batch-invariant.
+"""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import decode_batched, decode_grouped, merge_attention
+from engine.kv_layout import KVLayout
+
+
+def _scenario(seed: int, Hkv: int, D: int, sharing: bool):
+    """A random arena and rows: 4 prompts; samples in lockstep cohorts at a regular stride
+    (as the scheduler allocates them) and late joiners at other positions.
+
+    Returns (kc, vc, rows) with rows as dicts of own_start, own_pos0, prefix_start, position
+    and the list of arena positions holding the row's history in order.
+    """
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    N = 4000
+    kc, vc = torch.randn(N, Hkv, D, generator=g), torch.randn(N, Hkv, D, generator=g)
+    rows = []
+    top = N
+    free = 0
+    for _ in range(4):
+        P = rng.randint(1, 60)
+        top -= P
+        prompt = top
+        for cohort in range(2):
+            n, G, gen = rng.randint(1, 5), 48, rng.randint(0, 30)
+            for i in range(n):
+                start = free + i * (G + (P if not sharing else 0))
+                pos = P + gen
+                if sharing:
+                    hist = list(range(prompt, prompt + P)) + list(range(start, start + gen + 1))
+                    rows.append(dict(own_start=start, own_pos0=P, prefix_start=prompt, position=pos, hist=hist,
+                                     prompt_len=P))
+                else:
+                    kc[start:start + P], vc[start:start + P] = kc[prompt:prompt + P], vc[prompt:prompt + P]
+                    hist = list(range(start, start + pos + 1))
+                    rows.append(dict(own_start=start, own_pos0=0, prefix_start=-1, position=pos, hist=hist,
+                                     prompt_len=P))
+            free += n * (G + (P if not sharing else 0))
+    return kc, vc, rows
+
+
+def _layout(rows, split=True):
+    return KVLayout.for_decode([r["own_start"] for r in rows], [r["own_pos0"] for r in rows],
+                               [r["prefix_start"] for r in rows], [r["position"] for r in rows], "cpu",
+                               prompt_len=[r["prompt_len"] if split else r["own_pos0"] for r in rows])
+
+
+def _reference(kc, vc, q, rows, window):
+    out = []
+    for i, r in enumerate(rows):
+        hist = torch.tensor(r["hist"])
+        kpos = torch.arange(len(hist))
+        keep = (r["position"] - kpos <= window) if window is not None else torch.ones(len(hist), dtype=torch.bool)
+        k = kc[hist[keep]].permute(1, 0, 2)[None].double()
+        v = vc[hist[keep]].permute(1, 0, 2)[None].double()
+        out.append(F.scaled_dot_product_attention(q[i:i + 1].double(), k, v, enable_gqa=True))
+    return torch.cat(out).float()
+
+
+SHAPES = [(9, 3, 64), (4, 4, 8), (8, 2, 32)]  # (n_head, n_kv_head, head_dim): SmolLM2's, GPT-2-like, toy
+
+
+@pytest.mark.parametrize("sharing", [True, False], ids=["shared", "own-copy"])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
+def test_decode_equals_attention_over_the_whole_history(shape, window, sharing):
+    Hq, Hkv, D = shape
+    kc, vc, rows = _scenario(1, Hkv, D, sharing)
+    q = torch.randn(len(rows), Hq, 1, D, generator=torch.Generator().manual_seed(2))
+    want = _reference(kc, vc, q, rows, window)
+    layout = _layout(rows)
+    assert len(layout.generated_groups()) < len(rows)  # cohorts really share calls
+    for fn in (decode_grouped, decode_batched):
+        for split in (True, False):  # own copies attended in two parts (split) or one
+            got = fn(kc, vc, q, layout if split else _layout(rows, split=False), window)
+            assert got.shape == q.shape
+            assert (got - want).abs().max().item() < 1e-5, fn.__name__
+
+
+@pytest.mark.parametrize("sharing", [True, False], ids=["shared", "own-copy"])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
+def test_invariant_decode_rows_do_not_depend_on_the_step(shape, window, sharing):
+    """Each row alone, in random subsets, in reverse order (no stride groups), and next to
+    other rows of its prompt or not: always the same bits as in the full step."""
+    Hq, Hkv, D = shape
+    kc, vc, rows = _scenario(3, Hkv, D, sharing)
+    q = torch.randn(len(rows), Hq, 1, D, generator=torch.Generator().manual_seed(4))
+    full = decode_grouped(kc, vc, q, _layout(rows), window)
+    rng = random.Random(5)
+    subsets = [[i] for i in range(len(rows))] + [list(range(len(rows)))[::-1]]
+    subsets += [sorted(rng.sample(range(len(rows)), rng.randint(2, len(rows) - 1))) for _ in range(6)]
+    for sub in subsets:
+        got = decode_grouped(kc, vc, q[sub], _layout([rows[i] for i in sub]), window)
+        for j, i in enumerate(sub):
+            assert torch.equal(got[j], full[i]), f"row {i} in subset {sub}"
+
+
+def test_layout_advance_moves_every_row_one_position():
+    """A layout advanced by a step reads one more own key per row, as a fresh layout would."""
+    Hq, Hkv, D = 9, 3, 64
+    kc, vc, rows = _scenario(6, Hkv, D, True)
+    q = torch.randn(len(rows), Hq, 1, D, generator=torch.Generator().manual_seed(7))
+    layout = _layout(rows)
+    decode_grouped(kc, vc, q, layout, None)
+    layout.advance()
+    moved = [dict(r, position=r["position"] + 1) for r in rows]
+    for fn in (decode_grouped, decode_batched):
+        assert torch.equal(fn(kc, vc, q, layout, 7), fn(kc, vc, q, _layout(moved), 7))
+
+
+def test_merge_is_exact_and_handles_an_empty_part():
+    """Merging attention over two halves of the keys equals attention over all of them; an
+    empty part (log-sum-exp -inf, output 0) leaves the other unchanged, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 3, 4, 16, generator=g), torch.randn(2, 3, 30, 16, generator=g), torch.randn(2, 3, 30, 16, generator=g)
+    fa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o1, l1 = fa(q, k[:, :, :11], v[:, :, :11], 0.0, False)
+    o2, l2 = fa(q, k[:, :, 11:], v[:, :, 11:], 0.0, False)
+    whole = F.scaled_dot_product_attention(q.double(), k.double(), v.double()).float()
+    assert (merge_attention(o1, l1, o2, l2) - whole).abs().max() < 1e-6
+    empty = merge_attention(o1, l1, torch.zeros_like(o1), torch.full_like(l1, float("-inf")))
+    assert torch.equal(empty, o1)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
+def test_shared_and_copied_prompts_give_identical_bits(shape, window):
+    """A row that reads its prompt from the shared run and one that reads its own copy of it
+    (prefix_sharing off) get bit-identical invariant attention: both split at the prompt's end."""
+    Hq, Hkv, D = shape
+    kc, vc, rows = _scenario(8, Hkv, D, True)
+    q = torch.randn(len(rows), Hq, 1, D, generator=torch.Generator().manual_seed(9))
+    copies = []
+    free = max(r["own_start"] for r in rows) + 200
+    for r in rows:  # copy = the prompt followed by the row's generated keys, elsewhere in the arena
+        hist = torch.tensor(r["hist"])
+        kc[free:free + len(hist)], vc[free:free + len(hist)] = kc[hist], vc[hist]
+        copies.append(dict(own_start=free, own_pos0=0, prefix_start=-1, position=r["position"],
+                           prompt_len=r["prompt_len"]))
+        free += 64 + r["prompt_len"]  # a regular stride within cohorts, as the scheduler gives
+    shared = decode_grouped(kc, vc, q, _layout(rows), window)
+    copied = decode_grouped(kc, vc, q, _layout(copies), window)
+    assert torch.equal(shared, copied)
