@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -66,8 +67,8 @@ def submit_job(config_path: str, address: str, overrides: Sequence[str] = (), ov
             from ray.job_submission import JobSubmissionClient
 
             client = JobSubmissionClient(address)
-        job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
-                                   metadata={"batchgen_config": config_rel, "output": str(out)})
+        job_id = _submit_when_an_agent_is_up(client, entrypoint=entrypoint, runtime_env=runtime_env,
+                                             metadata={"batchgen_config": config_rel, "output": str(out)})
     except Exception as e:  # noqa: BLE001 - the client's errors have no common base; name the cause
         raise JobError(_explain_client_error(e, address)) from None
     print(f"submitted job {job_id} to {address}")
@@ -76,6 +77,26 @@ def submit_job(config_path: str, address: str, overrides: Sequence[str] = (), ov
     print(f"  status:     ray job status {job_id} --address {address}")
     print(f"  stop:       ray job stop {job_id} --address {address}")
     return 0
+
+
+AGENT_WAIT_S = 60.0  # how long a freshly started head may take to bring up its job agent
+
+
+def _submit_when_an_agent_is_up(client: Any, **kwargs: Any) -> str:
+    """client.submit_job(**kwargs), retried while the job server answers that no job agent is
+    available yet: a head started moments ago (`ray start --head`) says so until its dashboard
+    agent registers (seconds, more on a busy machine). Retries with growing pauses for up to
+    AGENT_WAIT_S seconds; any other error, or the same one after that, is raised."""
+    deadline = time.monotonic() + AGENT_WAIT_S
+    pause = 0.5
+    while True:
+        try:
+            return client.submit_job(**kwargs)
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)  # waiting on another process's start-up: nothing to be notified by
+        pause = min(pause * 2, 5.0)
 
 
 def _explain_client_error(e: Exception, address: str) -> str:

@@ -6,7 +6,6 @@ runs once on a local Ray instance; the other calls resume it (nothing runs again
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,7 +21,7 @@ COLUMNS = ["prompt_id", "sample_index", "tokens", "mask", "logprobs", "text", "f
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(tmp_path_factory, ray_local):
     from jobs import run_job
 
     d = tmp_path_factory.mktemp("api")
@@ -33,13 +32,7 @@ def job(tmp_path_factory):
               "output": {"path": str(d / "out")},
               "sampling": {"num_samples": 3, "max_tokens": 8, "top_k": 20, "seed": 1},
               "cluster": {"unit_rows": 4}}
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    try:
-        result = run_job(config, {"sampling.stop": ["e", "o"], "sampling.logprobs_mode": "processed"})
-        yield d, config, result
-    finally:
-        ray.shutdown()
+    yield d, config, run_job(config, {"sampling.stop": ["e", "o"], "sampling.logprobs_mode": "processed"})
 
 
 def test_run_job_from_a_dict_returns_the_dataset(job):

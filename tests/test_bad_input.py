@@ -14,7 +14,6 @@ test_nanochat.py.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pyarrow as pa

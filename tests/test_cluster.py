@@ -71,14 +71,6 @@ def assert_same_dataset(a: list[dict], b: list[dict]) -> None:
                 assert x[k] == y[k], (x["prompt_id"], x["sample_index"], k)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}})
-    yield
-    ray.shutdown()
-
-
 # ------------------------------------------------------------------ fakes (no torch in the worker)
 # Pickled by value so that a worker unpickling them imports neither this module nor torch.
 
@@ -476,3 +468,18 @@ def test_submit_job_with_a_mocked_client(tmp_path, monkeypatch, capsys):
                                        r"ConnectionError: Failed to connect.*dashboard port") as e:
         submit_job(str(ROOT / "configs/demo.yaml"), "http://head:8265", [], client=Unreachable())
     assert e.value.exit_code == 1
+
+    # a head whose job agent is not up yet (just started): the submission is retried
+    class AgentStarting:
+        tries = 0
+
+        def submit_job(self, **kw):
+            AgentStarting.tries += 1
+            if AgentStarting.tries < 3:
+                raise RuntimeError("Request failed with status code 500: No available agent to submit job, "
+                                   "please try again later..")
+            return "raysubmit_456"
+
+    monkeypatch.setattr("jobs.submit.time.sleep", lambda s: None)
+    assert submit_job(str(ROOT / "configs/demo.yaml"), "http://head:8265", [], client=AgentStarting()) == 0
+    assert AgentStarting.tries == 3

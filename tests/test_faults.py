@@ -43,14 +43,12 @@ def prepared(spec):
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}})
+def ray_local(ray_local):
+    """The shared local Ray instance (conftest.py), with this module pickled by value."""
     import ray.cloudpickle as cp
 
     cp.register_pickle_by_value(sys.modules[__name__])  # the fault-injecting tasks below
     yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

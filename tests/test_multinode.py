@@ -19,6 +19,8 @@ from test_faults import job_spec, prepared  # noqa: E402
 
 @pytest.fixture(scope="module")
 def cluster():
+    if ray.is_initialized():  # the shared local instance (conftest.py): this module needs its own cluster
+        ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:
         nodes = [c.add_node(num_cpus=1, resources={"gen": 1}) for _ in range(2)]

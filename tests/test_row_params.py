@@ -6,7 +6,6 @@ The job runs on a real local Ray instance (one per module), as `batchgen run` ru
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -34,14 +33,6 @@ ROWS = [  # (prompt, params struct or None)
 ]
 EXPECTED_ROWS = [2, 3, 1, 2, 1, 2, 4]
 JOB_SAMPLING = {"num_samples": 2, "max_tokens": 6, "temperature": 1.0, "top_k": 0, "seed": 3}
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    yield
-    ray.shutdown()
 
 
 def write_input(d: Path, rows=ROWS) -> Path:

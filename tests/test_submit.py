@@ -31,7 +31,10 @@ pytest.importorskip("aiohttp", reason="the Ray job server needs ray[default]")
 from test_cluster import ROOT, assert_same_dataset, read_dataset  # noqa: E402
 
 BIN = Path(sys.executable).parent
-OVERRIDES = ["--set", "sampling.num_samples=2", "--set", "sampling.max_tokens=8", "--set", "cluster.unit_rows=32"]
+# tiny-random: submission and the cluster paths are under test, not the model (SmolLM2's prefill of
+# the 64 demo prompts would take 20 s a run here)
+OVERRIDES = ["--set", "sampling.num_samples=2", "--set", "sampling.max_tokens=8", "--set", "cluster.unit_rows=32",
+             "--set", "model.path=tiny-random"]
 
 
 def _free_port() -> int:
