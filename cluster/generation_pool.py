@@ -42,8 +42,6 @@ class GenerationPool:
     constructor.
     Raises SpecError / InputError for a bad config (naming the key) and
     cluster.pool.UnitFailed when workers cannot start.
-
-    `GenerationPool.from_task(task, ...)` runs any cluster.task.PromptTask instead.
     """
 
     def __init__(self, config: Any = None, overrides: Iterable[str] | Mapping[str, Any] = (), *,
@@ -51,24 +49,11 @@ class GenerationPool:
         from jobs.pool_task import pool_setup
 
         setup = pool_setup(config, overrides, model=model)
-        self._init(setup.task, setup.unit_rows, setup.dispatcher_options, setup.ray_started)
-
-    @classmethod
-    def from_task(cls, task: PromptTask, *, num_workers: int, unit_rows: int = 256,
-                  **dispatcher_options: Any) -> "GenerationPool":
-        """A pool running `task` on `num_workers` workers in the Ray instance this process is
-        connected to (Ray's default one if none); dispatcher_options: the other
-        UnitDispatcher arguments (num_cpus, num_gpus, max_unit_attempts, ...)."""
-        pool = cls.__new__(cls)
-        pool._init(task, unit_rows, {"num_workers": num_workers, **dispatcher_options}, False)
-        return pool
-
-    def _init(self, task: PromptTask, unit_rows: int, options: dict, ray_started: bool) -> None:
-        self.task = task
-        self.unit_rows = max(1, int(unit_rows))
-        self._ray_started = ray_started
-        self._next_index = 0
-        self.dispatcher = UnitDispatcher(task, **options)
+        self.task: PromptTask = setup.task
+        self.unit_rows = max(1, int(setup.unit_rows))
+        self._ray_started = setup.ray_started
+        self._next_index = 0  # unit indices count up over the pool's life (late copies never collide)
+        self.dispatcher = UnitDispatcher(setup.task, **setup.dispatcher_options)
         try:
             self.dispatcher.wait_ready()
         except BaseException:
