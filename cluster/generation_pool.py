@@ -100,7 +100,8 @@ class GenerationPool:
         return self.dispatcher.workers()
 
     def engine_states(self) -> list[dict]:
-        """Each running worker's engine_state(): pid, weights swapped in last, KV cache."""
+        """Each worker's engine_state() (pid, weights swapped in last, KV cache), after any
+        starting worker is ready."""
         return self.dispatcher.engine_states()
 
     # ------------------------------------------------------------------ lifecycle

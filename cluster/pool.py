@@ -337,10 +337,13 @@ class UnitDispatcher:
                 for i, w in enumerate(self._slots) if w is not None]
 
     def engine_states(self) -> list[dict]:
-        """GenerationWorker.engine_state() of every ready worker: pid, the weights swapped in
-        last, its KV cache. Raises RayActorError when a worker died since the last run."""
+        """GenerationWorker.engine_state() of every worker (pid, the weights swapped in last,
+        its KV cache), once the starting ones are ready (a replacement started late in a
+        run may still be loading). Raises RayActorError for a worker that died since the
+        last run, UnitFailed as wait_ready."""
         import ray
 
+        self.wait_ready()
         return ray.get([w.handle.engine_state.remote() for w in self._live()])
 
     def unit_timeout(self) -> float:

@@ -30,6 +30,7 @@ import weights_cases  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["What is 2 + 2?", "Name a prime.", "", "Count to five", "abc", "The end of the story is"]
 IDS = [f"q{i}" for i in range(len(PROMPTS))]
+LEVELS = [1, 2, 3, 1, 2, 3]  # a passthrough column
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +41,9 @@ def setup(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("pool")
     ck = weights_cases.build(d / "ckpt")
-    pq.write_table(pa.table({"id": IDS, "prompt": PROMPTS}), d / "in.parquet")
+    pq.write_table(_table(), d / "in.parquet")
     config = {"model": {"path": str(ck["base"]), "max_num_seqs": 16, "max_seq_len": 64},
-              "input": {"path": str(d / "in.parquet"), "id_column": "id"},
+              "input": {"path": str(d / "in.parquet"), "id_column": "id", "passthrough": ["level"]},
               "output": {"path": str(d / "out-base")},
               "sampling": {"num_samples": 3, "max_tokens": 8, "top_k": 20, "seed": 1, "stop": ["e", " t"]},
               "cluster": {"unit_rows": 2}}
@@ -59,13 +60,13 @@ def setup(tmp_path_factory):
 
 
 def _table():
-    return pa.table({"id": IDS, "prompt": PROMPTS})
+    return pa.table({"id": IDS, "prompt": PROMPTS, "level": LEVELS})
 
 
-def _rows(table):
+def _rows(table, drop=()):
     """A job's or a call's rows; an error row names where its prompt came from ("in.parquet row
     2" in a job, "prompts row 2" in a call), the rest of its message is the same."""
-    rows = table.to_pylist()
+    rows = table.drop_columns(list(drop)).to_pylist()
     for r in rows:
         if r["error"] is not None:
             r["error"] = r["error"].replace("in.parquet row", "prompts row")
@@ -73,7 +74,8 @@ def _rows(table):
 
 
 def test_generate_equals_run_job(setup):
-    """A table with the job's columns, and a list with prompt_ids: the job's rows, bit for bit."""
+    """A table with the job's columns (its passthrough column too), and a list with prompt_ids
+    (no passthrough columns then): the job's rows, bit for bit."""
     _, _, jobs, pool = setup
     want = jobs["base"]
     assert want.num_rows == 18 and want.column("error").null_count == 15  # the empty prompt: 3 error rows
@@ -81,22 +83,27 @@ def test_generate_equals_run_job(setup):
     assert got.schema == want.schema.remove_metadata()
     assert _rows(got) == _rows(want)
     assert "prompts row 2 column 'prompt': prompt is an empty string" in got.column("error").to_pylist()
-    assert _rows(pool.generate(PROMPTS, prompt_ids=IDS)) == _rows(want)
+    assert got.column("level").to_pylist() == [v for v in LEVELS for _ in range(3)]
+    assert _rows(pool.generate(PROMPTS, prompt_ids=IDS)) == _rows(want, drop=["level"])
 
 
 def test_call_parameters_and_bad_calls(setup):
     """params: a dict of sampling keys over the config's equals the same SamplingParams;
-    a bad key, mixed prompt kinds or duplicate ids fail before any work."""
+    token-id and chat prompts; a bad key, mixed prompt kinds or duplicate ids fail before any work."""
     from engine import SamplingParams
+    from engine.tokenizer import Tokenizer
     from jobs.errors import InputError, SpecError
 
-    _, _, _, pool = setup
+    ck, _, _, pool = setup
     greedy = pool.generate(PROMPTS[:2], {"temperature": 0.0, "num_samples": 1, "stop": None})
     assert greedy.num_rows == 2 and greedy.column("prompt_id").to_pylist() == ["0", "1"]
     same = pool.generate(PROMPTS[:2], SamplingParams(num_samples=1, max_tokens=8, temperature=0.0, top_k=20, seed=1))
     assert same.to_pylist() == greedy.to_pylist()
     tokens = pool.generate([[256, 72, 105]], {"num_samples": 2})
     assert tokens.column("prompt_tokens").to_pylist() == [[256, 72, 105]] * 2
+    chat = [{"role": "user", "content": "Hi"}]
+    rendered = Tokenizer.load(ck["tokenizer"]).render_chat(chat)
+    assert pool.generate([chat], {"num_samples": 1}).column("prompt_tokens").to_pylist() == [rendered]
     with pytest.raises(SpecError, match="sampling.temprature"):
         pool.generate(PROMPTS, {"temprature": 0.5})
     with pytest.raises(ValueError, match=r"prompts\[0\] is text, prompts\[1\] is tokens"):
