@@ -5,6 +5,7 @@
         results = pool.run(units, on_result=print)                     # as many runs as wanted
         more = pool.run(other_units)                                   # same workers, same engines
     results = run_units(task, units, num_workers=2)                    # start, one run, close
+    pool.load_weights("ckpt/step-200")                                 # between runs: every engine, in place
 
 A dispatcher owns `num_workers` worker *slots*; each holds at most one actor at a time, and a
 replaced actor's slot is refilled with a fresh one. Worker management lives on the object,
@@ -48,6 +49,10 @@ Failures (actors run with max_restarts=0, max_task_retries=0: the dispatcher own
 
 Unit commits are idempotent (one file per unit index, first commit wins, deterministic
 sampling), so a unit that ran twice yields one committed file.
+
+Weights (`load_weights`, used by cluster.generation_pool.GenerationPool): all workers load
+and check a checkpoint, then swap it in, or none does (WeightsRefused); from then on every
+worker started in a slot (a replacement) loads it after the task's checkpoint.
 """
 from __future__ import annotations
 
@@ -76,6 +81,11 @@ NODE_CHECK_INTERVAL_S = 2.0
 class UnitFailed(Exception):
     """The run cannot finish: a unit failed too often, workers cannot start, or no node can
     host a worker."""
+
+
+class WeightsRefused(ValueError):
+    """`load_weights` was refused: some worker could not load or use the checkpoint (the
+    message names the worker and its error); every worker keeps the weights it had."""
 
 
 class UnitState(str, Enum):
@@ -210,6 +220,7 @@ class UnitDispatcher:
         self._queue: deque[_Unit] = deque()
         self._pending = 0
         self._closed = False
+        self.weights: tuple[str, int | None] | None = None  # swapped in by load_weights; None: the task's
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "UnitDispatcher":
@@ -245,6 +256,65 @@ class UnitDispatcher:
                 self._refs.pop(ref, None)
                 self._on_ready(ray, ref, starting[ref])
 
+    def load_weights(self, path: str, *, step: int | None = None) -> list[dict]:
+        """Swap checkpoint `path`'s weights into every worker's engine, all or nothing, without
+        restarting a worker or reallocating its KV cache (GenerationWorker.stage_weights /
+        commit_weights). Call between runs.
+
+        Waits for starting workers first; then every worker loads and checks the checkpoint
+        (its engine keeps decoding any late copy of an earlier run meanwhile), and only if
+        all succeed does each swap it in, once its engine is idle. Workers started later
+        (replacements) load these weights after the task's checkpoint. step: for a
+        nanochat directory (default: its highest step, resolved now, so replacements load
+        the same one). Returns each worker's engine_state() after the swap.
+        Raises WeightsRefused when a worker cannot load the checkpoint or it does not fit
+        (naming the worker and the error; every worker keeps its weights), UnitFailed when
+        no worker is running. A worker that dies, or fails in the middle of its swap, is
+        replaced (with the new weights once the swap was decided).
+        """
+        import ray
+        from ray.exceptions import RayTaskError
+
+        if self._closed:
+            raise RuntimeError("this UnitDispatcher is closed")
+        self.wait_ready()
+        live = self._live()
+        if not live:
+            raise UnitFailed(f"load_weights({path}): no worker is running; last start error: "
+                             f"{self._last_start_error or 'none'}")
+        refs = {w.handle.stage_weights.remote(path, step): w for w in live}
+        staged: dict[_Worker, dict] = {}
+        refused: list[str] = []
+        for ref, w in refs.items():
+            try:
+                staged[w] = ray.get(ref)
+            except RayTaskError as exc:
+                cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+                refused.append(f"{w.name}: {type(cause).__name__}: {_short(cause)}")
+            except Exception as exc:  # noqa: BLE001 - RayActorError: the worker is gone
+                self._replace(w, f"worker {w.name} died while loading weights: {_short(exc)}", charge=False)
+        if refused or not staged:
+            for ref in [w.handle.discard_weights.remote() for w in staged]:
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001 - a worker gone meanwhile keeps nothing staged
+                    pass
+            keeps = f"{self.weights[0]!r}" if self.weights else "the pool's checkpoint"
+            why = refused[0] if refused else "every worker died while loading it"
+            raise WeightsRefused(f"load_weights({path!r}) refused by {len(refused) or len(live)} of {len(live)} "
+                                 f"worker(s); {why}; the workers keep the weights of {keeps}")
+        self.weights = (path, next(iter(staged.values()))["step"])
+        self._event("weights", f"{path} (step {self.weights[1]})")
+        commits = {w.handle.commit_weights.remote(): w for w in staged}
+        states = []
+        for ref, w in commits.items():
+            try:
+                states.append(ray.get(ref))
+            except Exception as exc:  # noqa: BLE001 - a half-swapped engine: replace the worker
+                self._replace(w, f"its weights swap failed: {_short(exc, 300)}", charge=False)
+        self._fill_slots()
+        return states
+
     def close(self) -> None:
         """Kill every worker; the dispatcher cannot run again."""
         self._closed = True
@@ -265,6 +335,16 @@ class UnitDispatcher:
         return [{"slot": i, "name": w.name, "state": w.state.value, "info": dict(w.info),
                  "units": sorted(c.unit.unit.index for c in w.copies.values())}
                 for i, w in enumerate(self._slots) if w is not None]
+
+    def engine_states(self) -> list[dict]:
+        """GenerationWorker.engine_state() of every worker (pid, the weights swapped in last,
+        its KV cache), once the starting ones are ready (a replacement started late in a
+        run may still be loading). Raises RayActorError for a worker that died since the
+        last run, UnitFailed as wait_ready."""
+        import ray
+
+        self.wait_ready()
+        return ray.get([w.handle.engine_state.remote() for w in self._live()])
 
     def unit_timeout(self) -> float:
         """The current per-copy deadline in seconds (fixed, or derived from committed units)."""
@@ -337,7 +417,7 @@ class UnitDispatcher:
     def _start_worker(self, slot: int) -> _Worker:
         name = f"worker-{next(self._counter)}"
         threads = max(1, int(self.num_cpus)) if self.num_cpus else None
-        handle = self._actor_cls.options(**self.options).remote(self.task, name, threads)
+        handle = self._actor_cls.options(**self.options).remote(self.task, name, threads, self.weights)
         w = _Worker(name=name, slot=slot, handle=handle, ready_ref=handle.ready.remote(), created=time.monotonic())
         self._refs[w.ready_ref] = ("ready", w)
         self._slots[slot] = w

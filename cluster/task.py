@@ -19,12 +19,15 @@ class WorkUnit:
 
     index: the unit's position in the job plan (0-based); it names the unit's output file,
     so a unit is committed at most once whoever runs it and however often.
+    payload: the unit's prompts themselves, when they travel with it instead of being read
+        from `source` (a GenerationPool call); opaque to cluster/, read by the task.
     """
 
     index: int
     source: str
     row_start: int
     row_end: int
+    payload: Any = field(default=None, compare=False, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -50,7 +53,9 @@ class UnitRequest:
 
 @dataclass(slots=True)
 class UnitResult:
-    """What a committed unit reports back to the driver (counts, not data)."""
+    """What a finished unit reports back to the driver: counts, and for a unit that returns
+    its rows instead of committing a file (a GenerationPool call) the rows in `data`
+    (`path` is then "")."""
 
     index: int
     path: str
@@ -63,6 +68,7 @@ class UnitResult:
     error_rows: int = 0
     wall_s: float = 0.0
     worker: str = ""
+    data: Any = None
 
 
 class UnitTask(Protocol):
@@ -87,3 +93,22 @@ class UnitTask(Protocol):
 
     def write_unit(self, unit: WorkUnit, requests: list[UnitRequest], outputs: list[RequestOutput],
                    tokenizer: Any) -> UnitResult: ...
+
+
+class PromptTask(UnitTask, Protocol):
+    """A UnitTask for a GenerationPool (cluster/generation_pool.py): prompts arrive in a call,
+    travel inside their units (WorkUnit.payload), and come back as data (UnitResult.data).
+    Implemented by jobs.pool_task.PoolTask.
+
+    make_units(prompts, params, prompt_ids, first_index, unit_rows): the call's units,
+        indexed from `first_index` (unique over the pool's life, so a late copy from an
+        earlier call never collides with a new unit), each of at most `unit_rows` prompts,
+        and an opaque `call` object for `collect`. Raises ValueError (or a subclass) for
+        prompts or parameters it cannot take, before any work.
+    collect(call, results): the call's output from its units' results (in any order).
+    """
+
+    def make_units(self, prompts: Any, params: Any, prompt_ids: Any, first_index: int,
+                   unit_rows: int) -> tuple[list[WorkUnit], Any]: ...
+
+    def collect(self, call: Any, results: list[UnitResult]) -> Any: ...

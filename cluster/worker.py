@@ -11,7 +11,16 @@ Threads inside one worker (a threaded actor, `max_concurrency` >= 3):
   reads the unit, posts its prompts, waits on the unit's Event, writes the unit file. While
   unit A's last requests decode, unit B's prompts are already in the engine, so a unit
   boundary never drains the batch.
-- `progress()` / `pid()` / `ready()` answer from any thread without touching the engine.
+- `progress()` / `pid()` / `ready()` / `engine_state()` answer from any thread without
+  touching the engine.
+
+Weights swap in two halves, so a pool can make it all-or-nothing across workers:
+`stage_weights(path)` loads and checks the checkpoint in the calling thread (the engine is
+only read; decoding goes on), `commit_weights()` hands the copy to the engine-loop thread,
+which runs it once the engine has no unfinished requests (new prompts wait meanwhile), and
+`discard_weights()` drops a staged checkpoint. A worker started with `weights` loads the
+engine as the task says, then those weights (a replacement for a worker of a pool whose
+weights were swapped).
 
 An exception raised by the engine fails every unit the worker holds (their `run_unit`
 raises `EngineLoopError`) and breaks the worker: it drops its engine and refuses new units,
@@ -39,6 +48,16 @@ class EngineLoopError(RuntimeError):
 
 
 @dataclass(slots=True, eq=False)
+class _Control:
+    """Work for the engine-loop thread to run while the engine is idle (a weights swap)."""
+
+    fn: Any
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(slots=True, eq=False)
 class _UnitState:
     unit: WorkUnit
     outputs: list[Any]
@@ -61,14 +80,20 @@ def _load_engine(task: UnitTask, num_threads: int | None) -> Any:
 class GenerationWorker:
     """Loads the engine once and runs units through it (see the module docstring)."""
 
-    def __init__(self, task: UnitTask, worker_name: str, num_threads: int | None = None) -> None:
+    def __init__(self, task: UnitTask, worker_name: str, num_threads: int | None = None,
+                 weights: tuple[str, int | None] | None = None) -> None:
         self.task = task
         self.name = worker_name
         self.num_threads = num_threads
         self.engine = _load_engine(task, num_threads)
+        self.weights: dict | None = None  # the last load_weights: {"path", "step", "description"}
+        if weights is not None:
+            self.weights = self.engine.load_weights(weights[0], step=weights[1])
         self.tokenizer = self.engine.tokenizer
         self._cv = threading.Condition()
         self._inbox: list[tuple[_UnitState, list[tuple[Any, Any]]]] = []  # guarded by _cv
+        self._control: list[_Control] = []  # guarded by _cv; run by the engine loop when idle
+        self._staged: Any = None  # a checkpoint staged by stage_weights; guarded by _cv
         self._owners: dict[Any, tuple[_UnitState, int]] = {}  # request_id -> (unit, row); _cv
         self._units: set[_UnitState] = set()  # units with requests posted or in the engine; _cv
         self._stopped = False
@@ -109,6 +134,67 @@ class GenerationWorker:
             "active_units": active,
         }
 
+    def engine_state(self) -> dict:
+        """What this worker's engine holds now: pid, the weights swapped in last (None: the
+        task's checkpoint), and its KV cache (storage address and slots), which a weights
+        swap leaves in place."""
+        with self._cv:
+            engine, weights = self.engine, self.weights
+        kv = getattr(engine, "kv", None)
+        k = getattr(kv, "k", None)
+        return {"worker": self.name, "pid": os.getpid(), "weights": weights,
+                "kv_cache_ptr": None if k is None else k.data_ptr(),
+                "kv_cache_slots": getattr(kv, "num_slots", None)}
+
+    def stage_weights(self, path: str, step: int | None = None) -> dict:
+        """Load checkpoint `path` and check it fits this worker's model (Engine.stage_weights),
+        keeping it for `commit_weights`; the engine goes on decoding meanwhile. Returns
+        {"worker", "pid", "path", "step", "description"}. Raises what the engine raises
+        (FileNotFoundError, CheckpointError, WeightsMismatch), or EngineLoopError on a broken
+        worker; the engine's weights are unchanged either way."""
+        with self._cv:
+            engine, broken = self.engine, self._broken
+        if broken is not None or engine is None:
+            raise EngineLoopError(f"worker {self.name}: engine failed earlier: {broken!r}")
+        staged = engine.stage_weights(path, step=step)
+        with self._cv:
+            self._staged = staged
+        return {"worker": self.name, "pid": os.getpid(), "path": staged.path, "step": staged.step,
+                "description": staged.description}
+
+    def commit_weights(self) -> dict:
+        """Swap the staged checkpoint in (Engine.apply_weights) on the engine-loop thread, as
+        soon as the engine has no unfinished requests; returns `engine_state()`. Raises
+        RuntimeError when nothing is staged, EngineLoopError when the swap failed (the
+        worker is then broken: its weights may be half swapped)."""
+        with self._cv:
+            staged, self._staged = self._staged, None
+            if staged is None:
+                raise RuntimeError(f"worker {self.name}: commit_weights without stage_weights")
+            if self._broken is not None:
+                raise EngineLoopError(f"worker {self.name}: engine failed earlier: {self._broken!r}")
+            control = _Control(fn=lambda eng: eng.apply_weights(staged))
+            self._control.append(control)
+            self._cv.notify_all()
+        self._wait(control.done)
+        if control.error is not None:
+            raise EngineLoopError(f"worker {self.name}: swapping the weights failed: {control.error!r}") \
+                from control.error
+        with self._cv:
+            self.weights = control.result
+        return self.engine_state()
+
+    def discard_weights(self) -> None:
+        """Drop a staged checkpoint (another worker refused it)."""
+        with self._cv:
+            self._staged = None
+
+    def _wait(self, event: threading.Event) -> None:
+        # Event.wait with a timeout only to notice a dead loop thread; completion is signalled.
+        while not event.wait(timeout=5.0):
+            if not self._thread.is_alive():
+                raise EngineLoopError(f"worker {self.name}: engine loop thread died")
+
     def run_unit(self, unit: WorkUnit) -> UnitResult:
         t0 = time.time()
         requests = self.task.read_unit(unit, self.tokenizer)
@@ -137,10 +223,7 @@ class GenerationWorker:
                 self._units.add(state)
                 self._inbox.append((state, good))
                 self._cv.notify_all()
-            # Event.wait with a timeout only to notice a dead loop thread; completion is signalled.
-            while not state.done.wait(timeout=5.0):
-                if not self._thread.is_alive():
-                    raise EngineLoopError(f"worker {self.name}: engine loop thread died")
+            self._wait(state.done)
             if state.error is not None:
                 raise EngineLoopError(
                     f"worker {self.name}: engine failed while running unit {unit.index}: {state.error!r}"
@@ -164,14 +247,31 @@ class GenerationWorker:
         eng = self.engine
         busy = False
         while True:
+            control = None
             with self._cv:
-                while not self._stopped and not self._inbox and not busy:
+                while not self._stopped and not self._inbox and not busy and not self._control:
                     self._cv.wait()
                 if self._stopped:
                     return
-                inbox, self._inbox = self._inbox, []
-                for state, _ in inbox:
-                    state.in_engine = True
+                if self._control:
+                    # the engine drains first; new prompts wait until the control has run
+                    inbox = []
+                    if not busy:
+                        control = self._control.pop(0)
+                else:
+                    inbox, self._inbox = self._inbox, []
+                    for state, _ in inbox:
+                        state.in_engine = True
+            if control is not None:
+                try:
+                    control.result = control.fn(eng)
+                except BaseException as exc:  # noqa: BLE001 - a half-done swap: the worker is broken
+                    control.error = exc
+                    self._break(eng, exc)
+                    return
+                finally:
+                    control.done.set()
+                continue
             try:
                 for state, reqs in inbox:
                     for rid, req in reqs:
@@ -210,10 +310,14 @@ class GenerationWorker:
         with self._cv:
             units = list(self._units)
             self._inbox = []
+            controls, self._control = self._control, []
             for state in units:
                 self._units.discard(state)
             for rid in [rid for rid, (s, _) in self._owners.items() if s in units]:
                 del self._owners[rid]
+        for c in controls:
+            c.error = exc
+            c.done.set()
         for state in units:
             if not state.done.is_set():
                 state.error = exc

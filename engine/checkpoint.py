@@ -150,41 +150,88 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "auto", dtype
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     fmt = detect_format(path)
+    if fmt == TINY_RANDOM:
+        tok = Tokenizer.load(tokenizer) if tokenizer is not None else Tokenizer.demo()
+        model, _ = _load_model(fmt, path, dev, dt, step, tok.vocab_size)
+    elif fmt == "gguf":
+        from engine.hf_tokenizer import HFTokenizer
+
+        model, reader = _load_model(fmt, path, dev, dt, step, None)
+        try:
+            tok = Tokenizer.load(tokenizer) if tokenizer is not None else HFTokenizer.from_gguf(reader)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+    else:
+        model, _ = _load_model(fmt, path, dev, dt, step, None)
+        if tokenizer is not None:
+            tok = Tokenizer.load(tokenizer)
+        elif fmt == "nanochat":
+            tok = Tokenizer.find_nanochat(Path(path))
+        else:
+            tok = Tokenizer.load(Path(path))
+    if tok.vocab_size > model.info.vocab_size:
+        raise CheckpointError(
+            f"{resolve_builtin(path)}: tokenizer has {tok.vocab_size} tokens but the model's vocabulary is "
+            f"{model.info.vocab_size}")
+    return model, tok
+
+
+def load_model(path: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto", *,
+               step: int | None = None, vocab_size: int | None = None) -> CausalLM:
+    """Only the model of checkpoint `path` (eval mode, on `device`, in `dtype`); no tokenizer
+    is read, so a trainer's directory with just config.json and weights loads.
+
+    step: nanochat only, the checkpoint step (default: the highest). vocab_size: "tiny-random"
+    only, the vocabulary it is built for (default: the demo tokenizer's).
+    Raises as load_checkpoint.
+    """
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    fmt = detect_format(path)
+    if fmt == TINY_RANDOM and vocab_size is None:
+        vocab_size = Tokenizer.demo().vocab_size
+    return _load_model(fmt, path, dev, dt, step, vocab_size)[0]
+
+
+def nanochat_step(path: str | Path, step: int | None = None) -> int | None:
+    """The step a nanochat directory loads (`step`, else its highest); None for other formats.
+    Raises as load_checkpoint for a nanochat directory without that step."""
+    if detect_format(path) != "nanochat":
+        return None
+    from engine.models.nanochat import find_files
+
+    model_file, _ = find_files(Path(path), step)
+    return int(re.fullmatch(r"model_(\d+)\.pt", model_file.name).group(1))
+
+
+def _load_model(fmt: str, path: str | Path, dev: torch.device, dt: torch.dtype, step: int | None,
+                vocab_size: int | None) -> tuple[CausalLM, object]:
+    """(model in eval mode, the GGUF reader or None) for a detected format."""
     path = resolve_builtin(path)
+    reader = None
     if fmt == TINY_RANDOM:
         from engine.models.nanochat import build_tiny_random_model
 
-        tok = Tokenizer.load(tokenizer) if tokenizer is not None else Tokenizer.demo()
-        model = build_tiny_random_model(tok.vocab_size, dev, dt)
+        model = build_tiny_random_model(vocab_size, dev, dt)
     elif fmt == "gguf":
         from engine.gguf import read_gguf
-        from engine.hf_tokenizer import HFTokenizer
         from engine.models.llama import build_llama
 
         ckpt = read_gguf(path, dtype=dt)
         model = build_llama(ckpt.config, ckpt.weights, dev, dt, where=str(path))
         model.info.description = ckpt.description
         ckpt.weights.clear()  # the model holds its own (fused) copies
-        try:
-            tok = Tokenizer.load(tokenizer) if tokenizer is not None else HFTokenizer.from_gguf(ckpt.reader)
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None
+        reader = ckpt.reader
     elif fmt == "gpt2":
         from engine.models.gpt2 import load_gpt2_checkpoint
 
         model = load_gpt2_checkpoint(Path(path), dev, dt)
-        tok = Tokenizer.load(tokenizer if tokenizer is not None else Path(path))
     elif fmt == "llama":
         from engine.models.llama import load_llama_checkpoint
 
         model = load_llama_checkpoint(Path(path), dev, dt)
-        tok = Tokenizer.load(tokenizer if tokenizer is not None else Path(path))
     else:
         from engine.models.nanochat import load_nanochat_checkpoint
 
         model = load_nanochat_checkpoint(Path(path), dev, dt, step=step)
-        tok = Tokenizer.load(tokenizer) if tokenizer is not None else Tokenizer.find_nanochat(Path(path))
-    if tok.vocab_size > model.info.vocab_size:
-        raise CheckpointError(
-            f"{path}: tokenizer has {tok.vocab_size} tokens but the model's vocabulary is {model.info.vocab_size}")
-    return model.eval(), tok
+    return model.eval(), reader

@@ -342,6 +342,48 @@ class Engine:
         return RequestOutput(request_id=req.request_id, prompt_id=req.prompt_id, prompt_tokens=req.prompt_tokens,
                              samples=list(req.samples))
 
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, path: str | Path, *, step: int | None = None) -> dict:
+        """Replace the model's weights with checkpoint `path`'s, in place (an RL loop's reload).
+
+        The checkpoint must hold the same architecture and shapes (engine/weights.py says
+        what is compared); its tokenizer files are not read, so a trainer's directory with
+        only config.json and weights will do, and the engine keeps its tokenizer. Nothing is
+        reallocated: the parameters keep their storage, the KV cache is the same tensors.
+        Afterwards the engine generates what `load_engine(path)` would (on CPU in float32:
+        bit for bit), given the same tokenizer. Peak memory: one more copy of the weights,
+        in host RAM. step: for a nanochat directory (default: its highest step).
+        Returns {"path", "step", "description"}. Raises RuntimeError while requests are
+        unfinished, FileNotFoundError / CheckpointError from the loaders, and
+        engine.weights.WeightsMismatch naming what differs; on any of these the engine keeps
+        its weights.
+        """
+        self._check_idle("load_weights")
+        return self.apply_weights(self.stage_weights(path, step=step))
+
+    def stage_weights(self, path: str | Path, *, step: int | None = None):
+        """The first half of `load_weights`: load and check checkpoint `path`, change nothing.
+        Only reads the engine, so it may run on another thread while the engine steps.
+        Returns an engine.weights.StagedWeights for `apply_weights`; raises as load_weights."""
+        from engine.weights import stage_weights
+
+        return stage_weights(self.model, path, dtype=self.dtype, step=step)
+
+    def apply_weights(self, staged) -> dict:
+        """The second half of `load_weights`: copy staged weights into the model in place.
+        Returns {"path", "step", "description"}. Raises RuntimeError while requests are
+        unfinished (their cached keys and values came from the old weights)."""
+        from engine.weights import apply_weights
+
+        self._check_idle("apply_weights")
+        apply_weights(self.model, staged)
+        return {"path": staged.path, "step": staged.step, "description": staged.description}
+
+    def _check_idle(self, what: str) -> None:
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"{what}: the engine has unfinished requests; finish them first (their KV cache "
+                               f"entries come from the current weights)")
+
     # ------------------------------------------------------------------ batch API
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
                  prompt_ids: Seq[str | int] | None = None) -> list[list[Sample]]:

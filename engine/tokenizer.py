@@ -417,8 +417,13 @@ class Tokenizer:
                              f"{self.name} (size {self._vocab_size})") from None
 
     def decode_token_bytes(self, token: int) -> bytes:
-        """The raw bytes of one token (for streaming UTF-8 assembly)."""
-        return self.enc.decode_single_token_bytes(token)
+        """The raw bytes of one token (for streaming UTF-8 assembly). Raises ValueError for an
+        id outside the vocabulary (a model's vocabulary may be padded past the tokenizer's)."""
+        try:
+            return self.enc.decode_single_token_bytes(token)
+        except (KeyError, ValueError, OverflowError, TypeError):
+            raise ValueError(f"token id {token!r} is not in the vocabulary of {self.name} "
+                             f"(size {self._vocab_size})") from None
 
     def render_chat(self, messages: list[dict]) -> list[int]:
         """Token ids priming the assistant's reply, in nanochat's render_for_completion layout:

@@ -261,7 +261,9 @@ def _normalize(t: pa.DataType) -> str:
     return type_str(t).replace("large_string", "string").replace("large_list", "list")
 
 
-def _check_file_schema(spec: JobSpec, name: str, schema: pa.Schema) -> None:
+def check_input_schema(spec: JobSpec, name: str, schema: pa.Schema) -> None:
+    """Raise InputError naming `name` and the column unless `schema` has the columns the job
+    reads (input.column of the format's type, id_column, passthrough, sampling_column)."""
     cols = schema.names
     inp = spec.input
 
@@ -365,15 +367,9 @@ def fingerprint_of(data: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def plan_job(spec: JobSpec, hash_cache: HashCache | None = None) -> JobPlan:
-    """Find and validate the job's inputs, cut them into units, and fingerprint the job.
-
-    Reads only Parquet footers, in parallel (plus the id column, to reject duplicate ids)
-    and hashes the checkpoint's files (`hash_cache`: see jobs/weights.py; None hashes them
-    all). Raises InputError naming the file and column for anything that stops the job,
-    SpecError for a model path that does not exist. Zero-row files are allowed (they yield
-    no units and a warning in `plan.warnings` and the log).
-    """
+def check_model_path(spec: JobSpec) -> None:
+    """Raise SpecError naming model.path (or model.tokenizer) when it does not exist on this
+    machine (a built-in name resolves to its file first)."""
     from engine.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
 
     mp = spec.model.path
@@ -389,6 +385,18 @@ def plan_job(spec: JobSpec, hash_cache: HashCache | None = None) -> JobPlan:
                         f"a .gguf file, or {' or '.join(map(repr, BUILTIN_NAMES))})")
     if spec.model.tokenizer is not None and not os.path.exists(spec.model.tokenizer):
         raise SpecError(f"{spec.source}: model.tokenizer: {spec.model.tokenizer!r} does not exist")
+
+
+def plan_job(spec: JobSpec, hash_cache: HashCache | None = None) -> JobPlan:
+    """Find and validate the job's inputs, cut them into units, and fingerprint the job.
+
+    Reads only Parquet footers, in parallel (plus the id column, to reject duplicate ids)
+    and hashes the checkpoint's files (`hash_cache`: see jobs/weights.py; None hashes them
+    all). Raises InputError naming the file and column for anything that stops the job,
+    SpecError for a model path that does not exist. Zero-row files are allowed (they yield
+    no units and a warning in `plan.warnings` and the log).
+    """
+    check_model_path(spec)
     if spec.input.format == "openai_batch":
         from jobs.openai_batch import plan_batch
 
@@ -406,7 +414,7 @@ def plan_job(spec: JobSpec, hash_cache: HashCache | None = None) -> JobPlan:
     file_units: list[list[WorkUnit]] = []
     rows_decoded = 0
     for (source, name, size), (num_rows, schema, groups) in zip(found, footers):
-        _check_file_schema(spec, name, schema)
+        check_input_schema(spec, name, schema)
         types = {c: _normalize(schema.field(c).type) if c == spec.input.column else type_str(schema.field(c).type)
                  for c in dict.fromkeys(needed)}
         if first is None:

@@ -133,15 +133,23 @@ class JobTask:
         if table.num_rows != unit.num_rows:
             raise RuntimeError(f"{name}: rows {unit.row_start}..{unit.row_end} of unit {unit.index} could not be read "
                                f"(got {table.num_rows} rows; was the input file changed after the job started?)")
-        prompts = table.column(self.column).to_pylist()
-        ids = table.column(self.id_column).to_pylist() if self.id_column else None
-        passthrough = {c: table.column(c).to_pylist() for c in self.passthrough}
-        sampling = table.column(self.sampling_column).to_pylist() if self.sampling_column else None
+        return self.requests_from_columns({c: table.column(c).to_pylist() for c in self._columns()}, name,
+                                          unit.row_start, tokenizer)
+
+    def requests_from_columns(self, columns: dict[str, list[Any]], name: str, row_start: int,
+                              tokenizer: Any) -> list[UnitRequest]:
+        """One UnitRequest per row of `columns` (the job's input columns as Python lists),
+        by the rules of the module docstring; `name` and `row_start` (the first row's index)
+        name a row in errors and make its default prompt id "<name>:<row>"."""
+        prompts = columns[self.column]
+        ids = columns[self.id_column] if self.id_column else None
+        passthrough = {c: columns[c] for c in self.passthrough}
+        sampling = columns[self.sampling_column] if self.sampling_column else None
         bos = text_bos(tokenizer) if self.format == "text" else None
         vocab = getattr(tokenizer, "vocab_size", None)
         out: list[UnitRequest] = []
         for i, value in enumerate(prompts):
-            row = unit.row_start + i
+            row = row_start + i
             where = f"{name} row {row}"
             pid = f"{name}:{row}"
             error = None
@@ -220,12 +228,31 @@ class JobTask:
         when outputs do not match requests (a worker bug; the unit is retried) and the
         write's OSError/pyarrow errors.
         """
+        table, counts = self.unit_table(unit, requests, outputs, tokenizer)
+        counts["input_rows_decoded"] = self._decoded.pop(unit.index, 0)
+        meta = {
+            META_FINGERPRINT: self.fingerprint.encode(),
+            META_UNIT: json.dumps({"index": unit.index, "file": self.file_names.get(unit.source, unit.source),
+                                   "source": uri.redact(unit.source), "row_start": unit.row_start,
+                                   "row_end": unit.row_end}).encode(),
+            META_COUNTS: json.dumps(counts).encode(),
+            META_VERSION: batchgen_version().encode(),
+        }
+        path = write_part(self.output_path, unit.index, table.replace_schema_metadata(meta))
+        counts.pop("input_rows_decoded")  # recorded in the file; not a UnitResult field
+        return UnitResult(index=unit.index, path=path, **counts)
+
+    def unit_table(self, unit: WorkUnit, requests: list[UnitRequest], outputs: list[Any],
+                   tokenizer: Any = None) -> tuple[pa.Table, dict[str, int]]:
+        """The unit's output rows (`self.schema`, no metadata) and their counts (prompts, rows,
+        generated_tokens, prompt_tokens, tool_calls, tool_errors, error_rows); see write_unit
+        for the rules and the errors."""
         if len(outputs) != len(requests) or len(requests) != unit.num_rows:
             raise ValueError(f"unit {unit.index}: {len(requests)} requests and {len(outputs)} outputs for "
                              f"{unit.num_rows} rows")
         cols: dict[str, list[Any]] = {f.name: [] for f in self.schema}
         counts = {"prompts": len(requests), "rows": 0, "generated_tokens": 0, "prompt_tokens": 0, "tool_calls": 0,
-                  "tool_errors": 0, "error_rows": 0, "input_rows_decoded": self._decoded.pop(unit.index, 0)}
+                  "tool_errors": 0, "error_rows": 0}
         for req, out in zip(requests, outputs):
             if out is None:
                 raise ValueError(f"unit {unit.index}: no output for prompt {req.prompt_id!r}")
@@ -271,18 +298,7 @@ class JobTask:
                 counts["tool_calls"] += len(calls)
                 counts["tool_errors"] += sum(1 for c in calls if c["error"] is not None)
                 counts["error_rows"] += s.finish_reason == "error" or s.error is not None
-        meta = {
-            META_FINGERPRINT: self.fingerprint.encode(),
-            META_UNIT: json.dumps({"index": unit.index, "file": self.file_names.get(unit.source, unit.source),
-                                   "source": uri.redact(unit.source), "row_start": unit.row_start,
-                                   "row_end": unit.row_end}).encode(),
-            META_COUNTS: json.dumps(counts).encode(),
-            META_VERSION: batchgen_version().encode(),
-        }
-        table = pa.Table.from_pydict(cols, schema=self.schema.with_metadata(meta))
-        path = write_part(self.output_path, unit.index, table)
-        counts.pop("input_rows_decoded")  # recorded in the file; not a UnitResult field
-        return UnitResult(index=unit.index, path=path, **counts)
+        return pa.Table.from_pydict(cols, schema=self.schema), counts
 
 
 def _stop_reason_text(reason: int | str | None, tokenizer: Any) -> str | None:

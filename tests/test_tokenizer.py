@@ -359,3 +359,15 @@ def test_demo_tokenizer():
     assert re.fullmatch(r"<\|bos\|><\|user_start\|>What is 2\+2\?<\|user_end\|><\|assistant_start\|>",
                         tok.decode(ids))
     assert pickle.loads(pickle.dumps(tok)) is tok  # pickles by reference
+
+
+def test_token_bytes_of_an_id_past_the_vocabulary():
+    """A model's vocabulary may be padded past its tokenizer's: such an id has no bytes
+    (ValueError from the tokenizer, b"" for stop-string matching), it does not raise KeyError."""
+    from engine.stop_strings import token_bytes
+
+    tok = Tokenizer.demo()
+    assert tok.decode_token_bytes(9906) == b"Hello"
+    with pytest.raises(ValueError, match="100300 is not in the vocabulary"):
+        tok.decode_token_bytes(100300)
+    assert token_bytes(tok, 100300) == b""

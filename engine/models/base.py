@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -175,6 +175,20 @@ class CausalLM(nn.Module):
             packed = None
         cache[key] = packed
         return packed
+
+    def architecture(self) -> dict[str, Any]:
+        """The settings outside the tensors that decide what the model computes (norm eps,
+        rope, windows, activation, ...), as plain values. With the class, `info` and the
+        state dict's names, shapes and dtypes, they decide whether another checkpoint's
+        weights can replace this model's in place (engine/weights.py). Architectures
+        override it; the default is nothing beyond those."""
+        return {}
+
+    def weights_changed(self) -> None:
+        """Forget what was derived from the weights (the oneDNN-packed copies `linear` keeps,
+        keyed by storage address): call after writing new values into the parameters in
+        place, or `linear` would go on using the old ones."""
+        self.__dict__.pop("_packed_weights", None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError

@@ -95,6 +95,12 @@ class GPT2(CausalLM):
                               n_layer=self.n_layer, n_kv_head=self.n_head, head_dim=self.head_dim,
                               state_dims={}, description=description)
 
+    def architecture(self) -> dict:
+        """Sizes, layer-norm eps, activation, the per-layer query scaling and the tied head."""
+        return {"n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd, "vocab_size": self.vocab_size,
+                "layer_norm_epsilon": self.eps, "activation": [f.__name__ for f in self.act],
+                "q_scale": list(self.q_scale), "tied_head": self.lm_head is self.wte}
+
     # ------------------------------------------------------------------ pieces
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.wte) + F.embedding(positions, self.wpe)

@@ -15,6 +15,7 @@ gate/up into another at load (one matmul each in a step).
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -73,6 +74,10 @@ class LlamaModel(CausalLM):
         self.info = ModelInfo(arch=cfg.model_type, vocab_size=cfg.vocab_size, context_len=cfg.max_position_embeddings,
                               n_layer=cfg.num_layers, n_kv_head=cfg.num_kv_heads, head_dim=cfg.head_dim,
                               description=description, stop_token_ids=stop_token_ids)
+
+    def architecture(self) -> dict:
+        """The parsed config (hf_config.LlamaConfig) as a dict: sizes, rope, norms, biases, windows."""
+        return dataclasses.asdict(self.cfg)
 
     # ------------------------------------------------------------------ pieces
     def _attention_inputs(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

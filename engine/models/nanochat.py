@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -211,6 +211,10 @@ class NanochatGPT(CausalLM):
                               n_layer=c.n_layer, n_kv_head=c.n_kv_head, head_dim=c.head_dim,
                               state_dims={"smear": c.n_embd} if c.smear else {}, description=description)
 
+    def architecture(self) -> dict:
+        """The shape and detected features (NanochatConfig) as a dict."""
+        return asdict(self.config)
+
     # ----- pieces shared by both forwards -----
 
     def _check_positions(self, max_pos: int) -> None:
@@ -339,7 +343,7 @@ def _pad64(n: int) -> int:
     return (n + 63) // 64 * 64
 
 
-def _find_files(directory: Path, step: int | None) -> tuple[Path, Path]:
+def find_files(directory: Path, step: int | None) -> tuple[Path, Path]:
     """The model and meta files for `step` (highest step when None)."""
     if not directory.is_dir():
         raise FileNotFoundError(f"nanochat checkpoint directory {str(directory)!r} does not exist")
@@ -485,7 +489,7 @@ def load_nanochat_checkpoint(directory: Path, device: torch.device, dtype: torch
                              step: int | None = None) -> CausalLM:
     """Load a nanochat checkpoint directory (model_<step>.pt + meta_<step>.json), highest step by default."""
     directory = Path(directory)
-    model_path, meta_path = _find_files(directory, step)
+    model_path, meta_path = find_files(directory, step)
     cfg = _read_config(meta_path)
     try:
         raw = torch.load(model_path, map_location="cpu", weights_only=True)

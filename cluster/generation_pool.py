@@ -1,0 +1,123 @@
+"""`GenerationPool`: Ray workers and their engines kept alive across calls, from Python.
+
+    from cluster import GenerationPool
+    with GenerationPool("configs/rl.yaml", {"cluster.num_workers": 2}) as pool:
+        table = pool.generate(["What is 2+2?", "Name a prime."], {"temperature": 0.7, "seed": step})
+        pool.load_weights("ckpt/step-200")          # every worker, in place
+        table = pool.generate(prompts)               # now from step-200's weights
+
+A pool is a UnitDispatcher (cluster/pool.py: the same GenerationWorker actors, deadlines,
+retries and worker replacement as a job) started once and fed with the units of each call.
+The prompts travel inside their units and the rows come back through Ray, never through
+files. What the prompts and rows are is the task's business (cluster.task.PromptTask); for
+a job config that is jobs.pool_task.PoolTask, which reads and writes them exactly as a job
+does, so a call's rows equal, bit for bit, what `run_job` writes for the same prompts, ids,
+parameters and checkpoint.
+
+Constructed from a job config, the pool is the one place where cluster/ reaches into jobs/
+(lazily, when given a config rather than a task): the config, the prompt formats and the
+output schema are the job's, and `from cluster import GenerationPool` is where a trainer
+looks for a pool of workers.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping
+
+from cluster.pool import UnitDispatcher
+from cluster.task import PromptTask
+
+
+class GenerationPool:
+    """Long-lived generation workers (see the module docstring).
+
+    GenerationPool(config=None, overrides=(), *, model=None): config is a job config as
+    `run_job` takes it (a YAML path, a dict of sections or a JobSpec; None: the defaults),
+    overrides "section.key=value" strings or a {"section.key": value} mapping, and `model`
+    a shorthand for model.path. The `output` section is not used. `cluster` sets the
+    workers (num_workers, cpus_per_worker, gpus_per_worker, address: a local Ray instance is
+    started for the pool and shut down by `close()`, an initialised one is used as is),
+    unit_rows (most prompts per unit; a call is cut into at least two units per worker),
+    max_unit_attempts and unit_timeout_s. The workers start, and their engines load, in the
+    constructor.
+    Raises SpecError / InputError for a bad config (naming the key) and
+    cluster.pool.UnitFailed when workers cannot start.
+    """
+
+    def __init__(self, config: Any = None, overrides: Iterable[str] | Mapping[str, Any] = (), *,
+                 model: str | None = None) -> None:
+        from jobs.pool_task import pool_setup
+
+        setup = pool_setup(config, overrides, model=model)
+        self.task: PromptTask = setup.task
+        self.unit_rows = max(1, int(setup.unit_rows))
+        self._ray_started = setup.ray_started
+        self._next_index = 0  # unit indices count up over the pool's life (late copies never collide)
+        self.dispatcher = UnitDispatcher(setup.task, **setup.dispatcher_options)
+        try:
+            self.dispatcher.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ calls
+    def generate(self, prompts: Any, params: Any = None, *, prompt_ids: Any = None) -> Any:
+        """Generate for `prompts` and return their rows (for a job config: a pyarrow.Table
+        with the job's output schema, one row per sample, in prompt order then sample index).
+
+        prompts, params, prompt_ids: as the task takes them (jobs.pool_task.PoolTask: a list
+        of strings, token-id lists or chat message lists, or a pyarrow.Table with the job's
+        input columns; params an engine SamplingParams or a dict of `sampling` keys over
+        the config's; prompt_ids one id per prompt, default "0", "1", ...).
+        Raises ValueError (SpecError, InputError) for input the task refuses, before any
+        work, and cluster.pool.UnitFailed when the call cannot finish (a unit failing
+        max_unit_attempts times, no worker able to start); the workers stay up.
+        """
+        if not hasattr(prompts, "__len__"):
+            prompts = list(prompts)
+        n = len(prompts)
+        per_unit = max(1, min(self.unit_rows, math.ceil(n / (self.dispatcher.num_workers
+                                                             * self.dispatcher.in_flight_per_worker))))
+        units, call = self.task.make_units(prompts, params, prompt_ids, self._next_index, per_unit)
+        self._next_index += len(units)
+        results = self.dispatcher.run(units) if units else []
+        return self.task.collect(call, results)
+
+    def load_weights(self, checkpoint_path: str, *, step: int | None = None) -> list[dict]:
+        """Load checkpoint `checkpoint_path`'s weights into every worker's engine, in place:
+        same actors (same pids), same KV cache, all workers or none (UnitDispatcher.load_weights).
+        The checkpoint needs the same architecture and shapes (engine/weights.py); its
+        tokenizer is not read (the pool keeps the config's). Afterwards `generate` equals a
+        job on the new checkpoint, bit for bit; workers replaced later load it too.
+        step: for a nanochat directory (default: its highest step now).
+        Returns each worker's state ({"worker", "pid", "weights", "kv_cache_ptr", ...}).
+        Raises cluster.pool.WeightsRefused naming the worker and what does not fit (every
+        worker keeps its weights) and UnitFailed when no worker runs."""
+        return self.dispatcher.load_weights(str(checkpoint_path), step=step)
+
+    def workers(self) -> list[dict]:
+        """The worker slots: name, state, info from when it started (pid, host, device, dtype)."""
+        return self.dispatcher.workers()
+
+    def engine_states(self) -> list[dict]:
+        """Each worker's engine_state() (pid, weights swapped in last, KV cache), after any
+        starting worker is ready."""
+        return self.dispatcher.engine_states()
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Stop the workers (and the Ray instance the pool started). Idempotent."""
+        dispatcher = getattr(self, "dispatcher", None)
+        if dispatcher is not None:
+            dispatcher.close()
+        if self._ray_started:
+            import ray
+
+            self._ray_started = False
+            ray.shutdown()
+
+    def __enter__(self) -> "GenerationPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
