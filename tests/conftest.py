@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def ray_local():
     """A local Ray instance (2 CPUs) shared by the test modules that ask for it: started by the
     first, kept for the next (a start costs 5-10 s on 2 cores), shut down at the end of the
-    session. A module that needs Ray otherwise (tests/test_multinode.py's cluster) shuts it
-    down first; the next module that asks starts it again. Workers find engine/, cluster/,
+    session. A module that needs Ray otherwise (test_multinode.py's cluster, test_submit.py's
+    head, whose dashboard agent would find the ports of this instance's agent taken) calls
+    stop_shared_ray() first; the next module that asks starts it again. Workers find engine/, cluster/,
     jobs/ and tests/ (toy models, fault injectors) on their PYTHONPATH."""
     import ray
 
@@ -32,6 +33,15 @@ def ray_local():
 @pytest.fixture(scope="session", autouse=True)
 def _ray_shutdown_at_exit():
     yield
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def stop_shared_ray() -> None:
+    """Shut down the shared local instance of `ray_local`, if it runs in this process."""
     if "ray" in sys.modules:
         import ray
 

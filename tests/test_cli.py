@@ -176,7 +176,9 @@ def _plan_config(tmp_path, **extra):
     return cfg
 
 
-def test_plan_prints_the_plan_without_ray_or_a_model(tmp_path, capsys):
+def test_plan_prints_the_plan_without_ray_or_a_model(tmp_path, capsys, monkeypatch):
+    ray = pytest.importorskip("ray")
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("plan started Ray"))
     cfg = _plan_config(tmp_path)
     assert main(["plan", str(cfg)]) == 0
     out = capsys.readouterr().out
@@ -185,7 +187,6 @@ def test_plan_prints_the_plan_without_ray_or_a_model(tmp_path, capsys):
     assert "model:         smollm2 (cpu, float32)" in out and f"output:        {tmp_path / 'out'}: new" in out
     assert "lease:         free" in out and "fingerprint:   " in out
     assert not (tmp_path / "out").exists()  # plan writes nothing
-    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
 
 
 def test_plan_reports_resume_and_refuses_another_jobs_output(tmp_path, capsys):

@@ -11,6 +11,8 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from conftest import stop_shared_ray  # noqa: E402
+
 from cluster.pool import run_units  # noqa: E402
 from jobs.task import JobTask  # noqa: E402
 from test_cluster import ROOT, assert_same_dataset, read_dataset, write_inputs  # noqa: E402
@@ -19,8 +21,7 @@ from test_faults import job_spec, prepared  # noqa: E402
 
 @pytest.fixture(scope="module")
 def cluster():
-    if ray.is_initialized():  # the shared local instance (conftest.py): this module needs its own cluster
-        ray.shutdown()
+    stop_shared_ray()  # conftest.py's local instance: this module needs its own cluster
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:
         nodes = [c.add_node(num_cpus=1, resources={"gen": 1}) for _ in range(2)]

@@ -28,6 +28,7 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("aiohttp", reason="the Ray job server needs ray[default]")
 
+from conftest import stop_shared_ray  # noqa: E402
 from test_cluster import ROOT, assert_same_dataset, read_dataset  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -47,6 +48,7 @@ def _free_port() -> int:
 def head(tmp_path_factory):
     """A Ray head in its own process group; yields (env with the token, GCS address, job server
     URL, Ray Client address)."""
+    stop_shared_ray()  # conftest.py's local instance: its dashboard agent holds the ports the head's needs
     tmp = tmp_path_factory.mktemp("head")
     token = tmp / "auth_token"
     token.write_text(secrets.token_hex(32))
