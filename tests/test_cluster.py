@@ -333,7 +333,9 @@ def test_a_worker_that_fails_every_unit_is_replaced(ray_local, tmp_path):
     assert sorted(r.index for r in res) == list(range(len(units)))
     replaced = [d for _, k, d in events if k == "replaced"]
     assert len(replaced) == 1 and "3 units failed in a row on it" in replaced[0], replaced
-    assert sum(k == "unit_failed" for _, k, _ in events) == 3
+    # the third failure in a row replaces it; a unit it held beside that one (2 in flight per
+    # worker) may fail too before the replacement lands
+    assert 3 <= sum(k == "unit_failed" for _, k, _ in events) <= 3 + 1
     assert all("stale NFS handle" in d for _, k, d in events if k == "unit_failed")
 
 
