@@ -8,6 +8,11 @@ if str(Path(__file__).parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parents[1]))
 
 import os  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -47,3 +52,52 @@ def stop_shared_ray() -> None:
 
         if ray.is_initialized():
             ray.shutdown()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_driver_once(proc: subprocess.Popen, committed: Callable[[], bool], timeout_s: float,
+                     poll_s: float = 0.1) -> None:
+    """Wait (a bounded poll: the signal is a file another process writes) until `committed()`,
+    then SIGKILL the driver `proc` and everything below it: its private Ray instance (GCS,
+    raylet, workers) shares its fate only lazily, and an orphan must not commit while the
+    test counts."""
+    ray_procs: list[int] = []
+    try:
+        deadline = time.time() + timeout_s
+        while not committed():
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.time() < deadline, f"no unit committed within {timeout_s:.0f}s"
+            time.sleep(poll_s)
+        ray_procs = descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        for p in descendants(proc.pid) + ray_procs:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -22,6 +22,7 @@ ray = pytest.importorskip("ray")
 from cluster.pool import UnitFailed, run_units  # noqa: E402
 from jobs.task import JobTask  # noqa: E402
 from jobs.output import TMP_RE  # noqa: E402
+from conftest import descendants, kill_driver_once  # noqa: E402
 from test_cluster import ROOT, assert_same_dataset, make_spec, read_dataset, write_inputs  # noqa: E402
 
 N_FILES, ROWS = 3, 8  # 24 prompts, unit_rows 2 -> 12 units
@@ -81,23 +82,6 @@ def check_exactly_once(out: Path, reference: list[dict]) -> None:
     keys = [(r["prompt_id"], r["sample_index"]) for r in rows]
     assert len(keys) == len(set(keys))
     assert_same_dataset(rows, reference)
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def _is_worker(pid: int) -> bool:
@@ -234,24 +218,7 @@ def test_kill_driver_then_rerun(inputs, reference, tmp_path):
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
-    ray_procs: list[int] = []
-    try:
-        deadline = time.time() + 180
-        while not list(out.glob("part-*.parquet")):  # bounded poll for the first committed unit
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.time() < deadline, "no unit committed within 180s"
-            time.sleep(0.1)
-        # the driver and, with it, its private Ray instance (GCS, raylet, workers: Ray shares
-        # their fate with the driver, but lazily; an orphan must not commit while we count)
-        ray_procs = _descendants(proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        for p in _descendants(proc.pid) + ray_procs:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    kill_driver_once(proc, lambda: bool(list(out.glob("part-*.parquet"))), timeout_s=180)
     from jobs.output import OutputDir
 
     committed = OutputDir(str(out)).committed_units()
@@ -360,7 +327,7 @@ def test_worker_whose_engine_raises_is_replaced(ray_local, inputs, reference, tm
 # ------------------------------------------------------------------ the raylet dies; a second driver
 
 def _raylet_of(pid: int) -> int:
-    for p in _descendants(pid):
+    for p in descendants(pid):
         try:
             if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"/raylet"):
                 return p
@@ -393,15 +360,15 @@ def test_raylet_killed_then_rerun_and_a_second_driver_refused(inputs, reference,
             assert first.poll() is None, first.stdout.read()[-3000:]
             assert time.time() < deadline, "no unit committed within 180s"
             time.sleep(0.1)
-        ray_procs = _descendants(first.pid)
+        ray_procs = descendants(first.pid)
         raylet = _raylet_of(first.pid)
-        for p in [raylet] + _descendants(raylet):
+        for p in [raylet] + descendants(raylet):
             os.kill(p, signal.SIGKILL)
         killed = time.monotonic()
         said = first.communicate(timeout=120)[0]
         took = time.monotonic() - killed
     finally:
-        for p in _descendants(first.pid) + ray_procs:
+        for p in descendants(first.pid) + ray_procs:
             try:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
@@ -430,7 +397,7 @@ def test_raylet_killed_then_rerun_and_a_second_driver_refused(inputs, reference,
         assert f'"pid": {rerun.pid}' in lease.read_text()  # the lease is still the rerun's
         said = rerun.communicate(timeout=300)[0]
     finally:
-        for p in _descendants(rerun.pid):
+        for p in descendants(rerun.pid):
             try:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -260,7 +258,7 @@ def test_run_batch_210_lines_kill_and_rerun(tmp_path):
     from jobs.cli import batch_spec
     from jobs.openai_batch import write_responses
     from jobs.output import OutputDir
-    from test_faults import _descendants
+    from conftest import kill_driver_once
 
     lines, bad = batch_lines()
     assert sum(1 for x in lines if x.strip()) >= 210
@@ -318,22 +316,7 @@ def test_run_batch_210_lines_kill_and_rerun(tmp_path):
     dataset = work / "results.parquet"
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
-    ray_procs: list[int] = []
-    try:
-        deadline = time.time() + 240
-        while not list(dataset.glob("part-*.parquet")):  # bounded poll for the first committed unit
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.time() < deadline, "no unit committed within 240s"
-            time.sleep(0.1)
-        ray_procs = _descendants(proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        for p in _descendants(proc.pid) + ray_procs:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    kill_driver_once(proc, lambda: bool(list(dataset.glob("part-*.parquet"))), timeout_s=240)
     committed = OutputDir(str(dataset)).committed_units()
     assert 1 <= len(committed) < len(OutputDir(str(dataset)).read_manifest()["units"])
     assert not (work / "results.jsonl").exists()

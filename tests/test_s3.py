@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -27,7 +25,7 @@ import pyarrow.fs as pafs  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from test_cluster import ROOT  # noqa: E402
-from test_faults import _descendants  # noqa: E402
+from conftest import free_port, kill_driver_once  # noqa: E402
 
 pytestmark = pytest.mark.slow
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "batchgen-test", "AWS_SECRET_ACCESS_KEY": "batchgen-test-secret",
@@ -38,16 +36,10 @@ JOB = ["--set", "sampling.num_samples=2", "--set", "sampling.max_tokens=8", "--s
        "--set", "model.path=tiny-random"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3():
     """A moto S3 server on 127.0.0.1 with bucket `bkt`; yields (options query, env)."""
-    port = _free_port()
+    port = free_port()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "RAY_ADDRESS"}, **CREDENTIALS}
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -118,23 +110,10 @@ def test_demo_job_on_s3_killed_and_resumed_equals_a_local_run(s3, tmp_path):
            "--set", f"output.path={outp}", *JOB]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
-    ray_procs: list[int] = []
-    try:
-        deadline = time.time() + 240
-        while not any(i.path.rsplit("/", 1)[-1].startswith("part-")  # bounded poll for the first commit
-                      for i in fs.get_file_info(pafs.FileSelector("bkt/runs/demo", allow_not_found=True))):
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.time() < deadline, "no unit committed within 240s"
-            time.sleep(0.2)
-        ray_procs = _descendants(proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        for p in _descendants(proc.pid) + ray_procs:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    kill_driver_once(proc, lambda: any(i.path.rsplit("/", 1)[-1].startswith("part-")  # the first commit
+                                       for i in fs.get_file_info(pafs.FileSelector("bkt/runs/demo",
+                                                                                   allow_not_found=True))),
+                     timeout_s=240, poll_s=0.2)
     names = [i.path.rsplit("/", 1)[-1] for i in fs.get_file_info(pafs.FileSelector("bkt/runs/demo", recursive=True))]
     committed = [n for n in names if n.startswith("part-")]
     assert 1 <= len(committed) < 4 and "_SUCCESS" not in names

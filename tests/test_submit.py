@@ -17,7 +17,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("aiohttp", reason="the Ray job server needs ray[default]")
 
-from conftest import stop_shared_ray  # noqa: E402
+from conftest import free_port, stop_shared_ray  # noqa: E402
 from test_cluster import ROOT, assert_same_dataset, read_dataset  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -36,12 +35,6 @@ BIN = Path(sys.executable).parent
 # the 64 demo prompts would take 20 s a run here)
 OVERRIDES = ["--set", "sampling.num_samples=2", "--set", "sampling.max_tokens=8", "--set", "cluster.unit_rows=32",
              "--set", "model.path=tiny-random"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +49,7 @@ def head(tmp_path_factory):
                PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
     env.pop("RAY_ADDRESS", None)
     # ephemeral ports: outside the worker port range (10002-19999) that `ray start` reserves
-    gcs_port, dash_port, client_port = _free_port(), _free_port(), _free_port()
+    gcs_port, dash_port, client_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--port", str(gcs_port), "--num-cpus", "2",
          "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash_port),
