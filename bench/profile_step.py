@@ -1,12 +1,13 @@
 """Where a decode step's time goes: GEMMs against everything else.
 
 The bench_engine.py workload (a GPT-2-small-shaped model, random weights, fp32, 32 GSM8K
-prompts x 4 samples, top_k 50) is admitted, decoded for `--warmup` steps so that all 128
+prompts x 4 samples, top_k 50), or with --model smollm2 bench_smollm2.py's (SmolLM2-135M,
+the same questions as chat prompts) is admitted, decoded for `--warmup` steps so that all 128
 samples run, then `--steps` decode steps are profiled with torch.profiler. Prints the
 step time, its operators grouped as GEMM (oneDNN / BLAS matmuls), attention (the flash
 kernel), sampling and the rest, and the top operators outside GEMMs.
 
-    python bench/profile_step.py [--threads 2] [--steps 10] [--batch-invariant 1] [--prefix-sharing 1]
+    python bench/profile_step.py [--threads 2] [--steps 10] [--batch-invariant 1] [--prefix-sharing 1] [--model gpt2|smollm2]
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("--prefix-sharing", type=int, default=1)
     ap.add_argument("--rows", type=int, default=20, help="operators to list")
     ap.add_argument("--data", type=Path, default=SHARED)
+    ap.add_argument("--model", choices=("gpt2", "smollm2"), default="gpt2",
+                    help="gpt2: GPT-2 small shape, random weights, plain prompts; smollm2: the real model, chat prompts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -46,14 +49,20 @@ def main() -> None:
     from engine import SamplingParams, load_engine
     from engine.tokenizer import Tokenizer
 
-    ranks = args.data / "tokenizers" / "gpt2.tiktoken"
-    tok = Tokenizer.from_tiktoken_file(ranks)
-    prompts = [tok.encode(json.loads(line)["question"]) for line in (args.data / "gsm8k" / "test.jsonl").open()][:32]
-    torch.manual_seed(0)
-    tmp = tempfile.mkdtemp(prefix="profile-gpt2-")
-    GPT2LMHeadModel(GPT2Config()).save_pretrained(tmp)
-    eng = load_engine(tmp, device="cpu", dtype="float32", tokenizer=ranks, max_seq_len=400,
-                      batch_invariant=bool(args.batch_invariant), prefix_sharing=bool(args.prefix_sharing))
+    questions = [json.loads(line)["question"] for line in (args.data / "gsm8k" / "test.jsonl").open()][:32]
+    opts = dict(device="cpu", dtype="float32", batch_invariant=bool(args.batch_invariant),
+                prefix_sharing=bool(args.prefix_sharing))
+    if args.model == "smollm2":
+        eng = load_engine("smollm2", **opts)
+        prompts = [eng.tokenizer.render_chat([{"role": "user", "content": q}]) for q in questions]
+    else:
+        ranks = args.data / "tokenizers" / "gpt2.tiktoken"
+        tok = Tokenizer.from_tiktoken_file(ranks)
+        prompts = [tok.encode(q) for q in questions]
+        torch.manual_seed(0)
+        tmp = tempfile.mkdtemp(prefix="profile-gpt2-")
+        GPT2LMHeadModel(GPT2Config()).save_pretrained(tmp)
+        eng = load_engine(tmp, tokenizer=ranks, max_seq_len=400, **opts)
     params = SamplingParams(num_samples=4, max_tokens=args.warmup + 2 * args.steps + 10, temperature=1.0, top_k=50,
                             stop_token_ids=[])
     for i, p in enumerate(prompts):

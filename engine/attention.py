@@ -12,13 +12,24 @@ is computed once per prompt for the queries of all its samples (one read of its 
 Two implementations:
 - `decode_grouped` (CPU): torch's CPU flash kernel, which returns
   the log-sum-exp (`_scaled_dot_product_flash_attention_for_cpu`), called over strided views
-  of the arena (no copies). Measured on torch 2.13 (bench/bench_invariance.py): a query row's
-  result is bit-identical whatever else is in the call *when every (batch, head) item of the
-  call has a multiple of 4 query rows*; with 1, 2 or 3 rows the kernel's result depends on
-  which thread runs the item (odd threads differ), and a last block of 1-3 rows (mod 32)
-  takes another GEMM path. So with `invariant` (batch_invariant) every call pads its query
-  rows to a multiple of 4, and reads exactly the row's keys (no padding, no mask). A row's
-  output then depends only on its own query and keys: bit-identical whatever the batch.
+  of the arena (no copies), reading exactly a row's keys (no padding, no mask). Whether a
+  query row's result can depend on the rest of the call, measured on torch 2.13
+  (bench/bench_invariance.py, tests/test_attention.py): the kernel gives each thread a
+  scratch buffer of q * (k + 2 + head_dim) floats (q query rows per (batch, head) item, k =
+  min(keys, 512) keys per block) carved from one allocation, and its matmul into that
+  buffer rounds differently when the buffer is not 16-byte aligned. So a row's bits depend
+  on which thread runs its item unless q * (k + 2 + head_dim) is a multiple of 4 (or k <= 3,
+  too short for the vector path). With `invariant` (batch_invariant):
+  - with one query head per KV head (multi-head attention), a row's generated keys are
+    attended in chunks whose lengths satisfy that rule for q = 1 (`key_chunks`, a function
+    of the row's own length only), merged exactly by log-sum-exp: with q = 1 the kernel takes
+    its matrix-vector path, 2-6x faster here than a padded q = 4 (bench/bench_invariance.py).
+    With g > 1 query heads per KV head (grouped-query attention) the call pads each item to
+    the fewest rows >= g that satisfy the rule for all its keys (`aligned_query_rows`);
+  - the prompt calls pad each item's query rows to a multiple of 4 (aligned whatever k),
+    which is cheap there: one call serves all the prompt's samples.
+  A row's output then depends only on its own query and keys: bit-identical whatever the
+  batch, the number of threads, and whether its prompt is shared or its own copy.
 - `decode_batched` (GPUs; any device): the prompts and own runs gathered into padded blocks
   and attended with plain tensor ops (matmul, masked log-sum-exp), a fixed number of calls per
   step whatever the batch. Not batch-invariant (padding changes reduction lengths).
@@ -28,12 +39,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kv_layout import KVLayout
+from engine.kv_layout import KVLayout, RunGroup
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 def _flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse): SDPA (scale 1/sqrt(head_dim), no mask) and the log-sum-exp of the scaled scores."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)
+    out, lse = _FLASH(q, k, v, 0.0, False)
     return out, lse
 
 
@@ -44,11 +58,54 @@ def merge_attention(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: to
     o must be finite). Returns (..., D) in o1's dtype, computed in float32. Elementwise, so a
     row's result does not depend on the other rows.
     """
+    return merge_attention_lse(o1, l1, o2, l2)[0]
+
+
+def merge_attention_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor,
+                        l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_attention` and the log-sum-exp over the union, log(e^l1 + e^l2): ((..., D), (...))."""
     m = torch.maximum(l1, l2)
-    a = torch.exp(l1 - m).unsqueeze(-1)
-    b = torch.exp(l2 - m).unsqueeze(-1)
-    out = (o1.float() * a + o2.float() * b) / (a + b)
-    return out.to(o1.dtype)
+    a = torch.exp(l1 - m)
+    b = torch.exp(l2 - m)
+    den = a + b
+    out = (o1.float() * a.unsqueeze(-1) + o2.float() * b.unsqueeze(-1)) / den.unsqueeze(-1)
+    return out.to(o1.dtype), m + torch.log(den)
+
+
+_KV_BLOCK = 512  # torch's CPU flash kernel reads keys in blocks of this many (kv_split_size)
+
+
+def aligned_query_rows(g: int, keys: int, head_dim: int) -> int:
+    """Query rows per item for one invariant call of `g` query heads per KV head over `keys`
+    keys (see the module docstring): 1 when g is 1 (the caller then splits the keys with
+    `key_chunks`: the matrix-vector path is worth a second call), else the fewest rows >= g
+    that keep every thread's scratch buffer aligned (g itself or zero rows added, at most 3)."""
+    if g == 1:
+        return 1
+    k = min(keys, _KV_BLOCK)
+    rows = g
+    while keys > 3 and rows * (k + 2 + head_dim) % 4:
+        rows += 1
+    return rows
+
+
+def key_chunks(length: int, q_rows: int, head_dim: int) -> list[int]:
+    """Lengths of consecutive chunks of `length` keys for which torch's CPU flash kernel, with
+    `q_rows` query rows per item, gives a row the same bits whichever thread runs it (see the
+    module docstring): each chunk has k <= 512 keys and q_rows * (k + 2 + head_dim) a multiple
+    of 4, or k <= 3. Most lengths need one chunk or one plus a tail of 1-3 keys; a length
+    over 512 takes a chunk per block."""
+    out = []
+    while length > 0:
+        if length <= 3:
+            out.append(length)
+            break
+        k = min(length, _KV_BLOCK)
+        while q_rows * (k + 2 + head_dim) % 4:
+            k -= 1
+        out.append(k)
+        length -= k
+    return out
 
 
 def _strided_runs(cache: torch.Tensor, start: int, stride: int, n: int, lo: int, hi: int) -> torch.Tensor:
@@ -68,43 +125,81 @@ def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
     Each row attends to its prompt (the stored run, or its own copy) and to its generated
     tokens in separate calls, merged exactly: the split point is the row's prompt length, so
     a row gets the same bits with or without prefix sharing.
-    invariant: pad every call's query rows per item to a multiple of 4, which makes each
-    row's result independent of the rest of the step; False skips that padding (faster when
-    n_head / n_kv_head is not a multiple of 4; results then move in the last bits).
+    invariant: attend generated keys in aligned chunks and pad the prompt calls' query rows
+    to a multiple of 4 (module docstring), which makes each row's result independent of the
+    rest of the step; False makes one unpadded call per part (results then move in the last
+    bits with the batch).
     """
     B, Hq, _, D = q.shape
     Hkv = kc.shape[1]
     g = Hq // Hkv
     q4 = q.reshape(B, Hkv, g, D)
-    m = -(-g // 4) * 4 if invariant else g
-    qpad = q4 if m == g else torch.cat([q4, q4.new_zeros(B, Hkv, m - g, D)], dim=2)
     t = layout.t
     outs, lses = [], []
     for grp in layout.generated_groups():
         last = grp.length0 + t  # offset of this step's token in the rows' generated part
         a, b = layout.key_range(last, 0, last + 1, window)
-        n = grp.row_end - grp.row_begin
-        o, l = _flash_lse(qpad[grp.row_begin:grp.row_end], _strided_runs(kc, grp.start, grp.stride, n, a, b),
-                          _strided_runs(vc, grp.start, grp.stride, n, a, b))
-        outs.append(o)
-        lses.append(l)
-    o_gen = (outs[0] if len(outs) == 1 else torch.cat(outs))[:, :, :g]
-    l_gen = (lses[0] if len(lses) == 1 else torch.cat(lses))[:, :, :g]
+        qg = _group_queries(q4, grp)
+        chunks = [b - a]
+        if invariant:
+            rows = aligned_query_rows(g, b - a, D)
+            if rows == 1:
+                chunks = key_chunks(b - a, 1, D)
+            elif rows > g:
+                qg = torch.cat([qg, qg.new_zeros(qg.shape[0], Hkv, rows - g, D)], dim=2)
+        o, l = _run_group_attention(kc, vc, qg, grp, a, b, chunks)
+        outs.append(o[:, :, :g])
+        lses.append(l[:, :, :g])
+    o_gen = outs[0] if len(outs) == 1 else torch.cat(outs)
+    l_gen = lses[0] if len(lses) == 1 else torch.cat(lses)
+    pick = layout.generated_pick()
+    if pick is not None:
+        o_gen, l_gen = o_gen.index_select(0, pick), l_gen.index_select(0, pick)
     o_pre, l_pre = _shared_prompts(kc, vc, q4, layout, window, 4 if invariant else 1)
-    for grp in layout.copy_groups():  # rows with their own copy of the prompt
+    copies = layout.copy_groups()  # rows with their own copy of the prompt
+    if copies:
+        m = -(-g // 4) * 4 if invariant else g
+        qpad = q4 if m == g else torch.cat([q4, q4.new_zeros(B, Hkv, m - g, D)], dim=2)
+    for grp in copies:
         a, b = layout.key_range(grp.position0 + t, 0, grp.length0, window)
         if a >= b:
             continue
         if o_pre is None:
             o_pre, l_pre = torch.zeros_like(o_gen), torch.full_like(l_gen, float("-inf"))
-        n = grp.row_end - grp.row_begin
-        o, l = _flash_lse(qpad[grp.row_begin:grp.row_end], _strided_runs(kc, grp.start, grp.stride, n, a, b),
-                          _strided_runs(vc, grp.start, grp.stride, n, a, b))
-        o_pre[grp.row_begin:grp.row_end] = o[:, :, :g]
-        l_pre[grp.row_begin:grp.row_end] = l[:, :, :g]
+        o, l = _run_group_attention(kc, vc, _group_queries(qpad, grp), grp, a, b, [b - a])
+        if grp.gather is None:
+            r0, n = grp.rows[0], grp.num_slots
+            o_pre[r0:r0 + n], l_pre[r0:r0 + n] = o[:, :, :g], l[:, :, :g]
+        else:
+            rows = torch.tensor(grp.rows, device=q.device)
+            slots = torch.tensor(grp.slots, device=q.device)
+            o_pre.index_copy_(0, rows, o[:, :, :g].index_select(0, slots))
+            l_pre.index_copy_(0, rows, l[:, :, :g].index_select(0, slots))
     if o_pre is None:
         return o_gen.reshape(B, Hq, 1, D)
     return merge_attention(o_gen, l_gen, o_pre, l_pre).reshape(B, Hq, 1, D)
+
+
+def _group_queries(q: torch.Tensor, grp: RunGroup) -> torch.Tensor:
+    """The (num_slots, ...) queries of a run group's slots from the step's (B, ...) queries."""
+    if grp.gather is None:
+        return q[grp.rows[0]:grp.rows[0] + grp.num_slots]
+    return q.index_select(0, grp.gather)
+
+
+def _run_group_attention(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, grp: RunGroup, a: int, b: int,
+                         chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a run group's slot queries q (num_slots, Hkv, m, D) to positions [a, b)
+    of their runs, in key chunks of the given lengths merged by log-sum-exp: ((num_slots,
+    Hkv, m, D), (num_slots, Hkv, m))."""
+    n = grp.num_slots
+    o = l = None
+    for k in chunks:
+        oc, lc = _flash_lse(q, _strided_runs(kc, grp.start, grp.stride, n, a, a + k),
+                            _strided_runs(vc, grp.start, grp.stride, n, a, a + k))
+        o, l = (oc, lc) if o is None else merge_attention_lse(o, l, oc, lc)
+        a += k
+    return o, l
 
 
 def _shared_prompts(kc: torch.Tensor, vc: torch.Tensor, q4: torch.Tensor, layout: KVLayout,
@@ -120,17 +215,21 @@ def _shared_prompts(kc: torch.Tensor, vc: torch.Tensor, q4: torch.Tensor, layout
     qrows = torch.cat([q4.permute(1, 0, 2, 3).reshape(Hkv, B * g, D), q4.new_zeros(Hkv, 1, D)], dim=1)
     qblock = qrows.index_select(1, pc.gather)[None]  # (1, Hkv, slots, D)
     outs, lses = [], []
+    # (1, Hkv, hi - lo, D) views of the prompts' runs, made directly (one op per view: this
+    # loop runs once per prompt and layer, and its per-call costs add up)
+    stride, base = (0, D, Hkv * D, 1), kc.storage_offset()
+    assert vc.storage_offset() == base and kc.is_contiguous() and vc.is_contiguous()
     for start, lo, hi, off, n in pc.calls:
-        k = kc[start + lo:start + hi].permute(1, 0, 2)[None]
-        v = vc[start + lo:start + hi].permute(1, 0, 2)[None]
-        o, l = _flash_lse(qblock[:, :, off:off + n], k, v)
+        size, at = (1, Hkv, hi - lo, D), base + (start + lo) * Hkv * D
+        o, l = _FLASH(qblock[:, :, off:off + n], kc.as_strided(size, stride, at), vc.as_strided(size, stride, at),
+                      0.0, False)[:2]
         outs.append(o)
         lses.append(l)
     outs.append(q4.new_zeros(1, Hkv, 1, D))  # the sentinel slot of rows without a prompt part
     lses.append(torch.full((1, Hkv, 1), float("-inf"), dtype=lses[0].dtype, device=q4.device))
     o_pre = torch.cat(outs, dim=2).index_select(2, pc.scatter).view(Hkv, B, g, D).permute(1, 0, 2, 3)
     l_pre = torch.cat(lses, dim=2).index_select(2, pc.scatter).view(Hkv, B, g).permute(1, 0, 2)
-    return o_pre.contiguous(), l_pre.contiguous()
+    return o_pre, l_pre  # permuted views: the merge reads them as they are
 
 
 def _masked_lse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -11,8 +11,9 @@ sequence lives in at most two runs of it:
 `KVLayout` holds those numbers for every row (host ints, built by the engine when the set of
 running rows changes, advanced by one position per decode step) and derives what attention
 needs. Attention is split at the end of the prompt (`prompt_len`, a property of the row):
-- generated groups: consecutive rows with as many generated positions so far whose generated
-  keys sit at a regular stride, so one attention call reads them all as one strided view;
+- generated groups: rows with as many generated positions so far whose generated keys sit
+  at a regular stride (a cohort of samples admitted together, including the holes its
+  finished samples left), so one attention call reads them all as one strided view;
 - prompt calls: the rows of one stored prompt put their queries into one attention call
   against one read of the prompt's keys (cascade attention: Hydragen, arXiv 2402.05099;
   FlashInfer's cascade kernels); rows holding their own copy of the prompt are grouped like
@@ -21,25 +22,36 @@ needs. Attention is split at the end of the prompt (`prompt_len`, a property of 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass(slots=True)
-class StridedGroup:
-    """Rows [row_begin, row_end) of the step whose keys of one part (generated, or a copy of
-    the prompt) start at arena positions start + i * stride (i = row - row_begin) and cover
-    the same positions relative to that start: [0, length0 + t) for a generated part
-    (length0 when the layout was built, one more per step since), [0, length0) for a prompt
-    copy; position0 is the rows' common position when the layout was built (prompt copies)."""
+class RunGroup:
+    """Rows of the step whose keys of one part (generated, or a copy of the prompt) start at
+    arena positions start + slot * stride (slot in [0, num_slots)) and cover the same
+    positions relative to that start: [0, length0 + t) for a generated part (length0 when the
+    layout was built, one more per step since), [0, length0) for a prompt copy; position0 is
+    the rows' common position when the layout was built (prompt copies).
 
-    row_begin: int
-    row_end: int
+    rows: the step's rows in slot order; slots: their slots (increasing). A slot that no row
+    holds (a hole: a sample of the cohort finished, its run freed) is read with a stand-in
+    query and its result dropped: one attention call serves the cohort instead of one per
+    unbroken run of it. At most half of the slots are holes.
+    gather: (num_slots,) int64 row whose query each slot takes (a hole takes the first row's);
+        None when the slots are rows rows[0], rows[0] + 1, ... in order (a plain slice).
+    """
+
+    rows: list[int]
+    slots: list[int]
+    num_slots: int
     start: int
     stride: int
     length0: int
     position0: int
+    gather: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -133,47 +145,73 @@ class KVLayout:
     def has_prefix(self) -> bool:
         return any(s >= 0 for s in self.prefix_start)
 
-    @staticmethod
-    def _strided(rows: list[int], starts: list[int], keys: list[tuple], make) -> list[StridedGroup]:
-        """Maximal runs of consecutive rows (of `rows`, in order) with equal keys whose starts
-        are at a regular stride."""
-        groups: list[StridedGroup] = []
-        prev_key = None
-        for r in rows:
-            g = groups[-1] if groups else None
-            if g is not None and keys[r] == prev_key and r == g.row_end:
-                n = r - g.row_begin
-                gap = starts[r] - g.start
-                if n == 1 and gap > 0:
-                    g.stride = gap
-                if gap > 0 and gap == n * g.stride:
-                    g.row_end = r + 1
-                    continue
-            groups.append(make(r))
-            prev_key = keys[r]
+    def _run_groups(self, rows: list[int], starts: list[int], keys: list[tuple], length: list[int]) -> list[RunGroup]:
+        """`rows` in groups of equal keys whose starts lie on one regular stride (RunGroup),
+        grown greedily in arena order while at most half of a group's slots are holes."""
+        by_key: dict[tuple, list[int]] = {}
+        for r in sorted(rows, key=lambda r: starts[r]):
+            by_key.setdefault(keys[r], []).append(r)
+        groups: list[RunGroup] = []
+        for members in by_key.values():
+            cur, stride = [members[0]], 0
+            for r in members[1:]:
+                gap = starts[r] - starts[cur[0]]
+                s = math.gcd(stride, gap)
+                if s > 0 and gap // s + 1 <= 2 * (len(cur) + 1):
+                    cur.append(r)
+                    stride = s
+                else:
+                    groups.append(self._run_group(cur, stride or 1, starts, length))
+                    cur, stride = [r], 0
+            groups.append(self._run_group(cur, stride or 1, starts, length))
         return groups
 
-    def generated_groups(self) -> list[StridedGroup]:
-        """The generated part (positions prompt_len .. position) of every row, in strided groups
-        that cover all rows in order."""
+    def _run_group(self, rows: list[int], stride: int, starts: list[int], length: list[int]) -> RunGroup:
+        base = starts[rows[0]]
+        slots = [(starts[r] - base) // stride for r in rows]
+        n = slots[-1] + 1
+        gather = None
+        if slots != list(range(len(rows))) or rows != list(range(rows[0], rows[0] + len(rows))):
+            by_slot = [rows[0]] * n
+            for r, j in zip(rows, slots):
+                by_slot[j] = r
+            gather = torch.tensor(by_slot, dtype=torch.long, device=self.device)
+        return RunGroup(rows, slots, n, base, stride, length[rows[0]], self.position0[rows[0]], gather)
+
+    def generated_groups(self) -> list[RunGroup]:
+        """The generated part (positions prompt_len .. position) of every row, in run groups
+        of rows with as many generated positions (cohorts admitted at one step)."""
         if "generated" not in self._static:
             start = [s + P - p0 for s, P, p0 in zip(self.own_start, self.prompt_len, self.own_pos0)]
             length = [pos - P for pos, P in zip(self.position0, self.prompt_len)]
-            self._static["generated"] = self._strided(
-                list(range(self.num_rows)), start, [(n,) for n in length],
-                lambda r: StridedGroup(r, r + 1, start[r], 1, length[r], self.position0[r]))
+            self._static["generated"] = self._run_groups(list(range(self.num_rows)), start,
+                                                         [(n,) for n in length], length)
         return self._static["generated"]
 
-    def copy_groups(self) -> list[StridedGroup]:
+    def generated_pick(self) -> torch.Tensor | None:
+        """(B,) int64: where each row's result lies in the generated groups' results laid end to
+        end (slot-major, in `generated_groups` order); None when that is the rows in order."""
+        if "generated_pick" not in self._static:
+            groups = self.generated_groups()
+            pick = [0] * self.num_rows
+            offset = 0
+            for grp in groups:
+                for r, j in zip(grp.rows, grp.slots):
+                    pick[r] = offset + j
+                offset += grp.num_slots
+            same = offset == self.num_rows and pick == list(range(self.num_rows))
+            self._static["generated_pick"] = None if same else torch.tensor(pick, dtype=torch.long,
+                                                                             device=self.device)
+        return self._static["generated_pick"]
+
+    def copy_groups(self) -> list[RunGroup]:
         """The prompt part of rows that hold their own copy of it (positions 0 .. prompt_len - 1
-        at the start of their own run), in strided groups of rows with the same prompt length
+        at the start of their own run), in run groups of rows with the same prompt length
         and position."""
         if "copies" not in self._static:
             rows = [r for r in range(self.num_rows) if self.prefix_start[r] < 0 and self.prompt_len[r] > 0]
             keys = [(P, pos) for P, pos in zip(self.prompt_len, self.position0)]
-            self._static["copies"] = self._strided(
-                rows, self.own_start, keys,
-                lambda r: StridedGroup(r, r + 1, self.own_start[r], 1, self.prompt_len[r], self.position0[r]))
+            self._static["copies"] = self._run_groups(rows, self.own_start, keys, self.prompt_len)
         return self._static["copies"]
 
     @staticmethod

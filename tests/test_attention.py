@@ -155,3 +155,61 @@ def test_shared_and_copied_prompts_give_identical_bits(shape, window):
     shared = decode_grouped(kc, vc, q, _layout(rows), window)
     copied = decode_grouped(kc, vc, q, _layout(copies), window)
     assert torch.equal(shared, copied)
+
+
+LENGTHS = list(range(1, 40)) + [63, 64, 65, 66, 127, 128, 129, 130, 510, 511, 512, 513, 514, 515, 700]
+
+
+@pytest.mark.parametrize("shape", [(12, 12, 64), (9, 3, 64), (8, 4, 32), (6, 3, 80)],
+                         ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
+def test_generated_parts_of_every_length_are_row_invariant(shape):
+    """The generated part is read in key chunks (one query head per KV head: torch's kernel
+    then takes its fast matrix-vector path) or with query rows padded to keep the kernel's
+    per-thread buffers aligned (grouped-query heads), both chosen from the row's own length
+    only. Over lengths 1..700 (around the kernel's 512-key block and the alignment residues),
+    a row gives the same bits alone, beside its cohort, with holes in the cohort (finished
+    samples), and on one thread or two; and it equals float64 attention."""
+    Hq, Hkv, D = shape
+    n, stride = 6, 720
+    gen = torch.Generator().manual_seed(11)
+    kc = torch.randn(n * stride, Hkv, D, generator=gen)
+    vc = torch.randn(n * stride, Hkv, D, generator=gen)
+    q = torch.randn(n, Hq, 1, D, generator=gen)
+    threads = torch.get_num_threads()
+
+    def run(rows, pos):
+        layout = KVLayout.for_decode([r * stride for r in rows], [0] * len(rows), [-1] * len(rows),
+                                     [pos] * len(rows), "cpu", prompt_len=[0] * len(rows))
+        return decode_grouped(kc, vc, q[rows], layout, None)
+
+    try:
+        for L in LENGTHS:
+            full = run(list(range(n)), L - 1)
+            k = kc.view(n, stride, Hkv, D)[:, :L].permute(0, 2, 1, 3).double()
+            v = vc.view(n, stride, Hkv, D)[:, :L].permute(0, 2, 1, 3).double()
+            want = F.scaled_dot_product_attention(q.double(), k, v, enable_gqa=True)
+            assert (full.double() - want).abs().max() < 1e-5, L
+            for rows in ([0], [3], [5], [0, 2, 5], [1, 4]):
+                got = run(rows, L - 1)
+                for j, r in enumerate(rows):
+                    assert torch.equal(got[j], full[r]), f"length {L}, row {r} among {rows}"
+            torch.set_num_threads(1)
+            assert torch.equal(run(list(range(n)), L - 1), full), f"length {L}, one thread"
+            torch.set_num_threads(threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_key_chunks_and_query_rows_follow_the_alignment_rule():
+    """Every chunk (or padded call) keeps q * (keys + 2 + head_dim) a multiple of 4 within one
+    512-key block, or is at most 3 keys; chunks cover the length exactly."""
+    from engine.attention import aligned_query_rows, key_chunks
+    for D in (64, 80, 128):
+        for L in range(1, 1200):
+            chunks = key_chunks(L, 1, D)
+            assert sum(chunks) == L and len(chunks) <= 2 + L // 512
+            assert all(c <= 3 or (c <= 512 and (c + 2 + D) % 4 == 0) for c in chunks)
+            for g in (2, 3, 4, 5, 7):
+                rows = aligned_query_rows(g, L, D)
+                assert g <= rows <= g + 3
+                assert L <= 3 or rows * (min(L, 512) + 2 + D) % 4 == 0
