@@ -88,6 +88,10 @@ class WeightsRefused(ValueError):
     message names the worker and its error); every worker keeps the weights it had."""
 
 
+class _Refused(RuntimeError):
+    """A worker that started but cannot serve this run (its engine resolved another dtype)."""
+
+
 class UnitState(str, Enum):
     QUEUED = "queued"
     IN_FLIGHT = "in_flight"
@@ -203,6 +207,7 @@ class UnitDispatcher:
         self.needs = {"CPU": num_cpus, "GPU": num_gpus, **(self.options.get("resources") or {})}
         self.waiting_for_nodes = ""  # why no worker can start now (when may_add_nodes)
         self.events: deque[tuple[float, str, str]] = deque(maxlen=10_000)  # (time, kind, detail)
+        self.auto_dtype: str | None = None  # what the workers resolved model dtype "auto" to
         self.tokens_by_worker: dict[str, int] = {}
         self.progress_by_worker: dict[str, dict] = {}
         self._slots: list[_Worker | None] = [None] * self.num_workers
@@ -471,6 +476,8 @@ class UnitDispatcher:
     def _start_failed(self, w: _Worker, exc: BaseException) -> None:
         if getattr(exc, "actor_init_failed", False):
             why = f"worker {w.name} could not start: {_last_line(exc)}\n{_short(exc)}"
+        elif isinstance(exc, _Refused):
+            why = str(exc)
         else:
             why = f"worker {w.name} died before it was ready: {_short(exc)}"
         self._slot_failures[w.slot] += 1
@@ -592,9 +599,30 @@ class UnitDispatcher:
         except Exception as exc:  # noqa: BLE001 - any failure before ready is a start failure
             self._start_failed(w, exc)
             return
+        refused = self._check_auto_dtype(w)
+        if refused:
+            self._start_failed(w, _Refused(refused))
+            return
         w.state = WorkerState.READY
         self._slot_failures[w.slot] = 0
         self._event("ready", f"{w.name} pid {w.info.get('pid')} on {w.info.get('host')}")
+
+    def _check_auto_dtype(self, w: _Worker) -> str | None:
+        """With model dtype "auto", every worker's engine resolves it for its own device
+        (bfloat16 only on GPUs with native support, engine/checkpoint.py): the first ready
+        worker's choice is the run's, and a worker that resolved another (a GPU of another
+        generation) is refused, so that one run never mixes dtypes. Returns why, or None."""
+        if self.task.engine_kwargs.get("dtype") != "auto" or not w.info.get("dtype"):
+            return None
+        got = w.info["dtype"]
+        if self.auto_dtype is None:
+            self.auto_dtype = got
+            return None
+        if got == self.auto_dtype:
+            return None
+        return (f"worker {w.name} on {w.info.get('host')} ({w.info.get('device')}) resolved model.dtype auto to "
+                f"{got}, but this run's workers use {self.auto_dtype}: set model.dtype to one of them explicitly "
+                f"to run on mixed GPUs")
 
     def _on_poll(self, ray: Any, ref: Any, w: _Worker) -> None:
         from ray.exceptions import RayTaskError

@@ -28,7 +28,10 @@ Paths:
 Device and dtype are resolved here, on the driver, so that the fingerprint names what the
 workers will run and no worker picks something else: `model.device: auto` is "cuda" when
 `cluster.gpus_per_worker` > 0, else "cpu" (Ray does not hide GPUs from CPU actors);
-`model.dtype: auto` is bfloat16 on cuda and float32 on cpu.
+`model.dtype: auto` is float32 on cpu; on cuda it is resolved by each worker for its GPU
+(bfloat16 with native support, compute capability 8.0 and up; float32 on older GPUs), the
+first ready worker's choice binds the run (a worker that resolves another is refused), and
+the fingerprint records "auto": set model.dtype explicitly to pin it across GPU generations.
 
 `input.column` defaults to "prompt" for the text and tokens formats and "messages" for chat.
 
@@ -317,10 +320,13 @@ class JobSpec(_Section):
         return d
 
     def resolved_dtype(self) -> str:
-        """model.dtype with aliases and "auto" resolved: bfloat16 on cuda, float32 elsewhere."""
+        """model.dtype with aliases resolved, and "auto" resolved to float32 on cpu; on cuda
+        "auto" stays "auto": each worker's engine picks bfloat16 on a GPU with native support
+        (compute capability 8.0 and up) and float32 on older ones, and the workers of one run
+        must agree (cluster/pool.py refuses a worker that resolved another)."""
         dt = DTYPE_NAMES[self.model.dtype]
-        if dt == "auto":
-            return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
+        if dt == "auto" and not self.resolved_device().startswith("cuda"):
+            return "float32"
         return dt
 
     def engine_kwargs(self) -> dict[str, Any]:

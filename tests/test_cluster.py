@@ -95,8 +95,10 @@ class FakeTokenizer:
 class FakeEngine:
     """Finishes one request per step; a request's 'sample' is its reversed prompt."""
 
-    def __init__(self):
+    def __init__(self, dtype=None):
         self.tokenizer = FakeTokenizer()
+        if dtype is not None:
+            self.dtype = dtype
         self.q = []
         self.num_generated_tokens = 0
 
@@ -135,6 +137,7 @@ class FakeTask:
     broken_engine: object = False
     poison_first_worker: bool = False
     hang_unit: int | None = None
+    first_dtype: str | None = None  # the first worker's engine reports this dtype, later ones "float32"
     engine_kwargs: dict = field(default_factory=dict)
     params: FakeParams = field(default_factory=FakeParams)
 
@@ -152,6 +155,8 @@ class FakeTask:
     def load_engine(self):
         if self.broken_engine is True or (self.broken_engine == "once" and self._first("broken-engine")):
             raise FileNotFoundError("checkpoint /nowhere/model.pt not found")
+        if self.first_dtype is not None:
+            return FakeEngine(self.first_dtype if self._first("dtype") else "float32")
         return FakeEngine()
 
     def read_unit(self, unit, tokenizer):
@@ -291,6 +296,25 @@ def test_pool_dispatch_retry_and_failures(ray_local, tmp_path):
         run_units(FakeTask(str(tmp_path), prompts, broken_engine=True), units, num_workers=2, num_cpus=1,
                   num_gpus=0, max_unit_attempts=3, on_result=None, on_progress=None)
     assert time.time() - t < 240
+
+
+def test_workers_resolving_dtype_auto_differently_are_refused(ray_local, tmp_path):
+    """With model dtype "auto" each worker's engine resolves it for its own GPU; the first
+    ready worker binds the run, and a worker that resolved another dtype (an older GPU) is
+    refused by name: the run's rows never mix dtypes, and the units still all run."""
+    _by_value()
+    from cluster.pool import UnitDispatcher
+
+    prompts = [f"prompt {i}" for i in range(8)]
+    task = FakeTask(str(tmp_path), prompts, first_dtype="bfloat16", engine_kwargs={"dtype": "auto"})
+    with UnitDispatcher(task, num_workers=2, num_cpus=1, max_start_failures=2) as d:
+        assert d.wait_ready() >= 1  # both slots started (and retried) before any unit runs
+        res = d.run(fake_units(len(prompts), 2))
+        assert sorted(r.index for r in res) == list(range(4))
+        bound = d.auto_dtype  # whichever engine was ready first: bfloat16 (the first loaded) or float32
+    other = {"bfloat16": "float32", "float32": "bfloat16"}[bound]
+    refused = [detail for _, kind, detail in d.events if f"resolved model.dtype auto to {other}" in detail]
+    assert refused and f"this run's workers use {bound}: set model.dtype" in refused[0]
 
 
 def test_dispatcher_runs_several_batches_on_the_same_workers(ray_local, tmp_path):

@@ -148,14 +148,18 @@ def test_sampling_params_and_engine_kwargs(tmp_path):
 
 
 def test_device_and_dtype_resolved_on_the_driver(tmp_path):
-    """auto never depends on the machine the driver or a worker happens to run on: a CPU
-    job is cpu/float32 on a GPU node too, a GPU job is cuda/bfloat16, and the fingerprint
-    names the device kind and dtype (so a resumed job cannot switch either)."""
+    """auto never depends on the machine the driver happens to run on: a CPU job is
+    cpu/float32 on a GPU node too; a GPU job is cuda with dtype "auto", which each worker
+    resolves for its own GPU (bfloat16 only with native support; the run's workers must
+    agree, cluster/pool.py); the fingerprint names the device kind and dtype (so a resumed
+    job cannot switch either, and "auto" on cuda is not the same job as an explicit dtype)."""
     cpu = load_spec(write(tmp_path, ""))
     gpu = load_spec(write(tmp_path, ""), ["cluster.gpus_per_worker=1"])
     assert (cpu.engine_kwargs()["device"], cpu.engine_kwargs()["dtype"]) == ("cpu", "float32")
-    assert (gpu.engine_kwargs()["device"], gpu.engine_kwargs()["dtype"]) == ("cuda", "bfloat16")
-    assert cpu.fingerprint_dict()["model"]["device"] == "cpu" and gpu.fingerprint_dict()["model"]["dtype"] == "bfloat16"
+    assert (gpu.engine_kwargs()["device"], gpu.engine_kwargs()["dtype"]) == ("cuda", "auto")
+    assert cpu.fingerprint_dict()["model"]["device"] == "cpu" and gpu.fingerprint_dict()["model"]["dtype"] == "auto"
+    bf16 = load_spec(write(tmp_path, ""), ["cluster.gpus_per_worker=1", "model.dtype=bf16"])
+    assert bf16.engine_kwargs()["dtype"] == "bfloat16" and bf16.fingerprint_dict() != gpu.fingerprint_dict()
     assert cpu.fingerprint_dict() != gpu.fingerprint_dict()
     explicit = load_spec(write(tmp_path, ""), ["model.device=cuda:1", "model.dtype=fp16"])
     assert explicit.engine_kwargs()["device"] == "cuda:1" and explicit.fingerprint_dict()["model"]["device"] == "cuda"
