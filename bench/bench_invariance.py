@@ -11,7 +11,10 @@ call changes, and what the batch-invariant choice costs. Prints:
    and one over 4 rows of identical shape;
 4. the CPU flash kernel (what the engine's decode attention calls): for which numbers of
    query rows per (batch, head) item the result depends on the thread running the item;
-5. and which row counts of one call change a row's result (a last block of 1-3 rows).
+5. and which row counts of one call change a row's result (a last block of 1-3 rows);
+6. the alignment rule engine/attention.py follows (thread dependence exactly where a
+   thread's scratch buffer is not 16-byte aligned), checked over query rows and key counts;
+7. what the unpadded single-row (matrix-vector) path saves over padding to 4 rows.
 
     python bench/bench_invariance.py [--threads 2]
 """
@@ -110,6 +113,41 @@ def attention(g: torch.Generator, threads: int) -> None:
                   f"({'none a multiple of 4' if all(r % 4 for r in moved) else 'SOME multiple of 4'})")
 
 
+def alignment(g: torch.Generator, threads: int) -> None:
+    """6-7: the rule engine/attention.py derives from the kernel's per-thread scratch buffer
+    (q * (k + 2 + head_dim) floats, k = min(keys, 512)): an item's result depends on its
+    thread exactly when that size is not a multiple of 4 floats (16 bytes) and k > 3."""
+    fa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    print(f"6. CPU flash kernel: thread dependence ({threads} threads vs 1) against the alignment rule, "
+          f"m query rows, 1-80 and 508-520 keys")
+    for d in (64, 80):
+        agree = disagree = 0
+        for m in (1, 2, 3, 4):
+            for length in list(range(1, 81)) + list(range(508, 521)):
+                q = torch.randn(8, 4, m, d, generator=g)
+                k, v = torch.randn(8, 4, length, d, generator=g), torch.randn(8, 4, length, d, generator=g)
+                torch.set_num_threads(1)
+                one = fa(q, k, v, 0.0, False)[0]
+                torch.set_num_threads(threads)
+                dependent = not torch.equal(one, fa(q, k, v, 0.0, False)[0])
+                rule = length > 3 and m * (min(length, 512) + 2 + d) % 4 != 0
+                # the rule may only over-predict (an unaligned buffer need not change a result)
+                if dependent and not rule:
+                    disagree += 1
+                else:
+                    agree += 1
+        print(f"   head_dim {d}: {agree} cases consistent with the rule, {disagree} thread-dependent where "
+              f"the rule says aligned")
+    print("7. CPU flash kernel, 128 rows x 12 heads: ms per call with 1 query row (matrix-vector path) and "
+          "with 4 (the padding an unaligned length would otherwise need)")
+    for length in (22, 62, 126, 254):
+        k = torch.randn(128, length, 12, 64, generator=g).permute(0, 2, 1, 3)
+        v = torch.randn(128, length, 12, 64, generator=g).permute(0, 2, 1, 3)
+        q1, q4 = torch.randn(128, 12, 1, 64, generator=g), torch.randn(128, 12, 4, 64, generator=g)
+        t1, t4 = _time_ms(lambda: fa(q1, k, v, 0.0, False)), _time_ms(lambda: fa(q4, k, v, 0.0, False))
+        print(f"   {length} keys: {t1:.2f} ms with 1 row, {t4:.2f} ms with 4 ({t4 / t1:.1f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -121,6 +159,7 @@ def main() -> None:
     projections(g)
     pointwise(g)
     attention(g, args.threads)
+    alignment(g, args.threads)
 
 
 if __name__ == "__main__":

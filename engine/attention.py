@@ -23,7 +23,7 @@ Two implementations:
   - with one query head per KV head (multi-head attention), a row's generated keys are
     attended in chunks whose lengths satisfy that rule for q = 1 (`key_chunks`, a function
     of the row's own length only), merged exactly by log-sum-exp: with q = 1 the kernel takes
-    its matrix-vector path, 2-6x faster here than a padded q = 4 (bench/bench_invariance.py).
+    its matrix-vector path, 1.4-5x faster here than a padded q = 4 (bench/bench_invariance.py, 7).
     With g > 1 query heads per KV head (grouped-query attention) the call pads each item to
     the fewest rows >= g that satisfy the rule for all its keys (`aligned_query_rows`);
   - the prompt calls pad each item's query rows to a multiple of 4 (aligned whatever k),
@@ -136,7 +136,8 @@ def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
     q4 = q.reshape(B, Hkv, g, D)
     t = layout.t
     outs, lses = [], []
-    for grp in layout.generated_groups():
+    key_bytes = 2 * Hkv * D * kc.element_size()
+    for grp in layout.generated_groups(key_bytes):
         last = grp.length0 + t  # offset of this step's token in the rows' generated part
         a, b = layout.key_range(last, 0, last + 1, window)
         qg = _group_queries(q4, grp)
@@ -156,7 +157,7 @@ def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
     if pick is not None:
         o_gen, l_gen = o_gen.index_select(0, pick), l_gen.index_select(0, pick)
     o_pre, l_pre = _shared_prompts(kc, vc, q4, layout, window, 4 if invariant else 1)
-    copies = layout.copy_groups()  # rows with their own copy of the prompt
+    copies = layout.copy_groups(key_bytes)  # rows with their own copy of the prompt
     if copies:
         m = -(-g // 4) * 4 if invariant else g
         qpad = q4 if m == g else torch.cat([q4, q4.new_zeros(B, Hkv, m - g, D)], dim=2)

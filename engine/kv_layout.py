@@ -28,6 +28,12 @@ from dataclasses import dataclass, field
 import torch
 
 
+# Most bytes of keys a run group may read for its holes (finished samples' slots) before a
+# second attention call is cheaper: a call costs tens of microseconds, about what reading
+# half a MiB takes on a CPU core.
+HOLE_BYTES = 512 << 10
+
+
 @dataclass(slots=True)
 class RunGroup:
     """Rows of the step whose keys of one part (generated, or a copy of the prompt) start at
@@ -39,7 +45,7 @@ class RunGroup:
     rows: the step's rows in slot order; slots: their slots (increasing). A slot that no row
     holds (a hole: a sample of the cohort finished, its run freed) is read with a stand-in
     query and its result dropped: one attention call serves the cohort instead of one per
-    unbroken run of it. At most half of the slots are holes.
+    unbroken run of it. At most half of the slots are holes, their keys under HOLE_BYTES.
     gather: (num_slots,) int64 row whose query each slot takes (a hole takes the first row's);
         None when the slots are rows rows[0], rows[0] + 1, ... in order (a plain slice).
     """
@@ -145,9 +151,12 @@ class KVLayout:
     def has_prefix(self) -> bool:
         return any(s >= 0 for s in self.prefix_start)
 
-    def _run_groups(self, rows: list[int], starts: list[int], keys: list[tuple], length: list[int]) -> list[RunGroup]:
+    def _run_groups(self, rows: list[int], starts: list[int], keys: list[tuple], length: list[int],
+                    key_bytes: int) -> list[RunGroup]:
         """`rows` in groups of equal keys whose starts lie on one regular stride (RunGroup),
-        grown greedily in arena order while at most half of a group's slots are holes."""
+        grown greedily in arena order while at most half of a group's slots are holes and the
+        holes' keys (length x key_bytes each, read for nothing) stay under HOLE_BYTES: past
+        that, a second call is cheaper than reading them."""
         by_key: dict[tuple, list[int]] = {}
         for r in sorted(rows, key=lambda r: starts[r]):
             by_key.setdefault(keys[r], []).append(r)
@@ -157,7 +166,9 @@ class KVLayout:
             for r in members[1:]:
                 gap = starts[r] - starts[cur[0]]
                 s = math.gcd(stride, gap)
-                if s > 0 and gap // s + 1 <= 2 * (len(cur) + 1):
+                slots = gap // s + 1 if s > 0 else 0
+                holes = slots - len(cur) - 1
+                if s > 0 and slots <= 2 * (len(cur) + 1) and holes * length[r] * key_bytes <= HOLE_BYTES:
                     cur.append(r)
                     stride = s
                 else:
@@ -178,19 +189,21 @@ class KVLayout:
             gather = torch.tensor(by_slot, dtype=torch.long, device=self.device)
         return RunGroup(rows, slots, n, base, stride, length[rows[0]], self.position0[rows[0]], gather)
 
-    def generated_groups(self) -> list[RunGroup]:
+    def generated_groups(self, key_bytes: int = 0) -> list[RunGroup]:
         """The generated part (positions prompt_len .. position) of every row, in run groups
-        of rows with as many generated positions (cohorts admitted at one step)."""
+        of rows with as many generated positions (cohorts admitted at one step). key_bytes:
+        what one key position costs to read in a layer (K and V), which bounds the holes."""
         if "generated" not in self._static:
             start = [s + P - p0 for s, P, p0 in zip(self.own_start, self.prompt_len, self.own_pos0)]
             length = [pos - P for pos, P in zip(self.position0, self.prompt_len)]
             self._static["generated"] = self._run_groups(list(range(self.num_rows)), start,
-                                                         [(n,) for n in length], length)
+                                                         [(n,) for n in length], length, key_bytes)
         return self._static["generated"]
 
     def generated_pick(self) -> torch.Tensor | None:
         """(B,) int64: where each row's result lies in the generated groups' results laid end to
-        end (slot-major, in `generated_groups` order); None when that is the rows in order."""
+        end (slot-major, in `generated_groups` order); None when that is the rows in order.
+        Call after `generated_groups`."""
         if "generated_pick" not in self._static:
             groups = self.generated_groups()
             pick = [0] * self.num_rows
@@ -204,14 +217,14 @@ class KVLayout:
                                                                              device=self.device)
         return self._static["generated_pick"]
 
-    def copy_groups(self) -> list[RunGroup]:
+    def copy_groups(self, key_bytes: int = 0) -> list[RunGroup]:
         """The prompt part of rows that hold their own copy of it (positions 0 .. prompt_len - 1
         at the start of their own run), in run groups of rows with the same prompt length
-        and position."""
+        and position (key_bytes as for generated_groups)."""
         if "copies" not in self._static:
             rows = [r for r in range(self.num_rows) if self.prefix_start[r] < 0 and self.prompt_len[r] > 0]
             keys = [(P, pos) for P, pos in zip(self.prompt_len, self.position0)]
-            self._static["copies"] = self._run_groups(rows, self.own_start, keys, self.prompt_len)
+            self._static["copies"] = self._run_groups(rows, self.own_start, keys, self.prompt_len, key_bytes)
         return self._static["copies"]
 
     @staticmethod
