@@ -29,7 +29,9 @@ Two implementations:
   - the prompt calls pad each item's query rows to a multiple of 4 (aligned whatever k),
     which is cheap there: one call serves all the prompt's samples.
   A row's output then depends only on its own query and keys: bit-identical whatever the
-  batch, the number of threads, and whether its prompt is shared or its own copy.
+  batch, the number of threads, and whether its prompt is shared or its own copy. The rule
+  is probed once per head_dim and thread count (`alignment_rule_holds`); where it does not
+  hold (a CPU whose kernels want wider alignment), every item is padded to 16 query rows.
 - `decode_batched` (GPUs; any device): the prompts and own runs gathered into padded blocks
   and attended with plain tensor ops (matmul, masked log-sum-exp), a fixed number of calls per
   step whatever the batch. Not batch-invariant (padding changes reduction lengths).
@@ -73,6 +75,50 @@ def merge_attention_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor,
 
 
 _KV_BLOCK = 512  # torch's CPU flash kernel reads keys in blocks of this many (kv_split_size)
+
+
+# Query rows per item that keep every thread's buffer 64-byte aligned whatever the keys
+# (16 x (k + 2 + head_dim) floats): the fallback where the 16-byte rule fails its probe.
+_STRICT_ROWS = 16
+_RULE_PROBES: dict[tuple, bool] = {}
+
+
+def alignment_rule_holds(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether, on this machine and thread count, the flash kernel gives every item the same
+    bits on any thread whenever the rule of the module docstring says its buffers are aligned.
+
+    Measured on AVX2 (bench/bench_invariance.py, 6); a CPU with wider vectors may need wider
+    alignment. So the rule is checked once per (head_dim, dtype, threads) on random data
+    (1-4 query rows, keys 1-24 and 508-516 that the rule calls aligned, 2 threads or more
+    against one; 15-150 ms) and, where it fails, decode attention pads every item to 16
+    query rows instead (aligned to 64 bytes for any key count; slower, still invariant).
+    """
+    threads = torch.get_num_threads()
+    key = (head_dim, dtype, threads)
+    if key in _RULE_PROBES:
+        return _RULE_PROBES[key]
+    ok = True
+    if threads > 1:
+        gen = torch.Generator().manual_seed(0)
+        try:
+            for rows in (1, 2, 3, 4):
+                for k in list(range(1, 25)) + list(range(508, 517)):
+                    if k > 3 and rows * (min(k, _KV_BLOCK) + 2 + head_dim) % 4:
+                        continue  # the rule calls it unaligned: never used
+                    q = torch.randn(4 * threads, 2, rows, head_dim, generator=gen).to(dtype)
+                    kv = torch.randn(2, 4 * threads, 2, k, head_dim, generator=gen).to(dtype)
+                    torch.set_num_threads(1)
+                    one = _FLASH(q, kv[0], kv[1], 0.0, False)[0]
+                    torch.set_num_threads(threads)
+                    if not torch.equal(one, _FLASH(q, kv[0], kv[1], 0.0, False)[0]):
+                        ok = False
+                        break
+                if not ok:
+                    break
+        finally:
+            torch.set_num_threads(threads)
+    _RULE_PROBES[key] = ok
+    return ok
 
 
 def aligned_query_rows(g: int, keys: int, head_dim: int) -> int:
@@ -135,6 +181,8 @@ def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
     g = Hq // Hkv
     q4 = q.reshape(B, Hkv, g, D)
     t = layout.t
+    rule = not invariant or alignment_rule_holds(D, q.dtype)
+    multiple = 1 if not invariant else 4 if rule else _STRICT_ROWS
     outs, lses = [], []
     key_bytes = 2 * Hkv * D * kc.element_size()
     for grp in layout.generated_groups(key_bytes):
@@ -143,7 +191,7 @@ def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
         qg = _group_queries(q4, grp)
         chunks = [b - a]
         if invariant:
-            rows = aligned_query_rows(g, b - a, D)
+            rows = aligned_query_rows(g, b - a, D) if rule else -(-g // _STRICT_ROWS) * _STRICT_ROWS
             if rows == 1:
                 chunks = key_chunks(b - a, 1, D)
             elif rows > g:
@@ -156,10 +204,10 @@ def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
     pick = layout.generated_pick()
     if pick is not None:
         o_gen, l_gen = o_gen.index_select(0, pick), l_gen.index_select(0, pick)
-    o_pre, l_pre = _shared_prompts(kc, vc, q4, layout, window, 4 if invariant else 1)
+    o_pre, l_pre = _shared_prompts(kc, vc, q4, layout, window, multiple)
     copies = layout.copy_groups(key_bytes)  # rows with their own copy of the prompt
     if copies:
-        m = -(-g // 4) * 4 if invariant else g
+        m = -(-g // multiple) * multiple
         qpad = q4 if m == g else torch.cat([q4, q4.new_zeros(B, Hkv, m - g, D)], dim=2)
     for grp in copies:
         a, b = layout.key_range(grp.position0 + t, 0, grp.length0, window)

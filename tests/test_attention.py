@@ -213,3 +213,19 @@ def test_key_chunks_and_query_rows_follow_the_alignment_rule():
                 rows = aligned_query_rows(g, L, D)
                 assert g <= rows <= g + 3
                 assert L <= 3 or rows * (min(L, 512) + 2 + D) % 4 == 0
+
+
+def test_where_the_alignment_rule_fails_its_probe_decode_pads_to_16_rows(monkeypatch):
+    """The rule is probed on this machine (it holds here); on a CPU where it would not, every
+    item is padded to 16 query rows: still exact, still row-invariant."""
+    import engine.attention as A
+    assert A.alignment_rule_holds(64, torch.float32)
+    Hq, Hkv, D = 9, 3, 64
+    kc, vc, rows = _scenario(3, Hkv, D, True)
+    q = torch.randn(len(rows), Hq, 1, D, generator=torch.Generator().manual_seed(4))
+    want = _reference(kc, vc, q, rows, None)
+    monkeypatch.setattr(A, "alignment_rule_holds", lambda head_dim, dtype: False)
+    full = decode_grouped(kc, vc, q, _layout(rows), None)
+    assert (full - want).abs().max().item() < 1e-5
+    for i in range(len(rows)):
+        assert torch.equal(decode_grouped(kc, vc, q[[i]], _layout([rows[i]]), None)[0], full[i])
