@@ -90,7 +90,7 @@ def alignment_rule_holds(head_dim: int, dtype: torch.dtype) -> bool:
     Measured on AVX2 (bench/bench_invariance.py, 6); a CPU with wider vectors may need wider
     alignment. So the rule is checked once per (head_dim, dtype, threads) on random data
     (1-4 query rows, keys 1-24 and 508-516 that the rule calls aligned, 2 threads or more
-    against one; 15-150 ms) and, where it fails, decode attention pads every item to 16
+    against one; 10-70 ms) and, where it fails, decode attention pads every item to 16
     query rows instead (aligned to 64 bytes for any key count; slower, still invariant).
     """
     threads = torch.get_num_threads()
@@ -105,8 +105,8 @@ def alignment_rule_holds(head_dim: int, dtype: torch.dtype) -> bool:
                 for k in list(range(1, 25)) + list(range(508, 517)):
                     if k > 3 and rows * (min(k, _KV_BLOCK) + 2 + head_dim) % 4:
                         continue  # the rule calls it unaligned: never used
-                    q = torch.randn(4 * threads, 2, rows, head_dim, generator=gen).to(dtype)
-                    kv = torch.randn(2, 4 * threads, 2, k, head_dim, generator=gen).to(dtype)
+                    q = torch.randn(2 * threads, 1, rows, head_dim, generator=gen).to(dtype)
+                    kv = torch.randn(2, 2 * threads, 1, k, head_dim, generator=gen).to(dtype)
                     torch.set_num_threads(1)
                     one = _FLASH(q, kv[0], kv[1], 0.0, False)[0]
                     torch.set_num_threads(threads)
@@ -220,8 +220,7 @@ def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
             r0, n = grp.rows[0], grp.num_slots
             o_pre[r0:r0 + n], l_pre[r0:r0 + n] = o[:, :, :g], l[:, :, :g]
         else:
-            rows = torch.tensor(grp.rows, device=q.device)
-            slots = torch.tensor(grp.slots, device=q.device)
+            rows, slots = grp.scatter
             o_pre.index_copy_(0, rows, o[:, :, :g].index_select(0, slots))
             l_pre.index_copy_(0, rows, l[:, :, :g].index_select(0, slots))
     if o_pre is None:
@@ -270,8 +269,7 @@ def _shared_prompts(kc: torch.Tensor, vc: torch.Tensor, q4: torch.Tensor, layout
     assert vc.storage_offset() == base and kc.is_contiguous() and vc.is_contiguous()
     for start, lo, hi, off, n in pc.calls:
         size, at = (1, Hkv, hi - lo, D), base + (start + lo) * Hkv * D
-        o, l = _FLASH(qblock[:, :, off:off + n], kc.as_strided(size, stride, at), vc.as_strided(size, stride, at),
-                      0.0, False)[:2]
+        o, l = _flash_lse(qblock[:, :, off:off + n], kc.as_strided(size, stride, at), vc.as_strided(size, stride, at))
         outs.append(o)
         lses.append(l)
     outs.append(q4.new_zeros(1, Hkv, 1, D))  # the sentinel slot of rows without a prompt part

@@ -48,6 +48,8 @@ class RunGroup:
     unbroken run of it. At most half of the slots are holes, their keys under HOLE_BYTES.
     gather: (num_slots,) int64 row whose query each slot takes (a hole takes the first row's);
         None when the slots are rows rows[0], rows[0] + 1, ... in order (a plain slice).
+    scatter: with gather, (rows, slots) as int64 tensors, to put the slots' results back
+        (made once here: attention runs once per layer and step).
     """
 
     rows: list[int]
@@ -58,6 +60,7 @@ class RunGroup:
     length0: int
     position0: int
     gather: torch.Tensor | None = None
+    scatter: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -181,13 +184,15 @@ class KVLayout:
         base = starts[rows[0]]
         slots = [(starts[r] - base) // stride for r in rows]
         n = slots[-1] + 1
-        gather = None
+        gather = scatter = None
         if slots != list(range(len(rows))) or rows != list(range(rows[0], rows[0] + len(rows))):
             by_slot = [rows[0]] * n
             for r, j in zip(rows, slots):
                 by_slot[j] = r
-            gather = torch.tensor(by_slot, dtype=torch.long, device=self.device)
-        return RunGroup(rows, slots, n, base, stride, length[rows[0]], self.position0[rows[0]], gather)
+            dev = self.device
+            gather = torch.tensor(by_slot, dtype=torch.long, device=dev)
+            scatter = (torch.tensor(rows, dtype=torch.long, device=dev), torch.tensor(slots, dtype=torch.long, device=dev))
+        return RunGroup(rows, slots, n, base, stride, length[rows[0]], self.position0[rows[0]], gather, scatter)
 
     def generated_groups(self, key_bytes: int = 0) -> list[RunGroup]:
         """The generated part (positions prompt_len .. position) of every row, in run groups

@@ -96,8 +96,13 @@ def kill_driver_once(proc: subprocess.Popen, committed: Callable[[], bool], time
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
     finally:
-        for p in descendants(proc.pid) + ray_procs:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        sigkill(descendants(proc.pid) + ray_procs)
+
+
+def sigkill(pids: list[int]) -> None:
+    """SIGKILL each of `pids` that still exists."""
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

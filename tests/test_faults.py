@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray")
 from cluster.pool import UnitFailed, run_units  # noqa: E402
 from jobs.task import JobTask  # noqa: E402
 from jobs.output import TMP_RE  # noqa: E402
-from conftest import descendants, kill_driver_once  # noqa: E402
+from conftest import descendants, kill_driver_once, sigkill  # noqa: E402
 from test_cluster import ROOT, assert_same_dataset, make_spec, read_dataset, write_inputs  # noqa: E402
 
 N_FILES, ROWS = 3, 8  # 24 prompts, unit_rows 2 -> 12 units
@@ -258,11 +258,7 @@ def test_stopped_worker_is_replaced_and_its_units_run_again(ray_local, inputs, r
             results = pool.run(plan.units, on_result=on_result)
             events = [(k, d) for _, k, d in pool.events]
     finally:
-        for _, pid in stopped:  # ray.kill asks a process to exit; a stopped one cannot: end it
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        sigkill([pid for _, pid in stopped])  # ray.kill asks a process to exit; a stopped one cannot: end it
     name = stopped[0][0]
     assert any(k == "overdue" and d.endswith(f"on {name}") for k, d in events), events
     assert ("suspect", name) in events
@@ -368,11 +364,7 @@ def test_raylet_killed_then_rerun_and_a_second_driver_refused(inputs, reference,
         said = first.communicate(timeout=120)[0]
         took = time.monotonic() - killed
     finally:
-        for p in descendants(first.pid) + ray_procs:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        sigkill(descendants(first.pid) + ray_procs)
     error = [ln for ln in said.splitlines() if ln.startswith("error: ")]
     print(f"driver exited {took:.1f}s after the node died: {error}")
     assert first.returncode == 1, said[-3000:]
@@ -397,10 +389,6 @@ def test_raylet_killed_then_rerun_and_a_second_driver_refused(inputs, reference,
         assert f'"pid": {rerun.pid}' in lease.read_text()  # the lease is still the rerun's
         said = rerun.communicate(timeout=300)[0]
     finally:
-        for p in descendants(rerun.pid):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        sigkill(descendants(rerun.pid))
     assert rerun.returncode == 0, said[-3000:]
     check_exactly_once(out, reference)
