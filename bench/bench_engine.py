@@ -9,8 +9,10 @@ batch_invariant=True (the default: every sample bit-identical whatever its batch
 (the batched attention path GPUs use). The script also measures this machine's fp32 GEMM
 peak (torch.matmul, 2048^3, the same threads) and prints each engine rate as a fraction of
 the compute floor, peak / (2 x parameters) tokens/s: the rate if every parameter's
-multiply-add ran at the GEMM peak and nothing else took time. Machines are noisy: compare
-ratios from one run, not absolute numbers.
+multiply-add ran at the GEMM peak and nothing else took time, and a tighter bound measured
+from the default run (bench/bounds.py: its GEMMs at their measured rate plus its KV-cache
+reads at the measured bandwidth, all else free), against the 5x target. Machines are noisy:
+compare ratios from one run, not absolute numbers.
 
     python bench/bench_engine.py [--prompts 32] [--max-tokens 128] [--skip-hf] [--data ../shared/data]
 """
@@ -29,17 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared" / "data"
 
-
-def gemm_peak(threads: int, n: int = 2048, reps: int = 5) -> float:
-    """Best fp32 torch.matmul rate over `reps` n x n x n products, in FLOP/s."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.matmul(a, b)
-    best = 0.0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
-    return best
+from bounds import gemm_peak, run_bound  # noqa: E402  (bench/ is the script's directory)
 
 
 def main() -> None:
@@ -98,6 +90,10 @@ def main() -> None:
         samples[invariant] = [s.tokens for row in res for s in row]
         print(f"batchgen engine (batch_invariant={invariant}): {n} tokens in {dt:.1f} s = {n / dt:.1f} tokens/s "
               f"= {n / dt / floor:.0%} of the compute floor")
+        if invariant:  # the default mode: what could this run have done at best?
+            bound = run_bound(eng.model, len(prompts) * args.num_samples, peak,
+                              list(map(len, prompts)), [[len(s.tokens) for s in row] for row in res])
+            print(f"  bound for this run: {bound.describe()}")
         del eng
     same = sum(a == b for a, b in zip(samples[True], samples[False]))
     print(f"  samples with identical tokens in both modes: {same} of {len(samples[True])}")
@@ -123,6 +119,8 @@ def main() -> None:
     print(f"transformers generate: {n_hf} tokens in {dt_hf:.1f} s = {n_hf / dt_hf:.1f} tokens/s")
     for invariant, rate in rates.items():
         print(f"ratio (batchgen batch_invariant={invariant} / transformers tokens/s): {rate / (n_hf / dt_hf):.2f}x")
+    print(f"ratio the bound allows (bound / transformers tokens/s): {bound.tokens_per_s / (n_hf / dt_hf):.2f}x "
+          f"(target 5x)")
 
 if __name__ == "__main__":
     main()

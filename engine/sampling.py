@@ -104,22 +104,55 @@ def race_noise(keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Ten
 
 
 def race_noise_vocab(keys: torch.Tensor, positions: torch.Tensor, V: int) -> torch.Tensor:
-    """race_noise for every token id 0..V-1: (B, V) float64, the same values, in a buffer that
-    the next call overwrites."""
+    """race_noise for every token id 0..V-1: (B, V) float64, the same values (a fresh tensor;
+    the sampler itself never holds the whole (B, V) noise: see _race_plain)."""
+    out = torch.empty(keys.shape[0], V, dtype=torch.float64, device=keys.device)
+    for a, b, noise, _ in _vocab_noise_chunks(keys, positions, V):
+        out[a:b] = noise
+    return out
+
+
+def _vocab_noise_chunks(keys: torch.Tensor, positions: torch.Tensor, V: int):
+    """Yield (a, b, noise, spare) for consecutive row ranges: noise is rows a..b-1 of
+    race_noise_vocab's (B, V) and spare a float64 scratch of its shape, both in buffers the
+    next chunk overwrites. A chunk holds about _CHUNK elements, so each of the race's ~40
+    passes over it stays in cache."""
     B, dev = keys.shape[0], keys.device
+    step = max(1, _CHUNK // V)  # rows per chunk
     bufs = getattr(_VOCAB_BUFFERS, "race", None)
-    if bufs is None or bufs[0].shape != (B, V) or bufs[0].device != dev:
-        bufs = _VOCAB_BUFFERS.race = (torch.empty(B, V, dtype=torch.int32, device=dev),
-                                      torch.empty(B, V, dtype=torch.int32, device=dev),
-                                      torch.empty(B, V, dtype=torch.float64, device=dev))
-    h, tmp, out = bufs
+    if bufs is None or bufs[0].shape != (step, V) or bufs[0].device != dev:
+        bufs = _VOCAB_BUFFERS.race = (torch.empty(step, V, dtype=torch.int32, device=dev),
+                                      torch.empty(step, V, dtype=torch.int32, device=dev),
+                                      torch.empty(step, V, dtype=torch.float64, device=dev),
+                                      torch.empty(step, V, dtype=torch.float64, device=dev))
+    h, tmp, out, spare = bufs
     first = _token_hash(V, dev)
-    step = max(1, _CHUNK // V)  # rows per chunk: every pass over a chunk stays in cache
     for a in range(0, B, step):
         b = min(B, a + step)
-        h[a:b].copy_(first.expand(b - a, V))
-        _race_noise_from(h[a:b], tmp[a:b], out[a:b], keys[a:b], positions[a:b])
-    return out
+        n = b - a
+        h[:n].copy_(first.expand(n, V))
+        yield a, b, _race_noise_from(h[:n], tmp[:n], out[:n], keys[a:b], positions[a:b]), spare[:n]
+
+
+def _race_plain(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                processed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The race over the whole vocabulary (no truncation), a cache-sized chunk of rows at a time.
+
+    Per row: x = float64(logits / T), token = argmax(x - log E) (E from race_noise_vocab),
+    and with `processed` its logprob x[token] - logsumexp(x). Each chunk's noise, x and race
+    are made and consumed while they are in cache (one pass over (B, V) float64 buffers
+    that do not fit was 13% of the sampler). Rows are independent: a row's bits do not
+    depend on the chunk it lands in (_row_sums for the chunk of one row).
+    """
+    B, V = logits.shape
+    tokens = torch.empty(B, dtype=torch.long, device=logits.device)
+    lps = torch.empty(B, dtype=torch.float32, device=logits.device) if processed else None
+    for a, b, noise, x in _vocab_noise_chunks(keys, positions, V):
+        x.copy_(logits[a:b] / temperature[a:b, None])  # float32 division, then exact widening
+        torch.argmax(torch.sub(x, noise, out=noise), dim=-1, out=tokens[a:b])  # x - log E
+        if lps is not None:
+            lps[a:b] = x.gather(1, tokens[a:b, None])[:, 0] - _logsumexp_rows(x)
+    return tokens, lps
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -168,14 +201,14 @@ def sample_with_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k:
     for i, kind in enumerate(kinds):
         groups.setdefault(kind, []).append(i)
     B, dev = logits.shape[0], logits.device
-    if len(groups) == 1 and (kinds[0][0] in ("greedy", "top_k") or B <= _CHUNK_ROWS):
+    if len(groups) == 1 and (kinds[0][0] != "sorted" or B <= _CHUNK_ROWS):
         return _sample_group(kinds[0], logits, temperature, top_p, min_p, keys, positions, processed)
     tokens = torch.empty(B, dtype=torch.long, device=dev)
     lps = torch.empty(B, dtype=torch.float32, device=dev) if processed else None
     for kind, rows in groups.items():
-        # Vocabulary-wide kinds run _CHUNK_ROWS rows at a time: their (rows, V) float64
-        # buffers then stay in cache (256 rows at once were 3x slower per row than 64).
-        step = len(rows) if kind[0] in ("greedy", "top_k") else _CHUNK_ROWS
+        # Sorted rows run _CHUNK_ROWS at a time: their (rows, V) float64 buffers then stay in
+        # cache (256 rows at once were 3x slower per row than 64); plain rows chunk themselves.
+        step = _CHUNK_ROWS if kind[0] == "sorted" else len(rows)
         for i in range(0, len(rows), step):
             r = torch.tensor(rows[i:i + step], device=dev)
             t, lp = _sample_group(kind, logits.index_select(0, r), temperature[r], top_p[r], min_p[r], keys[r],
@@ -217,11 +250,7 @@ def _sample_group(kind: tuple, logits: torch.Tensor, temperature: torch.Tensor, 
         return tokens, (torch.zeros(B, dtype=torch.float32, device=logits.device) if processed else None)
     t = temperature[:, None]
     if kind[0] == "plain":  # no truncation: race over the whole vocabulary
-        x = (logits / t).double()
-        tokens = torch.argmax(race_noise_vocab(keys, positions, V).neg_().add_(x), dim=-1)  # x - noise
-        if not processed:
-            return tokens, None
-        return tokens, (x.gather(1, tokens[:, None])[:, 0] - _logsumexp_rows(x)).float()
+        return _race_plain(logits, temperature, keys, positions, processed)
     if kind[0] == "top_k":
         # Dividing by a positive temperature keeps the order, so the top-k of the raw
         # logits are the candidates; only they are scaled.

@@ -208,8 +208,9 @@ def test_per_request_params_are_bit_identical_alone_and_mixed():
 
 
 def test_vocabulary_wide_kinds_in_chunks_are_bit_identical(monkeypatch):
-    """Plain and top_p rows run _CHUNK_ROWS at a time: 100 rows chunked, unchunked and one by
-    one give the same token and processed-logprob bits."""
+    """Top_p rows run _CHUNK_ROWS at a time and plain rows race a cache-sized chunk of rows
+    (_CHUNK elements) at a time: 100 rows in chunks of any size, and one by one, give the same
+    token and processed-logprob bits."""
     import engine.sampling as S
 
     g = torch.Generator().manual_seed(9)
@@ -220,9 +221,10 @@ def test_vocabulary_wide_kinds_in_chunks_are_bit_identical(monkeypatch):
         a = (lg, torch.full((B,), 0.9), torch.zeros(B, dtype=torch.long), torch.full((B,), top_p), torch.zeros(B),
              keys, torch.arange(B))
         t, lp = sample_with_logprobs(*a, processed=True)
-        monkeypatch.setattr(S, "_CHUNK_ROWS", 10**9)
-        assert all(torch.equal(x, y) for x, y in zip((t, lp), sample_with_logprobs(*a, processed=True)))
-        monkeypatch.undo()
+        for name, value in (("_CHUNK_ROWS", 10**9), ("_CHUNK", 1), ("_CHUNK", 7 * V), ("_CHUNK", 10**9)):
+            monkeypatch.setattr(S, name, value)
+            assert all(torch.equal(x, y) for x, y in zip((t, lp), sample_with_logprobs(*a, processed=True))), name
+            monkeypatch.undo()
         for i in range(0, B, 7):
             one = sample_with_logprobs(*(x[i:i + 1] for x in a), processed=True)
             assert torch.equal(one[0], t[i:i + 1]) and torch.equal(one[1], lp[i:i + 1])

@@ -184,6 +184,12 @@ def test_race_noise_is_exactly_lowbias32():
     assert torch.equal(race_noise_vocab(keys, pos, V), want)
     cand = torch.randint(0, V, (len(keys), 50), generator=torch.Generator().manual_seed(0))
     assert torch.equal(race_noise(keys, pos, cand), want.gather(1, cand))
+    # plain sampling (no truncation) is the race over the whole vocabulary, exactly
+    logits = torch.randn(len(keys), V, generator=torch.Generator().manual_seed(1)) * 4
+    temp = torch.full((len(keys),), 0.7)
+    off = (torch.zeros(len(keys), dtype=torch.long), torch.ones(len(keys)), torch.zeros(len(keys)))
+    race = (logits / temp[:, None]).double() - want
+    assert torch.equal(sample_tokens(logits, temp, *off, keys, pos), race.argmax(dim=-1))
 
 
 def test_race_noise_is_stable_and_shared_ids_hash_the_same():
