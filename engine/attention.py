@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv_layout import KVLayout, RunGroup
+from engine.native import DecodeAttentionKernel, decode_attention_kernel
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -178,6 +179,11 @@ def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
     """
     B, Hq, _, D = q.shape
     Hkv = kc.shape[1]
+    kernel = native_kernel(q.dtype, D) if kc.is_contiguous() and vc.is_contiguous() else None
+    if kernel is not None:
+        seg, group_ptr, order = layout.native_segments(window, kc.shape[0])
+        return kernel(q.reshape(B, Hq, D).contiguous(), kc, vc, seg, group_ptr, order,
+                      torch.get_num_threads()).view(B, Hq, 1, D)
     g = Hq // Hkv
     q4 = q.reshape(B, Hkv, g, D)
     t = layout.t
@@ -226,6 +232,15 @@ def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
     if o_pre is None:
         return o_gen.reshape(B, Hq, 1, D)
     return merge_attention(o_gen, l_gen, o_pre, l_pre).reshape(B, Hq, 1, D)
+
+
+def native_kernel(dtype: torch.dtype, head_dim: int) -> DecodeAttentionKernel | None:
+    """The compiled decode kernel (engine/native.py) when it is available and handles this
+    dtype (float32) and head_dim; None otherwise (torch's kernels then)."""
+    if dtype != torch.float32:
+        return None
+    kernel = decode_attention_kernel()
+    return kernel if kernel is not None and kernel.supports(head_dim) else None
 
 
 def _group_queries(q: torch.Tensor, grp: RunGroup) -> torch.Tensor:

@@ -281,6 +281,51 @@ class KVLayout:
         cache[key] = pc
         return pc
 
+    # ------------------------------------------------------------------ compiled kernel
+    def native_segments(self, window: int | None, num_positions: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This step's runs for the compiled decode kernel (engine/native.py), CPU int64:
+        seg (B, 4) per row (prompt start, prompt length, own start, own length) in arena
+        positions: the keys [lo, hi) of key_range split at prompt_len, the prompt part in the
+        stored prompt's run (prefix sharing) or in the row's own copy; group_ptr (G + 1,) and
+        order (B,): rows grouped by shared prompt run (a row without one is a group alone).
+        Raises ValueError if a run leaves the arena's num_positions (the kernel does not check).
+        """
+        key = ("native", window, num_positions)
+        if key in self._step:
+            return self._step[key]
+        if window is None and ("native_base", num_positions) in self._static:
+            base, group_ptr, order = self._static[("native_base", num_positions)]
+        else:
+            t = self.t if window is not None else 0
+            seg, groups = [], {}
+            for r in range(self.num_rows):
+                pos, p0, P, ps, own = (self.position0[r] + t, self.own_pos0[r], self.prompt_len[r],
+                                       self.prefix_start[r], self.own_start[r])
+                lo, hi = self.key_range(pos, 0 if ps >= 0 else p0, P if ps < 0 else p0, window)
+                s0 = (ps + lo if ps >= 0 else own + lo - p0, hi - lo) if hi > lo else (0, 0)
+                lo, hi = self.key_range(pos, P, pos + 1, window)
+                seg.append((*s0, own + lo - p0, hi - lo))
+                groups.setdefault(s0 if ps >= 0 and s0[1] > 0 else ("row", r), []).append(r)
+            order = [r for rows in groups.values() for r in rows]
+            ptr = [0]
+            for rows in groups.values():
+                ptr.append(ptr[-1] + len(rows))
+            base = torch.tensor(seg, dtype=torch.long)
+            if min(min(x[0], x[2]) for x in seg) < 0 or int((base[:, 0] + base[:, 1]).max()) > num_positions:
+                raise ValueError("KVLayout.native_segments: a run outside the arena")
+            group_ptr, order = torch.tensor(ptr, dtype=torch.long), torch.tensor(order, dtype=torch.long)
+            if window is None:
+                self._static[("native_base", num_positions)] = (base, group_ptr, order)
+        seg = base
+        if window is None and self.t:
+            seg = base.clone()
+            seg[:, 3] += self.t  # one more own key per step
+        if int((seg[:, 2] + seg[:, 3]).max()) > num_positions:
+            raise ValueError("KVLayout.native_segments: a run outside the arena")
+        self._step[key] = out = (seg, group_ptr, order)
+        return out
+
     # ------------------------------------------------------------------ device tensors
     def _tensor(self, name: str, values: list[int]) -> torch.Tensor:
         t = self._static.get(name)

@@ -4,7 +4,9 @@ Both implementations (the batch-invariant CPU one and the batched one GPUs use) 
 plain attention over each row's whole history (prompt + own tokens) computed in float64, for
 grouped-query and plain multi-head shapes, with and without a sliding window. The invariant
 one must also give every row bit-identical output whatever other rows share the step, in
-whatever order: that is what makes the engine's samples batch-invariant.
+whatever order: that is what makes the engine's samples batch-invariant. The CPU path has two
+implementations (the compiled kernel of engine/native.py, and torch's kernels where it is
+unavailable): every test here runs with each.
 """
 import random
 
@@ -12,8 +14,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import decode_batched, decode_grouped, merge_attention
+import engine.attention as A
+from engine.attention import decode_batched, decode_grouped, merge_attention, native_kernel
 from engine.kv_layout import KVLayout
+
+
+@pytest.fixture(params=["native", "torch"], autouse=True)
+def decode_impl(request, monkeypatch):
+    """decode_grouped through the compiled kernel, then through torch's kernels (its fallback)."""
+    if request.param == "torch":
+        monkeypatch.setattr(A, "native_kernel", lambda dtype, head_dim: None)
+    elif native_kernel(torch.float32, 64) is None:
+        pytest.skip("the compiled decode kernel is unavailable here")
+    return request.param
 
 
 def _scenario(seed: int, Hkv: int, D: int, sharing: bool):
@@ -218,7 +231,7 @@ def test_key_chunks_and_query_rows_follow_the_alignment_rule():
 def test_where_the_alignment_rule_fails_its_probe_decode_pads_to_16_rows(monkeypatch):
     """The rule is probed on this machine (it holds here); on a CPU where it would not, every
     item is padded to 16 query rows: still exact, still row-invariant."""
-    import engine.attention as A
+    monkeypatch.setattr(A, "native_kernel", lambda dtype, head_dim: None)
     assert A.alignment_rule_holds(64, torch.float32)
     Hq, Hkv, D = 9, 3, 64
     kc, vc, rows = _scenario(3, Hkv, D, True)
@@ -229,3 +242,44 @@ def test_where_the_alignment_rule_fails_its_probe_decode_pads_to_16_rows(monkeyp
     assert (full - want).abs().max().item() < 1e-5
     for i in range(len(rows)):
         assert torch.equal(decode_grouped(kc, vc, q[[i]], _layout([rows[i]]), None)[0], full[i])
+
+
+def test_the_compiled_kernel_is_built_where_it_can_be(decode_impl):
+    """On x86-64 with AVX2 and a C++ compiler (this machine, CI) the kernel is built and used,
+    so the tests above exercise it rather than silently falling back; head sizes it does not
+    handle, and bfloat16, go to torch's kernels."""
+    import platform
+    import shutil
+    if platform.machine() != "x86_64" or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") \
+            or shutil.which("c++") is None:
+        pytest.skip("not a machine the kernel is built for")
+    kernel = native_kernel(torch.float32, 64) if decode_impl == "native" else A.decode_attention_kernel()
+    assert kernel is not None
+    assert all(kernel.supports(d) for d in (32, 64, 80, 96, 128)) and not kernel.supports(48)
+    assert A.native_kernel(torch.float32, 48) is None and A.native_kernel(torch.bfloat16, 64) is None
+
+
+def test_the_kernel_falls_back_when_it_cannot_be_built(monkeypatch, tmp_path):
+    """BATCHGEN_NATIVE=0, or a compiler that fails, makes the build raise (and
+    decode_attention_kernel return None): attention then runs on torch's kernels."""
+    import engine.native as N
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("BATCHGEN_NATIVE", "0")
+    with pytest.raises(N._Unavailable, match="BATCHGEN_NATIVE=0"):
+        N._build()
+    monkeypatch.setenv("BATCHGEN_NATIVE", "1")
+    monkeypatch.setenv("CXX", "false")
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        with pytest.raises(N._Unavailable, match="failed"):
+            N._build()
+    monkeypatch.setattr(N, "_kernel", False)  # not tried yet in this process
+    assert N.decode_attention_kernel() is None
+    assert list(tmp_path.iterdir()) == []  # no half-built library left behind
+
+
+def test_runs_outside_the_arena_are_refused():
+    """The kernel reads what it is told: the layout checks every run against the arena first."""
+    layout = KVLayout.for_decode([90], [0], [-1], [20], "cpu", prompt_len=[0])
+    assert layout.native_segments(None, 200)[0].tolist() == [[0, 0, 90, 21]]
+    with pytest.raises(ValueError, match="outside the arena"):
+        layout.native_segments(None, 100)
