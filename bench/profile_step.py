@@ -4,8 +4,8 @@ The bench_engine.py workload (a GPT-2-small-shaped model, random weights, fp32, 
 prompts x 4 samples, top_k 50), or with --model smollm2 bench_smollm2.py's (SmolLM2-135M,
 the same questions as chat prompts) is admitted, decoded for `--warmup` steps so that all 128
 samples run, then `--steps` decode steps are profiled with torch.profiler. Prints the
-step time, its operators grouped as GEMM (oneDNN / BLAS matmuls), attention (the flash
-kernel), sampling and the rest, and the top operators outside GEMMs.
+step time, its operators grouped as GEMM (oneDNN / BLAS matmuls), attention (the compiled
+kernel, or torch's flash kernel), sampling and the rest, and the top operators outside GEMMs.
 
     python bench/profile_step.py [--threads 2] [--steps 10] [--batch-invariant 1] [--prefix-sharing 1] [--model gpt2|smollm2]
 """
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared" / "data"
 
 GEMM = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
-ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu",)
+ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "batchgen::decode_attention")
 SAMPLING = ("aten::topk", "aten::sort", "aten::argmax", "aten::log_softmax", "aten::_log_softmax", "aten::logsumexp")
 
 
@@ -87,7 +87,7 @@ def main() -> None:
         if ev.key in GEMM:
             groups["GEMM"] += us
         elif ev.key in ATTENTION:
-            groups["attention (flash kernel)"] += us
+            groups["attention (kernel)"] += us
         elif ev.key in SAMPLING:
             groups["sampling (top-k, softmax)"] += us
         else:

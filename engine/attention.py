@@ -9,8 +9,15 @@ scores; the exact attention over both is the log-sum-exp merge
 (Hydragen, arXiv 2402.05099; FlashInfer's cascade attention, "merge_state"). The prompt part
 is computed once per prompt for the queries of all its samples (one read of its keys).
 
-Two implementations:
-- `decode_grouped` (CPU): torch's CPU flash kernel, which returns
+Implementations:
+- `decode_grouped` (CPU), first choice: the compiled kernel of engine/native.py
+  (engine/csrc/decode_attention.cpp), one call per layer for the whole step. Per group of
+  rows sharing a stored prompt it reads each block of prompt keys once for all of them, then
+  each row's own keys, with a per-row online softmax (no merge step). A row's result depends
+  only on its own query and keys by construction (see the source), so it needs none of the
+  alignment rules below; it matches the fallback to about 1e-6.
+- `decode_grouped` (CPU) where the kernel is unavailable (no compiler, not AVX2, another
+  dtype or head size, BATCHGEN_NATIVE=0): torch's CPU flash kernel, which returns
   the log-sum-exp (`_scaled_dot_product_flash_attention_for_cpu`), called over strided views
   of the arena (no copies), reading exactly a row's keys (no padding, no mask). Whether a
   query row's result can depend on the rest of the call, measured on torch 2.13

@@ -311,8 +311,10 @@ class KVLayout:
             ptr = [0]
             for rows in groups.values():
                 ptr.append(ptr[-1] + len(rows))
-            base = torch.tensor(seg, dtype=torch.long)
-            if min(min(x[0], x[2]) for x in seg) < 0 or int((base[:, 0] + base[:, 1]).max()) > num_positions:
+            base = torch.tensor(seg, dtype=torch.long).view(-1, 4)
+            outside = self.num_rows and (int(base[:, [0, 2]].min()) < 0
+                                         or int((base[:, 0] + base[:, 1]).max()) > num_positions)
+            if outside:
                 raise ValueError("KVLayout.native_segments: a run outside the arena")
             group_ptr, order = torch.tensor(ptr, dtype=torch.long), torch.tensor(order, dtype=torch.long)
             if window is None:
@@ -321,7 +323,7 @@ class KVLayout:
         if window is None and self.t:
             seg = base.clone()
             seg[:, 3] += self.t  # one more own key per step
-        if int((seg[:, 2] + seg[:, 3]).max()) > num_positions:
+        if self.num_rows and int((seg[:, 2] + seg[:, 3]).max()) > num_positions:
             raise ValueError("KVLayout.native_segments: a run outside the arena")
         self._step[key] = out = (seg, group_ptr, order)
         return out

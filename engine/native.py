@@ -63,9 +63,10 @@ class DecodeAttentionKernel:
         The caller guarantees the bounds: the kernel reads what seg says."""
         B, Hq, D = q.shape
         out = torch.empty_like(q)
-        rc = self._run(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr(), seg.data_ptr(),
-                       group_ptr.data_ptr(), order.data_ptr(), group_ptr.numel() - 1, Hq, kc.shape[1], D,
-                       D ** -0.5, threads)
+        with torch.profiler.record_function("batchgen::decode_attention"):  # visible to torch.profiler
+            rc = self._run(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr(), seg.data_ptr(),
+                           group_ptr.data_ptr(), order.data_ptr(), group_ptr.numel() - 1, Hq, kc.shape[1], D,
+                           D ** -0.5, threads)
         if rc != 0:
             raise ValueError(f"decode attention kernel: head_dim {D} is not supported")
         return out
