@@ -22,7 +22,6 @@ import torch
 
 @dataclass(slots=True)
 class Bound:
-    gemm_s_per_token: float    # decode multiplies per generated token at `rows` rows (seconds)
     gemm_flops_per_token: float
     read_bytes_per_s: float    # measured read bandwidth (bytes/s)
     prefill_s: float           # prefill multiplies at the GEMM peak (seconds)
@@ -42,29 +41,28 @@ class Bound:
                 f"attention arithmetic, sampling, norms and all else taken as free")
 
 
+def best_seconds(fn, reps: int) -> float:
+    """The shortest of `reps` timed calls of fn, after one untimed (warm-up) call."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def gemm_peak(threads: int, n: int = 2048, reps: int = 5) -> float:
     """Best fp32 torch.matmul rate over `reps` n x n x n products with `threads` threads (FLOP/s)."""
     torch.set_num_threads(threads)
     a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.matmul(a, b)
-    best = 0.0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
-    return best
+    return 2 * n**3 / best_seconds(lambda: torch.matmul(a, b), reps)
 
 
 def read_bandwidth(nbytes: int = 512 << 20, reps: int = 3) -> float:
     """Best read rate (bytes/s) of a float32 sum over an `nbytes` buffer (far larger than cache)."""
     x = torch.ones(nbytes // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    return nbytes / best_seconds(x.sum, reps)
 
 
 def step_gemms(model) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], torch.Tensor]:
@@ -91,17 +89,9 @@ def run_bound(model, rows: int, peak_flops: float, prompt_lengths: list[int], sa
     """
     calls, head = step_gemms(model)
     with torch.no_grad():
-        def timed(fn) -> float:
-            fn()
-            best = float("inf")
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t0)
-            return best
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w, _ in calls + [(head, None)]}
-        gemm_s = sum(timed(lambda w=w, b=b: model.linear(xs[w.shape[1]], w, b)) for w, b in calls)
-        gemm_s += timed(lambda: model.project_head(xs[head.shape[1]], head))
+        gemm_s = sum(best_seconds(lambda w=w, b=b: model.linear(xs[w.shape[1]], w, b), reps) for w, b in calls)
+        gemm_s += best_seconds(lambda: model.project_head(xs[head.shape[1]], head), reps)
     body = sum(w.numel() for w, _ in calls)  # multiply-adds per token outside the head
     info = model.info
     kv_token = 2 * info.n_layer * info.n_kv_head * info.head_dim * 4  # K and V, float32, bytes
@@ -110,7 +100,7 @@ def run_bound(model, rows: int, peak_flops: float, prompt_lengths: list[int], sa
         kv_bytes += p * max(lens, default=0)               # the prompt, once per step of its cohort
         kv_bytes += sum(n * (n - 1) // 2 for n in lens)    # each sample's own tokens, every step
     tokens, bw = sum(map(sum, sample_lengths)), read_bandwidth()
-    return Bound(gemm_s_per_token=gemm_s / rows, gemm_flops_per_token=2 * (body + head.numel()),
+    return Bound(gemm_flops_per_token=2 * (body + head.numel()),
                  read_bytes_per_s=bw, tokens=tokens,
                  prefill_s=(2 * body * sum(prompt_lengths) + 2 * head.numel() * len(prompt_lengths)) / peak_flops,
                  kv_read_s=kv_bytes * kv_token / bw, decode_gemm_s=tokens * gemm_s / rows)

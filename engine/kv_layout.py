@@ -294,9 +294,9 @@ class KVLayout:
         key = ("native", window, num_positions)
         if key in self._step:
             return self._step[key]
-        if window is None and ("native_base", num_positions) in self._static:
-            base, group_ptr, order = self._static[("native_base", num_positions)]
-        else:
+        if window is None and "native_base" in self._static:
+            base, group_ptr, order = self._static["native_base"]
+        else:  # without a window only the own lengths move with t: built once, advanced below
             t = self.t if window is not None else 0
             seg, groups = [], {}
             for r in range(self.num_rows):
@@ -312,18 +312,15 @@ class KVLayout:
             for rows in groups.values():
                 ptr.append(ptr[-1] + len(rows))
             base = torch.tensor(seg, dtype=torch.long).view(-1, 4)
-            outside = self.num_rows and (int(base[:, [0, 2]].min()) < 0
-                                         or int((base[:, 0] + base[:, 1]).max()) > num_positions)
-            if outside:
-                raise ValueError("KVLayout.native_segments: a run outside the arena")
             group_ptr, order = torch.tensor(ptr, dtype=torch.long), torch.tensor(order, dtype=torch.long)
             if window is None:
-                self._static[("native_base", num_positions)] = (base, group_ptr, order)
+                self._static["native_base"] = (base, group_ptr, order)
         seg = base
         if window is None and self.t:
             seg = base.clone()
             seg[:, 3] += self.t  # one more own key per step
-        if self.num_rows and int((seg[:, 2] + seg[:, 3]).max()) > num_positions:
+        ends = torch.maximum(seg[:, 0] + seg[:, 1], seg[:, 2] + seg[:, 3])
+        if self.num_rows and (int(seg[:, [0, 2]].min()) < 0 or int(ends.max()) > num_positions):
             raise ValueError("KVLayout.native_segments: a run outside the arena")
         self._step[key] = out = (seg, group_ptr, order)
         return out
