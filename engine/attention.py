@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv_layout import KVLayout, RunGroup
-from engine.native import DecodeAttentionKernel, decode_attention_kernel
+from engine.native import NativeKernels, native_kernels
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -171,11 +171,14 @@ def _strided_runs(cache: torch.Tensor, start: int, stride: int, n: int, lo: int,
 
 
 def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: KVLayout,
-                   window: int | None, invariant: bool = True) -> torch.Tensor:
+                   window: int | None, invariant: bool = True,
+                   new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode attention in strided groups over the arena (CPU; see the module docstring).
 
-    kc, vc: one layer's (positions, n_kv_head, head_dim) arena, this step's keys already
-    written. q: (B, n_head, 1, head_dim). Returns (B, n_head, 1, head_dim).
+    kc, vc: one layer's (positions, n_kv_head, head_dim) arena. q: (B, n_head, 1, head_dim).
+    new_kv: this step's (k, v), each (B, n_kv_head, 1, head_dim), stored first at
+    `layout.write_index()` (by the compiled kernel itself when it runs); None when they are
+    already in the arena. Returns (B, n_head, 1, head_dim).
     Each row attends to its prompt (the stored run, or its own copy) and to its generated
     tokens in separate calls, merged exactly: the split point is the row's prompt length, so
     a row gets the same bits with or without prefix sharing.
@@ -188,9 +191,11 @@ def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
     Hkv = kc.shape[1]
     kernel = native_kernel(q.dtype, D) if kc.is_contiguous() and vc.is_contiguous() else None
     if kernel is not None:
-        seg, group_ptr, order = layout.native_segments(window, kc.shape[0])
-        return kernel(q.reshape(B, Hq, D).contiguous(), kc, vc, seg, group_ptr, order,
-                      torch.get_num_threads()).view(B, Hq, 1, D)
+        return decode_native(kernel, kc, vc, q, layout, window, new_kv)
+    if new_kv is not None:
+        idx = layout.write_index()
+        kc.index_copy_(0, idx, new_kv[0][:, :, 0])
+        vc.index_copy_(0, idx, new_kv[1][:, :, 0])
     g = Hq // Hkv
     q4 = q.reshape(B, Hkv, g, D)
     t = layout.t
@@ -241,13 +246,42 @@ def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
     return merge_attention(o_gen, l_gen, o_pre, l_pre).reshape(B, Hq, 1, D)
 
 
-def native_kernel(dtype: torch.dtype, head_dim: int) -> DecodeAttentionKernel | None:
-    """The compiled decode kernel (engine/native.py) when it is available and handles this
-    dtype (float32) and head_dim; None otherwise (torch's kernels then)."""
+def native_kernel(dtype: torch.dtype, head_dim: int) -> NativeKernels | None:
+    """The compiled kernels (engine/native.py) when they are available and decode attention
+    handles this dtype (float32) and head_dim; None otherwise (torch's kernels then)."""
     if dtype != torch.float32:
         return None
-    kernel = decode_attention_kernel()
+    kernel = native_kernels()
     return kernel if kernel is not None and kernel.supports(head_dim) else None
+
+
+def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, D) with contiguous heads (rows may be strided), copying only when needed."""
+    H, D = x.shape[1:]
+    return x if x.stride(2) == 1 and (x.stride(1) == D or H == 1) else x.contiguous()
+
+
+def decode_native(kernel: NativeKernels, kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: KVLayout,
+                  window: int | None, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Decode attention through the compiled kernel, one call for the step's rows.
+
+    kc, vc: one layer's contiguous (positions, n_kv_head, head_dim) arena. q: (B, n_head, 1,
+    head_dim), any strides (the q part of a fused projection is read in place). new_kv:
+    this step's (k, v), each (B, n_kv_head, 1, head_dim), stored by the kernel at
+    `layout.write_index()` before it attends (in place of two index_copy_ calls); None when
+    they are already in the arena. Returns (B, n_head, 1, head_dim).
+    """
+    B, Hq, _, D = q.shape
+    seg, group_ptr, order = layout.native_segments(window, kc.shape[0])  # checks every run, the writes' too
+    write = None
+    if new_kv is not None:
+        k, v = (_rows_of_heads(t[:, :, 0]) for t in new_kv)
+        if k.stride(0) != v.stride(0):
+            k, v = k.contiguous(), v.contiguous()
+        write = (k, v, layout.write_index())
+    out = kernel.decode_attention(_rows_of_heads(q[:, :, 0]), kc, vc, seg, group_ptr, order,
+                                  torch.get_num_threads(), new_kv=write)
+    return out.view(B, Hq, 1, D)
 
 
 def _group_queries(q: torch.Tensor, grp: RunGroup) -> torch.Tensor:

@@ -198,9 +198,12 @@ class Engine:
         return done
 
     @staticmethod
-    def _by_length(groups: list[Admission], max_padding: float = 0.25) -> list[list[Admission]]:
+    def _by_length(groups: list[Admission], max_padding: float = 0.1) -> list[list[Admission]]:
         """Split one step's prefills into batches of similar prompt lengths, so right-padding
-        wastes at most about `max_padding` of the batch's tokens."""
+        wastes at most about `max_padding` of the batch's tokens. Every padded token costs a
+        full row of every projection; a batch of a few hundred rows already runs the GEMMs
+        near their best rate, so 10% beats 25% and 5% (measured on bench_smollm2's 32 prompts
+        of 56-140 tokens: 5.0, 5.7 and 5.1 s for the prefill)."""
         chunks: list[list[Admission]] = []
         cur: list[Admission] = []
         real = 0

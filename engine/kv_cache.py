@@ -139,12 +139,12 @@ class KVCache:
             if m is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=gqa)
-        idx = layout.write_index()
-        kc.index_copy_(0, idx, k[:, :, 0])
-        vc.index_copy_(0, idx, v[:, :, 0])
         if self.batched_decode or q.device.type != "cpu":
+            idx = layout.write_index()
+            kc.index_copy_(0, idx, k[:, :, 0])
+            vc.index_copy_(0, idx, v[:, :, 0])
             return decode_batched(kc, vc, q, layout, window)
-        return decode_grouped(kc, vc, q, layout, window, invariant=self.batch_invariant)
+        return decode_grouped(kc, vc, q, layout, window, invariant=self.batch_invariant, new_kv=(k, v))
 
     def _static_layout(self, batch: StepBatch) -> KVLayout:
         slots = batch.slots.tolist()

@@ -1,17 +1,22 @@
-"""The engine's one compiled kernel: CPU decode attention (engine/csrc/decode_attention.cpp).
+"""The engine's compiled CPU kernels (engine/csrc/), one shared library: decode attention
+(decode_attention.cpp) and the fused per-row operations of a Llama-family layer
+(layer_ops.cpp: RMSNorm with its residual add, rotary embedding, SwiGLU gating).
 
 Torch's CPU flash kernel costs tens of microseconds per call and a decode step makes one
 call per prompt and cohort per layer; the C++ kernel attends a whole step's rows in one call
-per layer, reading each prompt's keys once for all its samples, with every row's result
-independent of the batch by construction (see the source's header).
+per layer, reading each prompt's keys once for all its samples and storing the step's keys
+and values itself. Torch runs a norm or a gating as 3-10 kernels, each a pass over memory
+with its own temporary; fused, each is one pass. Every function's result for a row is
+independent of the batch by construction (see the sources' headers).
 
-It is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`; about a
-second, no torch headers) into a cache directory keyed by the source's hash, the flags and
-the compiler (`$BATCHGEN_CACHE_DIR`, else `$XDG_CACHE_HOME/batchgen`, else
+The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`;
+about two seconds, no torch headers) into a cache directory keyed by the sources' hash, the
+flags and the compiler (`$BATCHGEN_CACHE_DIR`, else `$XDG_CACHE_HOME/batchgen`, else
 `~/.cache/batchgen`), and loaded with ctypes. It needs x86-64 with AVX2 and FMA (torch's
 CPU capability AVX2 or AVX512). Where it cannot be built or loaded (no compiler, another
-CPU, `BATCHGEN_NATIVE=0`), `decode_attention_kernel()` returns None and attention uses
-torch's kernels (engine/attention.py): the same results to about 1e-6, slower.
+CPU, `BATCHGEN_NATIVE=0`), `native_kernels()` returns None and the engine uses torch's
+operations (engine/attention.py, engine/models/layers.py): the same results to about 1e-6,
+slower.
 """
 from __future__ import annotations
 
@@ -30,61 +35,127 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("decode_attention.cpp", "layer_ops.cpp")  # compiled together into one library, with simd.h
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()
-_kernel: "DecodeAttentionKernel | None | bool" = False  # False: not tried yet
+_library: "NativeKernels | None | bool" = False  # False: not tried yet
+
+_p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 
-class DecodeAttentionKernel:
-    """The loaded library: `supports(head_dim)` and `__call__` (see `decode_attention_kernel`)."""
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _call(name: str, fn, *args):
+    """fn(*args), inside a record_function(name) range while torch.profiler records (a range
+    costs about 8 us, more than some of these calls)."""
+    if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
+        with torch.profiler.record_function(name):
+            return fn(*args)
+    return fn(*args)
+
+
+class NativeKernels:
+    """The loaded library's functions, with tensor arguments. Each checks nothing the caller
+    can check more cheaply: shapes, contiguity, float32 and bounds are the caller's (the
+    docstrings say what). All run on `threads` threads (OpenMP, the runtime torch uses) and
+    are batch-invariant: a row's result depends only on that row (see the sources)."""
 
     def __init__(self, lib: ctypes.CDLL):
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._run = lib.batchgen_decode_attention
-        self._run.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-        self._run.restype = ctypes.c_int
+        self._attention = lib.batchgen_decode_attention
+        self._attention.argtypes = [_p, _i64, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _f32, _int,
+                                    _p, _p, _i64, _p, _i64]
+        self._attention.restype = _int
         self._supports = lib.batchgen_decode_attention_supports
-        self._supports.argtypes = [i64]
-        self._supports.restype = ctypes.c_int
+        self._supports.argtypes = [_i64]
+        self._supports.restype = _int
+        self._add_rms_norm = lib.batchgen_add_rms_norm
+        self._add_rms_norm.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _f32, _int]
+        self._add_rms_norm.restype = None
+        self._rotary = lib.batchgen_rotary
+        self._rotary.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _f32, _int]
+        self._rotary.restype = None
+        self._silu_mul = lib.batchgen_silu_mul
+        self._silu_mul.argtypes = [_p, _p, _i64, _i64, _int]
+        self._silu_mul.restype = None
 
     def supports(self, head_dim: int) -> bool:
-        """head_dim in 32, 64, 80, 96, 128."""
+        """Whether decode attention handles head_dim: 32, 64, 80, 96, 128."""
         return bool(self._supports(head_dim))
 
-    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seg: torch.Tensor,
-                 group_ptr: torch.Tensor, order: torch.Tensor, threads: int) -> torch.Tensor:
-        """Decode attention of every row: q (B, Hq, D) float32 contiguous; kc, vc one layer's
-        contiguous (positions, Hkv, D) float32 arena; seg (B, 4) int64 rows of (prompt start,
-        prompt length, own start, own length) in arena positions, every run inside the arena;
-        group_ptr (G + 1,) and order (B,) int64: group i is rows order[group_ptr[i]:group_ptr[i
-        + 1]], which share their prompt run. Returns (B, Hq, D) float32, scale 1/sqrt(D).
-        The caller guarantees the bounds: the kernel reads what seg says."""
+    def decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seg: torch.Tensor,
+                         group_ptr: torch.Tensor, order: torch.Tensor, threads: int,
+                         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Decode attention of every row (engine/csrc/decode_attention.cpp).
+
+        q: (B, Hq, D) float32 whose last two dims are contiguous (rows may be strided, as
+        the q part of a fused qkv projection is); kc, vc: one layer's contiguous (positions,
+        Hkv, D) float32 arena; seg (B, 4) int64 rows of (prompt start, prompt length, own
+        start, own length) in arena positions, every run inside the arena; group_ptr (G + 1,)
+        and order (B,) int64: group i is rows order[group_ptr[i]:group_ptr[i + 1]], which
+        share their prompt run. new_kv: (k, v, write), this step's keys and values (B, Hkv,
+        D) (last two dims contiguous, rows strided alike) stored first at arena positions
+        write (B,) int64, each inside its row's own run. Returns (B, Hq, D) float32, scale
+        1/sqrt(D). The caller guarantees the bounds: the kernel reads and writes what it is told.
+        """
         B, Hq, D = q.shape
-        out = torch.empty_like(q)
-        with torch.profiler.record_function("batchgen::decode_attention"):  # visible to torch.profiler
-            rc = self._run(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr(), seg.data_ptr(),
-                           group_ptr.data_ptr(), order.data_ptr(), group_ptr.numel() - 1, Hq, kc.shape[1], D,
-                           D ** -0.5, threads)
+        out = q.new_empty(B, Hq, D)
+        k, v, write = new_kv if new_kv is not None else (None, None, None)
+        kv_ld = 0 if k is None else k.stride(0)
+        rc = _call("batchgen::decode_attention", self._attention, q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), out.data_ptr(),
+                   seg.data_ptr(), group_ptr.data_ptr(), order.data_ptr(), group_ptr.numel() - 1, Hq, kc.shape[1], D,
+                   D ** -0.5, threads, _ptr(k), _ptr(v), kv_ld, _ptr(write), B)
         if rc != 0:
             raise ValueError(f"decode attention kernel: head_dim {D} is not supported")
         return out
 
+    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + y, rms_norm(x + y) * weight), or (x, rms_norm(x) * weight) when y is None:
+        x, y (..., C) contiguous float32, weight (C,). Returns two new (..., C) tensors (the
+        first is x itself when y is None)."""
+        C = x.shape[-1]
+        xo = x if y is None else torch.empty_like(x)
+        out = torch.empty_like(x)
+        _call("batchgen::rms_norm", self._add_rms_norm, x.data_ptr(), _ptr(y), xo.data_ptr(), weight.data_ptr(),
+              out.data_ptr(), x.numel() // C, C, eps, threads)
+        return xo, out
 
-def decode_attention_kernel() -> DecodeAttentionKernel | None:
-    """The compiled kernel, built and loaded once per process; None where it is unavailable
+    def rotary(self, x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               norm_weight: torch.Tensor | None, eps: float, threads: int) -> None:
+        """In place: rotary embedding of the first `heads` heads of x (rows, >= heads, D)
+        (last two dims contiguous), each first RMS-normed with norm_weight (heads, D) when
+        given. cos, sin: (positions, D/2) contiguous float32 tables; positions: (rows,) int64
+        contiguous, each < the tables' length."""
+        rows, _, D = x.shape
+        _call("batchgen::rotary", self._rotary, x.data_ptr(), rows, x.stride(0), heads, D, cos.data_ptr(),
+              sin.data_ptr(), positions.data_ptr(), _ptr(norm_weight), eps, threads)
+
+    def silu_mul(self, gate_up: torch.Tensor, threads: int) -> torch.Tensor:
+        """silu(gate) * up of gate_up (..., 2I) contiguous float32 = cat(gate, up): (..., I)."""
+        I = gate_up.shape[-1] // 2
+        out = gate_up.new_empty(*gate_up.shape[:-1], I)
+        _call("batchgen::silu_mul", self._silu_mul, gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * I), I,
+              threads)
+        return out
+
+
+def native_kernels() -> NativeKernels | None:
+    """The compiled library, built and loaded once per process; None where it is unavailable
     (the reason is logged once at INFO)."""
-    global _kernel
-    if _kernel is False:
+    global _library
+    if _library is False:
         with _lock:
-            if _kernel is False:
+            if _library is False:
                 try:
-                    _kernel = DecodeAttentionKernel(ctypes.CDLL(str(_build())))
+                    _library = NativeKernels(ctypes.CDLL(str(_build())))
                 except (_Unavailable, OSError, AttributeError) as e:  # OSError, AttributeError: a bad library
-                    log.info("batchgen: compiled decode attention unavailable (%s); using torch's kernels", e)
-                    _kernel = None
-    return _kernel
+                    log.info("batchgen: compiled kernels unavailable (%s); using torch's kernels", e)
+                    _library = None
+    return _library
 
 
 class _Unavailable(Exception):
@@ -114,8 +185,10 @@ def _build() -> Path:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise _Unavailable(f"{cxx} --version failed: {e}") from None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention-{key}.so"
+    files = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
+    key = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files) + " ".join(FLAGS).encode()
+                         + version.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"batchgen_kernels-{key}.so"
     if target.exists():
         return target
     try:
@@ -124,7 +197,7 @@ def _build() -> Path:
         # workers of one machine) each get a whole file.
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            res = subprocess.run([cxx, *FLAGS, "-o", str(out), str(SOURCE)], capture_output=True, text=True,
+            res = subprocess.run([cxx, *FLAGS, "-o", str(out), *(str(CSRC / f) for f in SOURCES)], capture_output=True, text=True,
                                  timeout=300)
             if res.returncode != 0:
                 raise _Unavailable(f"{cxx} failed: {res.stderr.strip()[-500:]}")

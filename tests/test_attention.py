@@ -122,6 +122,27 @@ def test_invariant_decode_rows_do_not_depend_on_the_step(shape, window, sharing)
             assert torch.equal(got[j], full[i]), f"row {i} in subset {sub}"
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
+def test_decode_stores_this_steps_keys_and_reads_strided_views(shape):
+    """With new_kv, decode_grouped stores each row's key and value at its write position
+    first (the compiled kernel does it in the same call), reading q, k and v as the strided
+    views of one fused (B, 1, Hq + 2 Hkv, D) projection a Llama layer makes: the same arena
+    and the same bits as writing them with index_copy_ and attending contiguous copies."""
+    Hq, Hkv, D = shape
+    kc, vc, rows = _scenario(8, Hkv, D, True)
+    qkv = torch.randn(len(rows), 1, Hq + 2 * Hkv, D, generator=torch.Generator().manual_seed(9))
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([Hq, Hkv, Hkv], dim=2))  # (B, H, 1, D) views
+    assert not q.is_contiguous()
+    layout = _layout(rows)
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = decode_grouped(kc, vc, q, layout, None, new_kv=(k, v))
+    idx = layout.write_index()
+    kc2.index_copy_(0, idx, k[:, :, 0].contiguous())
+    vc2.index_copy_(0, idx, v[:, :, 0].contiguous())
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert torch.equal(got, decode_grouped(kc2, vc2, q.contiguous(), _layout(rows), None))
+
+
 def test_layout_advance_moves_every_row_one_position():
     """A layout advanced by a step reads one more own key per row, as a fresh layout would."""
     Hq, Hkv, D = 9, 3, 64
@@ -253,7 +274,7 @@ def test_the_compiled_kernel_is_built_where_it_can_be(decode_impl):
     if platform.machine() != "x86_64" or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") \
             or shutil.which("c++") is None:
         pytest.skip("not a machine the kernel is built for")
-    kernel = native_kernel(torch.float32, 64) if decode_impl == "native" else A.decode_attention_kernel()
+    kernel = native_kernel(torch.float32, 64) if decode_impl == "native" else A.native_kernels()
     assert kernel is not None
     assert all(kernel.supports(d) for d in (32, 64, 80, 96, 128)) and not kernel.supports(48)
     assert A.native_kernel(torch.float32, 48) is None and A.native_kernel(torch.bfloat16, 64) is None
@@ -261,7 +282,7 @@ def test_the_compiled_kernel_is_built_where_it_can_be(decode_impl):
 
 def test_the_kernel_falls_back_when_it_cannot_be_built(monkeypatch, tmp_path):
     """BATCHGEN_NATIVE=0, or a compiler that fails, makes the build raise (and
-    decode_attention_kernel return None): attention then runs on torch's kernels."""
+    native_kernels return None): attention then runs on torch's kernels."""
     import engine.native as N
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("BATCHGEN_NATIVE", "0")
@@ -272,8 +293,8 @@ def test_the_kernel_falls_back_when_it_cannot_be_built(monkeypatch, tmp_path):
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         with pytest.raises(N._Unavailable, match="failed"):
             N._build()
-    monkeypatch.setattr(N, "_kernel", False)  # not tried yet in this process
-    assert N.decode_attention_kernel() is None
+    monkeypatch.setattr(N, "_library", False)  # not tried yet in this process
+    assert N.native_kernels() is None
     assert list(tmp_path.iterdir()) == []  # no half-built library left behind
 
 

@@ -3,8 +3,10 @@
 //
 // Built and loaded by engine/native.py (g++ -O3 -mavx2 -mfma -fopenmp, no torch headers),
 // called through ctypes by engine/attention.py. Layout (engine/kv_layout.py): kc and vc are
-// one layer's (positions, Hkv, D) float32 arena; q and out are (B, Hq, D), query head
-// h * g + j reading KV head h (g = Hq / Hkv). Row b attends to two runs of arena positions,
+// one layer's (positions, Hkv, D) float32 arena; out is (B, Hq, D) and q the same with rows
+// q_ld floats apart (the q part of a fused qkv projection, read in place), query head
+// h * g + j reading KV head h (g = Hq / Hkv). The call first stores the step's new keys and
+// values at their positions (one per row), then attends. Row b attends to two runs of arena positions,
 // seg[b] = (start0, len0, start1, len1): its prompt (the shared run, or its own copy) and its
 // generated tokens. Rows that share a prompt run form a group (`order[group_ptr[i] ..
 // group_ptr[i + 1])`, equal (start0, len0)); a group's prompt keys are read once for all its
@@ -18,7 +20,7 @@
 // wherever the key sits in its block; threads split the groups, never a row. So a row's
 // bits do not depend on the batch, its group, the thread count, or whether its prompt is
 // shared or its own copy.
-#include <immintrin.h>
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -28,42 +30,11 @@
 
 namespace {
 
+using batchgen::exp8;
+using batchgen::hsum8;
+using batchgen::hsum8x8;
+
 constexpr int KB = 32;  // keys per block
-
-// exp(x) for 8 floats: Cephes' expf (range reduction by ln 2 split in two constants, a
-// degree-6 polynomial; about 1 ulp on the inputs softmax gives it, x <= 0).
-inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// Sum of each of 8 vectors, as one vector: lane i is the sum of v[i]'s 8 lanes.
-inline __m256 hsum8x8(const __m256* v) {
-    const __m256 a01 = _mm256_hadd_ps(v[0], v[1]), a23 = _mm256_hadd_ps(v[2], v[3]);
-    const __m256 a45 = _mm256_hadd_ps(v[4], v[5]), a67 = _mm256_hadd_ps(v[6], v[7]);
-    const __m256 b0 = _mm256_hadd_ps(a01, a23), b1 = _mm256_hadd_ps(a45, a67);
-    // b0 = [v0lo v1lo v2lo v3lo | v0hi v1hi v2hi v3hi] (partial sums), b1 likewise for v4..v7
-    const __m256 lo = _mm256_permute2f128_ps(b0, b1, 0x20), hi = _mm256_permute2f128_ps(b0, b1, 0x31);
-    return _mm256_add_ps(lo, hi);
-}
 
 // One query row q (D = 8 * ND floats) against n <= KB keys K[i * ld], values V[i * ld]:
 // the online-softmax update of its running max m, sum l and unnormalised output acc (D).
@@ -144,12 +115,13 @@ UpdateFn pick(int64_t D) {
 
 // All the (row, query head) pairs of one KV head h against `n` keys from arena position p.
 inline void block(UpdateFn up, const float* q, const float* kc, const float* vc, int64_t p, int n, int64_t h,
-                  int64_t Hq, int64_t g, int64_t D, int64_t ld, float scale, const int64_t* rows, int64_t nr,
+                  int64_t q_ld, int64_t Hq, int64_t g, int64_t D, int64_t ld, float scale, const int64_t* rows,
+                  int64_t nr,
                   int64_t first, float* m, float* l, float* acc) {
     const float* K = kc + p * ld + h * D;
     const float* V = vc + p * ld + h * D;
     for (int64_t r = 0; r < nr; r++) {
-        const float* qr = q + (rows[r] * Hq + h * g) * D;
+        const float* qr = q + rows[r] * q_ld + h * g * D;
         for (int64_t j = 0; j < g; j++) {
             const int64_t x = (first + r) * Hq + h * g + j;
             up(qr + j * D, K, V, ld, n, scale, m + x, l + x, acc + x * D);
@@ -164,13 +136,23 @@ extern "C" {
 // 1 when head_dim D is supported, else 0.
 int batchgen_decode_attention_supports(int64_t D) { return pick(D) != nullptr; }
 
-// See the file comment. Returns 0, or -1 for an unsupported D (nothing written).
-int batchgen_decode_attention(const float* q, const float* kc, const float* vc, float* out, const int64_t* seg,
+// See the file comment. q: row b's query heads at q + b * q_ld (Hq x D contiguous). When
+// knew is not null, first stores this step's keys and values: row b's knew + b * kv_ld and
+// vnew + b * kv_ld (Hkv x D each) at arena position write[b] (b < B), which the caller puts
+// inside the row's own run. Returns 0, or -1 for an unsupported D (nothing written).
+int batchgen_decode_attention(const float* q, int64_t q_ld, float* kc, float* vc, float* out, const int64_t* seg,
                               const int64_t* group_ptr, const int64_t* order, int64_t n_groups, int64_t Hq,
-                              int64_t Hkv, int64_t D, float scale, int threads) {
+                              int64_t Hkv, int64_t D, float scale, int threads, const float* knew,
+                              const float* vnew, int64_t kv_ld, const int64_t* write, int64_t B) {
     const UpdateFn up = pick(D);
     if (up == nullptr) return -1;
     const int64_t g = Hq / Hkv, ld = Hkv * D;
+    if (knew != nullptr) {
+        for (int64_t b = 0; b < B; b++) {
+            std::memcpy(kc + write[b] * ld, knew + b * kv_ld, ld * sizeof(float));
+            std::memcpy(vc + write[b] * ld, vnew + b * kv_ld, ld * sizeof(float));
+        }
+    }
 #pragma omp parallel num_threads(threads)
     {
         std::vector<float> buf;
@@ -186,14 +168,14 @@ int batchgen_decode_attention(const float* q, const float* kc, const float* vc, 
             for (int64_t a = 0; a < s0[1]; a += KB) {
                 const int n = (int)std::min<int64_t>(KB, s0[1] - a);
                 for (int64_t h = 0; h < Hkv; h++)
-                    block(up, q, kc, vc, s0[0] + a, n, h, Hq, g, D, ld, scale, rows, nr, 0, m, l, acc);
+                    block(up, q, kc, vc, s0[0] + a, n, h, q_ld, Hq, g, D, ld, scale, rows, nr, 0, m, l, acc);
             }
             for (int64_t r = 0; r < nr; r++) {  // each row's own run, then its output
                 const int64_t* s = seg + rows[r] * 4;
                 for (int64_t a = 0; a < s[3]; a += KB) {
                     const int n = (int)std::min<int64_t>(KB, s[3] - a);
                     for (int64_t h = 0; h < Hkv; h++)
-                        block(up, q, kc, vc, s[2] + a, n, h, Hq, g, D, ld, scale, rows + r, 1, r, m, l, acc);
+                        block(up, q, kc, vc, s[2] + a, n, h, q_ld, Hq, g, D, ld, scale, rows + r, 1, r, m, l, acc);
                 }
                 for (int64_t j = 0; j < Hq; j++) {
                     const int64_t x = r * Hq + j;

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_cache import KVCache, StepBatch
+from engine.native import NativeKernels, native_kernels
 
 
 def reference_numerics(forward):
@@ -133,6 +134,14 @@ class CausalLM(nn.Module):
         if self._reference or x.device.type != "cpu":
             return reference(x)
         return invariant(x)
+
+    def fused_kernels(self, x: torch.Tensor) -> NativeKernels | None:
+        """The compiled library (engine/native.py) for a step's fused operations on x's
+        device and dtype: CPU float32 outside a @reference_numerics forward, where the library
+        could be built; None otherwise (torch's operations)."""
+        if self._reference or x.device.type != "cpu" or x.dtype != torch.float32:
+            return None
+        return native_kernels()
 
     def project_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight.T for the output head: x (B, C) or (B, T, C), weight (N, C) -> (..., N).

@@ -27,7 +27,8 @@ from engine.kv_cache import KVCache, StepBatch
 from engine.models.base import CausalLM, ModelInfo, reference_numerics
 from engine.models.hf_config import LlamaConfig, token_ids
 from engine.models.hf_weights import read_json, read_state_dict
-from engine.models.layers import RotaryTables, apply_rotary, rms_norm, swiglu
+from engine.models.layers import RotaryStep, RotaryTables, add_rms_norm, swiglu
+from engine.native import NativeKernels
 
 # Buffers older checkpoints carry that transformers recomputes (the rotary table).
 _IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)
@@ -80,31 +81,33 @@ class LlamaModel(CausalLM):
         return dataclasses.asdict(self.cfg)
 
     # ------------------------------------------------------------------ pieces
-    def _attention_inputs(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x (B, T, C) -> q (B, H, T, D), k and v (B, KV, T, D): normed, projected, per-head
-        normed (Qwen3), rotated. q and k are normed and rotated together, as the heads of one
-        (B, T, H + KV, D) view (the same values as one at a time, in half the kernel calls)."""
+    def _attention_inputs(self, layer: _Layer, h: torch.Tensor, rope: RotaryStep):
+        """h (B, T, C), the normed input -> q (B, H, T, D), k and v (B, KV, T, D): projected,
+        per-head normed (Qwen3), rotated. q and k are normed and rotated together, as the
+        heads of one (B, T, H + KV, D) view (the same values as one at a time, in half the
+        kernel calls)."""
         c = self.cfg
-        B, T, _ = x.shape
+        B, T, _ = h.shape
         H, KV = c.num_heads, c.num_kv_heads
-        h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
         qkv = self.linear(h, layer.qkv, layer.qkv_bias).view(B, T, H + 2 * KV, c.head_dim)
-        qk, v = qkv[:, :, :H + KV], qkv[:, :, H + KV:]
-        if c.qk_norm:
-            qk = rms_norm(qk, layer.qk_norm, c.rms_norm_eps)
-        qk = apply_rotary(qk, cos, sin)
+        qk = rope.rotate(qkv, H + KV, layer.qk_norm, c.rms_norm_eps)
+        v = qkv[:, :, H + KV:]
         return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
 
-    def _attention_out_mlp(self, layer: _Layer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Residual adds of the attention output y (B, H, T, D) and the MLP: x (B, T, C) -> (B, T, C)."""
+    def _attention_out_mlp(self, layer: _Layer, x: torch.Tensor, y: torch.Tensor,
+                           kernels: NativeKernels | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output y (B, H, T, D) through o_proj and the residual add, then the
+        MLP: x (B, T, C) -> (x + o_proj(y), the MLP's output), whose sum is the layer's output
+        (the add is left to the next norm, which fuses it)."""
         B, H, T, D = y.shape
-        x = x + self.linear(y.transpose(1, 2).reshape(B, T, H * D), layer.o_proj, layer.o_bias)
-        h = rms_norm(x, layer.post_norm, self.cfg.rms_norm_eps)
-        return x + swiglu(self, h, layer.gate_up, layer.gate_up_bias, layer.down, layer.down_bias)
+        x, h = add_rms_norm(x, self.linear(y.transpose(1, 2).reshape(B, T, H * D), layer.o_proj, layer.o_bias),
+                            layer.post_norm, self.cfg.rms_norm_eps, kernels)
+        return x, swiglu(self, h, layer.gate_up, layer.gate_up_bias, layer.down, layer.down_bias, kernels)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        return self.project_head(x, self.lm_head[:self.cfg.vocab_size]).float()
+    def _logits(self, x: torch.Tensor, delta: torch.Tensor, kernels: NativeKernels | None) -> torch.Tensor:
+        """x + delta (the last layer's output), normed, through the head: float32 logits."""
+        _, h = add_rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps, kernels)
+        return self.project_head(h, self.lm_head[:self.cfg.vocab_size]).float()
 
     # ------------------------------------------------------------------ CausalLM
     @torch.no_grad()
@@ -115,40 +118,43 @@ class LlamaModel(CausalLM):
         Raises ValueError if T exceeds the context (max_position_embeddings).
         """
         B, T = tokens.shape
-        pos = torch.arange(T, device=tokens.device).expand(B, T)
-        cos, sin = self.rotary.lookup(pos, T - 1)
-        x = F.embedding(tokens, self.embed)
+        rope = RotaryStep(self.rotary, torch.arange(T, device=tokens.device).expand(B, T), T - 1, None)
+        x, delta = F.embedding(tokens, self.embed), None
         i = torch.arange(T, device=tokens.device)
         dist = i[:, None] - i[None, :]
         for layer, window in zip(self.layers, self.cfg.windows):
-            q, k, v = self._attention_inputs(layer, x, cos, sin)
+            x, h = add_rms_norm(x, delta, layer.input_norm, self.cfg.rms_norm_eps, None)
+            q, k, v = self._attention_inputs(layer, h, rope)
             gqa = q.shape[1] != k.shape[1]
             if window is None or window >= T - 1:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             else:
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=(dist >= 0) & (dist <= window), enable_gqa=gqa)
-            x = self._attention_out_mlp(layer, x, y)
-        return self._logits(x)
+            x, delta = self._attention_out_mlp(layer, x, y, None)
+        return self._logits(x, delta, None)
 
     @torch.no_grad()
     def forward_step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         """One prefill or decode step: tokens (B, T) int64 at batch.positions -> logits (B, V)
-        fp32 at batch.last_index of each row. Keys and values go through `kv.attend`.
+        fp32 at batch.last_index of each row. Keys and values go through `kv.attend`. On CPU
+        in float32 the norms, rotary and SwiGLU gating run fused (engine/csrc/layer_ops.cpp).
         """
         B, T = tokens.shape
-        cos, sin = self.rotary.lookup(batch.positions, T - 1 if batch.prefill else batch.kv_len - 1)
-        x = F.embedding(tokens, self.embed)
+        x, delta = F.embedding(tokens, self.embed), None
+        kernels = self.fused_kernels(x)
+        rope = RotaryStep(self.rotary, batch.positions, T - 1 if batch.prefill else batch.kv_len - 1, kernels)
         last = len(self.layers) - 1
         for i, (layer, window) in enumerate(zip(self.layers, self.cfg.windows)):
-            q, k, v = self._attention_inputs(layer, x, cos, sin)
+            x, h = add_rms_norm(x, delta, layer.input_norm, self.cfg.rms_norm_eps, kernels)
+            q, k, v = self._attention_inputs(layer, h, rope)
             y = kv.attend(i, q, k, v, batch, window)
             if i == last and T > 1:
                 # only each row's last token feeds the logits: skip o_proj and the MLP elsewhere
                 rows = torch.arange(B, device=tokens.device)
                 x = x[rows, batch.last_index].unsqueeze(1)
                 y = y[rows, :, batch.last_index].unsqueeze(2)
-            x = self._attention_out_mlp(layer, x, y)
-        return self._logits(x[:, 0])
+            x, delta = self._attention_out_mlp(layer, x, y, kernels)
+        return self._logits(x[:, 0], delta[:, 0], kernels)
 
 
 # ---------------------------------------------------------------------- building and loading

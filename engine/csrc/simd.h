@@ -1,0 +1,66 @@
+// SIMD helpers the compiled kernels share (AVX2 + FMA): an expf for 8 lanes, horizontal sums,
+// and the lane mask of a row's last, partial vector.
+//
+// Why the kernels are batch-invariant: each element (or row) goes through the same
+// instructions wherever it sits in the tensor. A row's partial last vector is loaded with
+// `load_part` (the missing lanes read as 0) and stored with `store_part`, never computed by
+// a scalar loop, so an element in a tail gets the bits it would get in a full vector.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace batchgen {
+
+// exp(x) for 8 floats: Cephes' expf (range reduction by ln 2 split in two constants, a
+// degree-6 polynomial; about 1 ulp on the inputs softmax gives it, x <= 0).
+inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// Sum of each of 8 vectors, as one vector: lane i is the sum of v[i]'s 8 lanes.
+inline __m256 hsum8x8(const __m256* v) {
+    const __m256 a01 = _mm256_hadd_ps(v[0], v[1]), a23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a45 = _mm256_hadd_ps(v[4], v[5]), a67 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a01, a23), b1 = _mm256_hadd_ps(a45, a67);
+    // b0 = [v0lo v1lo v2lo v3lo | v0hi v1hi v2hi v3hi] (partial sums), b1 likewise for v4..v7
+    const __m256 lo = _mm256_permute2f128_ps(b0, b1, 0x20), hi = _mm256_permute2f128_ps(b0, b1, 0x31);
+    return _mm256_add_ps(lo, hi);
+}
+
+// A row's partial last vector: the first n (< 8) floats at p with zeros after them, and
+// the first n lanes of v stored at p. Through a stack buffer: AMD's masked moves
+// (vmaskmovps) are microcoded and cost more than the arithmetic they feed.
+inline __m256 load_part(const float* p, int64_t n) {
+    alignas(32) float b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t i = 0; i < n; i++) b[i] = p[i];
+    return _mm256_load_ps(b);
+}
+
+inline void store_part(float* p, __m256 v, int64_t n) {
+    alignas(32) float b[8];
+    _mm256_store_ps(b, v);
+    for (int64_t i = 0; i < n; i++) p[i] = b[i];
+}
+
+}  // namespace batchgen
