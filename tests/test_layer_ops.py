@@ -81,3 +81,19 @@ def test_silu_mul_equals_torch_and_is_row_invariant(I):
     extremes = K.silu_mul(torch.cat([g, torch.ones_like(g)])[None], 2)[0]
     assert torch.allclose(extremes, F.silu(g), rtol=1e-6, atol=1e-30)
     _invariant(lambda a, threads: K.silu_mul(a, threads), gu)
+
+
+def test_every_kernel_source_ships_with_the_package():
+    """An installed (non-editable) batchgen compiles its kernels from the package's own copy
+    of engine/csrc: pyproject's package-data must cover every source and header there, or
+    the build fails on users' machines and decoding silently falls back to torch."""
+    import fnmatch
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["engine"]
+    for f in (root / "engine" / "csrc").iterdir():
+        rel = f.relative_to(root / "engine").as_posix()
+        assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not in package-data"
