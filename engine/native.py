@@ -105,9 +105,10 @@ class NativeKernels:
         out = q.new_empty(B, Hq, D)
         k, v, write = new_kv if new_kv is not None else (None, None, None)
         kv_ld = 0 if k is None else k.stride(0)
-        rc = _call("batchgen::decode_attention", self._attention, q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), out.data_ptr(),
-                   seg.data_ptr(), group_ptr.data_ptr(), order.data_ptr(), group_ptr.numel() - 1, Hq, kc.shape[1], D,
-                   D ** -0.5, threads, _ptr(k), _ptr(v), kv_ld, _ptr(write), B)
+        rc = _call("batchgen::decode_attention", self._attention, q.data_ptr(), q.stride(0), kc.data_ptr(),
+                   vc.data_ptr(), out.data_ptr(), seg.data_ptr(), group_ptr.data_ptr(), order.data_ptr(),
+                   group_ptr.numel() - 1, Hq, kc.shape[1], D, D ** -0.5, threads, _ptr(k), _ptr(v), kv_ld,
+                   _ptr(write), B)
         if rc != 0:
             raise ValueError(f"decode attention kernel: head_dim {D} is not supported")
         return out
