@@ -60,8 +60,8 @@ def test_greedy_gsm8k_answers_equal_transformers(engine, hf_model, prompts):
     transformers' argmax over the same prefix (one full forward of prompt + answer on the same
     file) is the engine's token, so transformers' greedy decoding gives the same answer token
     for token, and it ends where the engine's does (on <|im_end|>, kept, or at max_tokens).
-    Each token's logprob equals transformers' log-softmax within 1e-3. For the first prompt,
-    transformers' own generate() is run too and gives the same tokens."""
+    Each token's logprob equals transformers' log-softmax within 1e-3. For the prompt with the
+    shortest answer, transformers' own generate() is run too and gives the same tokens."""
     res = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     eos = 2
     worst = 0.0
@@ -79,7 +79,8 @@ def test_greedy_gsm8k_answers_equal_transformers(engine, hf_model, prompts):
         worst = max(worst, (torch.tensor(s.logprobs) - lp).abs().max().item())
     assert worst <= 1e-3, worst
     assert sum(r[0].finish_reason == "stop" for r in res) >= N_PROMPTS // 2  # real answers end on their own
+    i = min(range(len(res)), key=lambda j: len(res[j][0].tokens))  # generate() costs ~55 ms a token
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompts[0]]), max_new_tokens=MAX_TOKENS, do_sample=False,
+        out = hf_model.generate(torch.tensor([prompts[i]]), max_new_tokens=MAX_TOKENS, do_sample=False,
                                 eos_token_id=eos, pad_token_id=eos)
-    assert out[0, len(prompts[0]):].tolist() == res[0][0].tokens
+    assert out[0, len(prompts[i]):].tolist() == res[i][0].tokens
