@@ -35,8 +35,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("decode_attention.cpp", "layer_ops.cpp")  # compiled together into one library, with simd.h
+CSRC = Path(__file__).parent / "csrc"  # every .cpp in it is compiled into one library; the .h are shared
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()
@@ -186,8 +185,9 @@ def _build() -> Path:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise _Unavailable(f"{cxx} --version failed: {e}") from None
-    files = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
-    key = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files) + " ".join(FLAGS).encode()
+    sources = sorted(CSRC.glob("*.cpp"))
+    key = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in sources + sorted(CSRC.glob("*.h")))
+                         + " ".join(FLAGS).encode()
                          + version.encode()).hexdigest()[:16]
     target = _cache_dir() / f"batchgen_kernels-{key}.so"
     if target.exists():
@@ -198,8 +198,8 @@ def _build() -> Path:
         # workers of one machine) each get a whole file.
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            res = subprocess.run([cxx, *FLAGS, "-o", str(out), *(str(CSRC / f) for f in SOURCES)], capture_output=True, text=True,
-                                 timeout=300)
+            res = subprocess.run([cxx, *FLAGS, "-o", str(out), *map(str, sources)], capture_output=True,
+                                 text=True, timeout=300)
             if res.returncode != 0:
                 raise _Unavailable(f"{cxx} failed: {res.stderr.strip()[-500:]}")
             os.replace(out, target)
