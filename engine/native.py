@@ -1,6 +1,7 @@
 """The engine's compiled CPU kernels (engine/csrc/), one shared library: decode attention
-(decode_attention.cpp) and the fused per-row operations of a Llama-family layer
-(layer_ops.cpp: RMSNorm with its residual add, rotary embedding, SwiGLU gating).
+(decode_attention.cpp), the fused per-row operations of a Llama-family layer
+(layer_ops.cpp: RMSNorm with its residual add, rotary embedding, SwiGLU gating), and the
+sampler's passes over the vocabulary (sampling_ops.cpp: top-k, logsumexp).
 
 Torch's CPU flash kernel costs tens of microseconds per call and a decode step makes one
 call per prompt and cohort per layer; the C++ kernel attends a whole step's rows in one call
@@ -80,6 +81,12 @@ class NativeKernels:
         self._silu_mul = lib.batchgen_silu_mul
         self._silu_mul.argtypes = [_p, _p, _i64, _i64, _int]
         self._silu_mul.restype = None
+        self._topk = lib.batchgen_topk
+        self._topk.argtypes = [_p, _i64, _i64, _i64, _int, _p, _p, _int]
+        self._topk.restype = None
+        self._logsumexp = lib.batchgen_logsumexp
+        self._logsumexp.argtypes = [_p, _i64, _i64, _i64, _p, _int]
+        self._logsumexp.restype = None
 
     def supports(self, head_dim: int) -> bool:
         """Whether decode attention handles head_dim: 32, 64, 80, 96, 128."""
@@ -140,6 +147,23 @@ class NativeKernels:
         out = gate_up.new_empty(*gate_up.shape[:-1], I)
         _call("batchgen::silu_mul", self._silu_mul, gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * I), I,
               threads)
+        return out
+
+    def topk(self, x: torch.Tensor, k: int, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch.topk(x, k) of x (B, V) float32 with contiguous rows, 1 <= k <= V: (values (B,
+        k) float32, ids (B, k) int64), largest first, equal values by smaller id, NaN first."""
+        B, V = x.shape
+        vals = x.new_empty(B, k)
+        idx = torch.empty(B, k, dtype=torch.int64)
+        _call("batchgen::topk", self._topk, x.data_ptr(), B, V, x.stride(0), k, vals.data_ptr(), idx.data_ptr(),
+              threads)
+        return vals, idx
+
+    def logsumexp(self, x: torch.Tensor, threads: int) -> torch.Tensor:
+        """torch.logsumexp(x, -1) of x (B, V) float32 with contiguous rows: (B,) float32."""
+        B, V = x.shape
+        out = x.new_empty(B)
+        _call("batchgen::logsumexp", self._logsumexp, x.data_ptr(), B, V, x.stride(0), out.data_ptr(), threads)
         return out
 
 

@@ -32,6 +32,8 @@ import threading
 
 import torch
 
+from engine.native import native_kernels
+
 _M32 = 0xFFFFFFFF
 
 
@@ -254,7 +256,7 @@ def _sample_group(kind: tuple, logits: torch.Tensor, temperature: torch.Tensor, 
     if kind[0] == "top_k":
         # Dividing by a positive temperature keeps the order, so the top-k of the raw
         # logits are the candidates; only they are scaled.
-        vals, idx = torch.topk(logits, min(kind[1], V), dim=-1)
+        vals, idx = _topk(logits, min(kind[1], V))
     else:
         vals, idx = torch.sort(logits, dim=-1, descending=True)
     # log-probabilities renormalised over the top_k survivors (HF's and vLLM's order)
@@ -282,6 +284,28 @@ def _sample_group(kind: tuple, logits: torch.Tensor, temperature: torch.Tensor, 
     return tokens, (lpd.gather(1, choice)[:, 0] - _logsumexp_rows(lpd)).float()
 
 
+_NATIVE_TOPK_MAX = 1024  # the compiled top-k keeps a heap of k: beyond this, torch.topk's selection
+
+
+def _vocab_kernels(x: torch.Tensor):
+    """The compiled kernels (engine/native.py) for x (B, V) float32 on CPU with contiguous
+    rows, else None (then torch's operations)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    return native_kernels()
+
+
+def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(logits, k, dim=-1) for (B, V) logits: (values, ids), largest first. On CPU
+    one compiled pass per row (engine/csrc/sampling_ops.cpp, 6x faster than torch.topk at
+    128 x 49,152), which also fixes the order of equal values (smaller id first); a row's
+    candidates are the same set either way, and the race does not depend on their order."""
+    kernels = _vocab_kernels(logits)
+    if kernels is not None and k <= _NATIVE_TOPK_MAX:
+        return kernels.topk(logits, k, torch.get_num_threads())
+    return torch.topk(logits, k, dim=-1)
+
+
 def _logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
     """logsumexp over the last dim of (B, K) (-inf entries allowed, the row max finite),
     summed in the same order whatever B is (see _row_sums)."""
@@ -292,11 +316,17 @@ def _logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """log_softmax(logits)[token] per row: logits (B, V) float32, tokens (B,) -> (B,) float32.
 
-    inplace=True overwrites `logits` with their log-softmax on CPU when they are contiguous
-    (the engine's last use of them): torch's fused kernel reads each row twice and writes it
-    once (3x faster than max, subtract, exp, sum), without a second vocabulary-sized tensor. Each row's result
-    does not depend on the other rows (its CPU kernel reduces a row on one thread).
+    On CPU (float32) it is logits[token] - logsumexp(row), the logsumexp from one compiled
+    pass per row (engine/csrc/sampling_ops.cpp; about 3x faster than log_softmax, and
+    nothing written). Elsewhere, inplace=True overwrites `logits` with their log-softmax on
+    CPU when they are contiguous (the engine's last use of them): torch's fused kernel
+    reads each row twice and writes it once, without a second vocabulary-sized tensor.
+    Either way a row's result does not depend on the other rows (a row is reduced by one
+    thread).
     """
+    kernels = _vocab_kernels(logits)
+    if kernels is not None:
+        return logits.gather(1, tokens[:, None])[:, 0] - kernels.logsumexp(logits, torch.get_num_threads())
     if inplace and logits.device.type == "cpu" and logits.is_contiguous():
         out = torch.ops.aten._log_softmax.out(logits, -1, False, out=logits)
     else:

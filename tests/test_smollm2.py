@@ -32,10 +32,8 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name,
-                                                             dtype=torch.float32).eval()
+def hf_model(smollm2_hf_model):
+    return smollm2_hf_model
 
 
 @pytest.fixture(scope="module")
