@@ -113,6 +113,24 @@ UpdateFn pick(int64_t D) {
     }
 }
 
+// Read one float of every cache line of n arena positions of keys and values, all heads:
+// a plain sequential stream, which the hardware prefetcher follows and which keeps many
+// loads in flight, so the block is in cache before `update` reads it head by head (each
+// head's 256 bytes of a position's 768, interleaved with arithmetic, kept few misses in
+// flight). Measured on 2 EPYC cores, SmolLM2's shapes at 32 prompts x 4 samples: 20-26%
+// less time per layer (1.55 -> 1.26 ms at 64 generated tokens). Prefetch instructions for
+// the next block instead, or reading one head at a time, gained nothing.
+inline void stream_in(const float* kc, const float* vc, int64_t p, int n, int64_t ld) {
+    const float* k = kc + p * ld;
+    const float* v = vc + p * ld;
+    __m256 sink = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n * ld; i += 16) {
+        sink = _mm256_or_ps(sink, _mm256_castps128_ps256(_mm_load_ss(k + i)));
+        sink = _mm256_or_ps(sink, _mm256_castps128_ps256(_mm_load_ss(v + i)));
+    }
+    asm volatile("" : : "x"(sink));  // the loads are the point: keep them
+}
+
 // All the (row, query head) pairs of one KV head h against `n` keys from arena position p.
 inline void block(UpdateFn up, const float* q, const float* kc, const float* vc, int64_t p, int n, int64_t h,
                   int64_t q_ld, int64_t Hq, int64_t g, int64_t D, int64_t ld, float scale, const int64_t* rows,
@@ -167,6 +185,7 @@ int batchgen_decode_attention(const float* q, int64_t q_ld, float* kc, float* vc
             const int64_t* s0 = seg + rows[0] * 4;  // the group's shared prompt run
             for (int64_t a = 0; a < s0[1]; a += KB) {
                 const int n = (int)std::min<int64_t>(KB, s0[1] - a);
+                stream_in(kc, vc, s0[0] + a, n, ld);
                 for (int64_t h = 0; h < Hkv; h++)
                     block(up, q, kc, vc, s0[0] + a, n, h, q_ld, Hq, g, D, ld, scale, rows, nr, 0, m, l, acc);
             }
@@ -174,6 +193,7 @@ int batchgen_decode_attention(const float* q, int64_t q_ld, float* kc, float* vc
                 const int64_t* s = seg + rows[r] * 4;
                 for (int64_t a = 0; a < s[3]; a += KB) {
                     const int n = (int)std::min<int64_t>(KB, s[3] - a);
+                    stream_in(kc, vc, s[2] + a, n, ld);
                     for (int64_t h = 0; h < Hkv; h++)
                         block(up, q, kc, vc, s[2] + a, n, h, q_ld, Hq, g, D, ld, scale, rows + r, 1, r, m, l, acc);
                 }
