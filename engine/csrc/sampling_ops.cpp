@@ -186,8 +186,12 @@ void batchgen_topk(const float* x, int64_t B, int64_t V, int64_t ld, int k, floa
     const int64_t bs = block_size(V, k);
 #pragma omp parallel num_threads(threads) if (B > 1)
     {
-        std::vector<Cand> cand(bs ? V : k);
-        std::vector<float> bmax(bs ? V / bs : 0);
+        // Scratch kept per thread from call to call (OpenMP's threads persist): a fresh
+        // V-sized buffer every step would be page faults and zeroing each time.
+        static thread_local std::vector<Cand> cand;
+        static thread_local std::vector<float> bmax;
+        cand.resize(std::max<size_t>(cand.size(), bs ? V : k));
+        bmax.resize(std::max<size_t>(bmax.size(), bs ? V / bs : 0));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) {
             const float* row = x + b * ld;
