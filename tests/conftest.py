@@ -43,7 +43,8 @@ def _torch_threads_per_module():
     """Each module starts with the session's torch thread count. Some modules build workers or
     engines in-process with num_threads=1 (a worker's share of the cores beside Ray's
     workers), which sets torch's process-wide count; without this, every later module's
-    in-process model ran on one thread (test_smollm2 took 40 s instead of 25)."""
+    in-process model ran on one thread (test_smollm2's greedy check took 40 s in the suite,
+    25 s alone)."""
     global _TORCH_THREADS
     import torch
 
