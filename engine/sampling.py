@@ -319,9 +319,10 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, inplace: bool = F
 
     On CPU (float32) it is logits[token] - logsumexp(row), the logsumexp compiled
     (engine/csrc/sampling_ops.cpp: 1.9 ms against log_softmax's 4.6 ms for 128 x 49,152 on
-    2 threads, and nothing written). Elsewhere, inplace=True overwrites `logits` with their log-softmax on
-    CPU when they are contiguous (the engine's last use of them): torch's fused kernel
-    reads each row twice and writes it once, without a second vocabulary-sized tensor.
+    2 threads, and nothing written). Without the compiled kernel (another device or dtype, or
+    no library), inplace=True overwrites CPU `logits` with their log-softmax when they are
+    contiguous (the engine's last use of them): torch's fused kernel reads each row twice and
+    writes it once, without a second vocabulary-sized tensor.
     Either way a row's result does not depend on the other rows (a row is reduced by one
     thread).
     """
