@@ -84,47 +84,41 @@ def check_exactly_once(out: Path, reference: list[dict]) -> None:
     assert_same_dataset(rows, reference)
 
 
-def _is_worker(pid: int) -> bool:
-    try:
-        return b"GenerationWorker" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
 # ------------------------------------------------------------------ kill -9 workers mid-unit
 
+class KillSelfMidUnit(JobTask):
+    """SIGKILLs its own worker process in the middle of each unit of `units`, once per unit
+    (a marker file per unit remembers): after the unit's tokens are generated and before its
+    part file is written, while the worker may hold a prefetched unit too.
+
+    The worker kills itself rather than the test killing it from outside, so the kill always
+    lands mid-unit: these units take milliseconds, less than a progress report's interval."""
+
+    def __init__(self, spec, plan, units, marker_dir):
+        super().__init__(spec, plan)
+        self.kill_units, self.marker_dir = set(units), marker_dir
+
+    def write_unit(self, unit, requests, outputs, tokenizer=None):
+        if unit.index in self.kill_units:
+            try:  # O_EXCL: only the first attempt at this unit dies, whichever worker runs it
+                os.close(os.open(os.path.join(self.marker_dir, f"killed-{unit.index}"), os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().write_unit(unit, requests, outputs, tokenizer)
+
+
 def test_kill_workers_mid_unit(ray_local, inputs, reference, tmp_path):
+    """Three workers SIGKILLed mid-unit (units 1, 4 and 7, each on its first attempt): each is
+    replaced, its units run again, and the dataset equals the uninterrupted run exactly once."""
     spec = job_spec(inputs, tmp_path / "out", max_unit_attempts=6)
     plan, out = prepared(spec)
-    live: dict[str, dict] = {}
-    killed: list[int] = []
-
-    def kill_if_due():
-        # one kill is due after each of the 1st, 3rd and 5th commits: SIGKILL a worker that
-        # holds units right now, at the first moment one does (the progress reports and the
-        # commits decide when; no timing is assumed)
-        due = sum(on_result.n >= k for k in (1, 3, 5))
-        if len(killed) < due:
-            for p in live.values():
-                if p["active_units"] and p["pid"] not in killed and _is_worker(p["pid"]):
-                    os.kill(p["pid"], signal.SIGKILL)
-                    killed.append(p["pid"])
-                    break
-
-    def on_progress(info):
-        live.clear()
-        live.update(info["workers"])
-        kill_if_due()
-
-    def on_result(result):
-        on_result.n += 1
-        kill_if_due()
-
-    on_result.n = 0
-    results = run_units(JobTask(spec, plan), plan.units, num_workers=2, num_cpus=1, num_gpus=0,
-                        max_unit_attempts=6, on_result=on_result, on_progress=on_progress,
-                        progress_interval_s=0.1)
-    assert len(killed) >= 2, killed
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    results = run_units(KillSelfMidUnit(spec, plan, (1, 4, 7), str(markers)), plan.units, num_workers=2,
+                        num_cpus=1, num_gpus=0, max_unit_attempts=6, on_result=None, on_progress=None)
+    assert sorted(p.name for p in markers.iterdir()) == ["killed-1", "killed-4", "killed-7"]
     assert sorted(r.index for r in results) == [u.index for u in plan.units]
     out.cleanup_temp_files()  # a kill during a write leaves a temp file (run_job does this too)
     check_exactly_once(tmp_path / "out", reference)

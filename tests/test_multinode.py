@@ -5,6 +5,7 @@ every row exactly once and equal to the uninterrupted run."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -42,7 +43,34 @@ def cluster():
             pass
 
 
+class HoldUnit(JobTask):
+    """Holds unit `hold_unit` on its first attempt: after generating it, before writing it, the
+    worker records its node id in `marker` and waits there (at most `hold_s` seconds) for the
+    node to be removed under it. A unit on these tiny models takes milliseconds, less than a
+    progress report's interval, so without holding one a removal would rarely find one."""
+
+    def __init__(self, spec, plan, hold_unit, marker, hold_s=120.0):
+        super().__init__(spec, plan)
+        self.hold_unit, self.marker, self.hold_s = hold_unit, marker, hold_s
+
+    def write_unit(self, unit, requests, outputs, tokenizer=None):
+        if unit.index == self.hold_unit:
+            try:  # the claim stays, so only the first attempt holds
+                os.close(os.open(self.marker + ".claimed", os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass  # a later attempt: write it as usual
+            else:
+                with open(self.marker + ".tmp", "w") as f:
+                    f.write(ray.get_runtime_context().get_node_id())
+                os.rename(self.marker + ".tmp", self.marker)  # the driver never reads it half written
+                threading.Event().wait(self.hold_s)  # the node's removal ends this process
+        return super().write_unit(unit, requests, outputs, tokenizer)
+
+
 def test_remove_a_node_holding_units(cluster, tmp_path):
+    """Unit 1's worker holds it mid-unit and its node is removed without warning: the unit (and
+    any the worker prefetched) runs again on the other node's worker, and the dataset equals
+    the uninterrupted run, every row once."""
     from cluster.worker import GenerationWorker
     from jobs.output import OutputDir
 
@@ -50,25 +78,17 @@ def test_remove_a_node_holding_units(cluster, tmp_path):
     inp = write_inputs(tmp_path / "in", sizes=(8, 8, 8))
     spec = job_spec(inp, tmp_path / "out", num_workers=2, max_unit_attempts=3)
     plan, out = prepared(spec)
-    workers: dict[str, dict] = {}
+    marker = str(tmp_path / "holding")
     removed = []
 
     def on_progress(info):
-        workers.update(info["workers"])
+        if not removed and os.path.exists(marker):
+            node_id = open(marker).read()
+            c.remove_node(next(n for n in nodes if n.node_id == node_id), allow_graceful=False)
+            removed.append(node_id)
 
-    def on_result(result):
-        # at the first commit, take away the node of the *other* worker (it holds 2 units)
-        if removed:
-            return
-        victim = next((w for name, w in workers.items() if name != result.worker and w["active_units"]), None)
-        if victim is None:
-            return
-        node = next(n for n in nodes if n.node_id == victim["node_id"])
-        c.remove_node(node, allow_graceful=False)
-        removed.append(victim)
-
-    results = run_units(JobTask(spec, plan), plan.units, num_workers=2, num_cpus=1, num_gpus=0,
-                        max_unit_attempts=3, on_result=on_result, on_progress=on_progress,
+    results = run_units(HoldUnit(spec, plan, 1, marker), plan.units, num_workers=2, num_cpus=1, num_gpus=0,
+                        max_unit_attempts=3, on_result=None, on_progress=on_progress,
                         progress_interval_s=0.1, actor_options={"resources": {"gen": 1}})
     assert removed, "no node was removed while holding units"
     assert sorted(r.index for r in results) == [u.index for u in plan.units]
