@@ -608,10 +608,11 @@ class UnitDispatcher:
         self._event("ready", f"{w.name} pid {w.info.get('pid')} on {w.info.get('host')}")
 
     def _check_auto_dtype(self, w: _Worker) -> str | None:
-        """With model dtype "auto", every worker's engine resolves it for its own device
-        (bfloat16 only on GPUs with native support, engine/checkpoint.py): the first ready
-        worker's choice is the run's, and a worker that resolved another (a GPU of another
-        generation) is refused, so that one run never mixes dtypes. Returns why, or None."""
+        """With model dtype "auto", every worker's engine resolves it for its own machine
+        (bfloat16 only where it is native and faster: GPUs of compute capability 8.0 and up,
+        CPUs with AVX-512 BF16; engine/checkpoint.py): the first ready worker's choice is the
+        run's, and a worker that resolved another (a GPU of another generation, a CPU of
+        another kind) is refused, so that one run never mixes dtypes. Returns why, or None."""
         if self.task.engine_kwargs.get("dtype") != "auto" or not w.info.get("dtype"):
             return None
         got = w.info["dtype"]
@@ -622,7 +623,7 @@ class UnitDispatcher:
             return None
         return (f"worker {w.name} on {w.info.get('host')} ({w.info.get('device')}) resolved model.dtype auto to "
                 f"{got}, but this run's workers use {self.auto_dtype}: set model.dtype to one of them explicitly "
-                f"to run on mixed GPUs")
+                f"to run on mixed machines")
 
     def _on_poll(self, ray: Any, ref: Any, w: _Worker) -> None:
         from ray.exceptions import RayTaskError

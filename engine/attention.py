@@ -194,8 +194,10 @@ def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
         return decode_native(kernel, kc, vc, q, layout, window, new_kv)
     if new_kv is not None:
         idx = layout.write_index()
-        kc.index_copy_(0, idx, new_kv[0][:, :, 0])
-        vc.index_copy_(0, idx, new_kv[1][:, :, 0])
+        kc.index_copy_(0, idx, new_kv[0][:, :, 0].to(kc.dtype))
+        vc.index_copy_(0, idx, new_kv[1][:, :, 0].to(vc.dtype))
+    if q.dtype != kc.dtype:  # float32 queries over a bfloat16 cache: torch's kernel wants one dtype
+        return decode_grouped(kc, vc, q.to(kc.dtype), layout, window, invariant).to(q.dtype)
     g = Hq // Hkv
     q4 = q.reshape(B, Hkv, g, D)
     t = layout.t
@@ -248,7 +250,8 @@ def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
 
 def native_kernel(dtype: torch.dtype, head_dim: int) -> NativeKernels | None:
     """The compiled kernels (engine/native.py) when they are available and decode attention
-    handles this dtype (float32) and head_dim; None otherwise (torch's kernels then)."""
+    handles this query dtype (float32, over a float32 or bfloat16 cache) and head_dim; None
+    otherwise (torch's kernels then)."""
     if dtype != torch.float32:
         return None
     kernel = native_kernels()
@@ -362,8 +365,8 @@ def decode_batched(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
     g = Hq // Hkv
     q4 = q.reshape(B, Hkv, g, D)
     index, valid, _ = layout.own_gather(window)
-    k = kc[index].permute(0, 2, 1, 3)  # (B, Hkv, L, D)
-    v = vc[index].permute(0, 2, 1, 3)
+    k = kc[index].permute(0, 2, 1, 3).to(q.dtype)  # (B, Hkv, L, D)
+    v = vc[index].permute(0, 2, 1, 3).to(q.dtype)
     o_own, l_own = _masked_lse_attention(q4, k, v, valid[:, None, None, :])
     pre = layout.prefix_gather(window)
     if pre is None:
@@ -372,8 +375,8 @@ def decode_batched(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
     R, nq, P = pvalid.shape
     qp = q4.new_zeros(num_slots, Hkv, g, D).index_copy_(0, slots, q4.index_select(0, rows))
     qp = qp.view(R, nq, Hkv, g, D).permute(0, 2, 1, 3, 4).reshape(R, Hkv, nq * g, D)
-    kp = kc[pindex].permute(0, 2, 1, 3)  # (R, Hkv, P, D)
-    vp = vc[pindex].permute(0, 2, 1, 3)
+    kp = kc[pindex].permute(0, 2, 1, 3).to(q.dtype)  # (R, Hkv, P, D)
+    vp = vc[pindex].permute(0, 2, 1, 3).to(q.dtype)
     mask = pvalid[:, None, :, None, :].expand(R, 1, nq, g, P).reshape(R, 1, nq * g, P)
     o_p, l_p = _masked_lse_attention(qp, kp, vp, mask)
     o_p = o_p.view(R, Hkv, nq, g, D).permute(0, 2, 1, 3, 4).reshape(num_slots, Hkv, g, D)
@@ -394,11 +397,30 @@ def prefill_mask(T: int, window: int | None, device: torch.device) -> torch.Tens
     return (d >= 0) & (d <= window)
 
 
+def prefill_native(kernel: NativeKernels, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, layout: KVLayout,
+                   window: int | None) -> torch.Tensor:
+    """Prefill attention through the compiled kernel (engine/csrc/prefill_attention.cpp), one
+    call for the batch: each prompt token attends to its prompt's keys as the arena holds
+    them (just written by the prefill). q: (B, n_head, T, head_dim), any strides whose
+    transpose to (B, T, n_head, head_dim) has contiguous heads (the q part of a fused qkv
+    projection does); kc, vc: one layer's contiguous arena. Returns (B, n_head, T, head_dim),
+    zeros at padding positions. Row-invariant and the same bits on every ISA by
+    construction (see the source)."""
+    qt = q.transpose(1, 2)
+    if qt.stride(3) != 1 or qt.stride(2) != qt.shape[3]:
+        qt = qt.contiguous()
+    starts, lengths = layout.prefill_runs()
+    return kernel.prefill_attention(qt, kc, vc, starts, lengths, window, torch.get_num_threads()).transpose(1, 2)
+
+
 def prefill_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
                  window: int | None) -> torch.Tensor:
     """Batch-invariant prefill attention (CPU): one unmasked causal SDPA call per row over
     exactly its own tokens, so its result cannot depend on the padded length or the other
-    rows. q: (B, n_head, T, D); k, v: (B, n_kv_head, T, D). Padding positions get 0."""
+    rows. q: (B, n_head, T, D); k, v: (B, n_kv_head, T, D). Padding positions get 0. Used
+    where the compiled kernel is unavailable (`prefill_native` otherwise): its rows do not
+    depend on the batch, but its bits follow torch's kernels, which differ between AVX2 and
+    AVX-512 builds."""
     out = q.new_zeros(q.shape)
     gqa = q.shape[1] != k.shape[1]
     for r, n in enumerate(lengths):

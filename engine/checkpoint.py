@@ -28,6 +28,7 @@ message names the path and what is wrong.
 """
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -35,7 +36,10 @@ import torch
 
 from engine.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
 from engine.models.base import CausalLM
+from engine.native import bfloat16_is_faster, native_kernels
 from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -66,14 +70,24 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """"auto" is bfloat16 on a CUDA GPU with native bfloat16 (compute capability 8.0 and up:
-    Ampere, Hopper, ...), float32 elsewhere: on CPUs and older GPUs bfloat16 is emulated
-    (torch.cuda.is_bf16_supported() says True there too) and slower than float32."""
+    """"auto" is bfloat16 where it is native and faster, float32 elsewhere, and the choice
+    and its reason are logged at INFO:
+    - a CUDA GPU: bfloat16 from compute capability 8.0 (Ampere, Hopper, ...); older GPUs
+      emulate it (torch.cuda.is_bf16_supported() says True there too) and are slower;
+    - a CPU: bfloat16 weights (float32 activations) where the compiled GEMM has AVX-512
+      BF16 and a probe measures it clearly faster than float32 (engine/native.py,
+      `bfloat16_is_faster`, decided once per machine); float32 on every other CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0):
-            return torch.bfloat16
+        if device.type == "cuda":
+            if torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0):
+                return torch.bfloat16
+            return torch.float32
+        if device.type == "cpu":
+            faster, why = bfloat16_is_faster()
+            log.info("batchgen: dtype auto -> %s (%s)", "bfloat16" if faster else "float32", why)
+            return torch.bfloat16 if faster else torch.float32
         return torch.float32
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
@@ -206,9 +220,16 @@ def nanochat_step(path: str | Path, step: int | None = None) -> int | None:
 
 def _load_model(fmt: str, path: str | Path, dev: torch.device, dt: torch.dtype, step: int | None,
                 vocab_size: int | None) -> tuple[CausalLM, object]:
-    """(model in eval mode, the GGUF reader or None) for a detected format."""
+    """(model in eval mode, the GGUF reader or None) for a detected format.
+
+    bfloat16 on CPU with the compiled kernels is built in float32 and its matrices then
+    stored in bfloat16 (`CausalLM.use_bfloat16_weights`: float32 activations, norms and
+    biases, bfloat16 GEMMs and KV cache); elsewhere the whole model is in `dt`."""
     path = resolve_builtin(path)
     reader = None
+    final_dt = dt
+    if dt == torch.bfloat16 and dev.type == "cpu" and native_kernels() is not None:
+        dt = torch.float32
     if fmt == TINY_RANDOM:
         from engine.models.nanochat import build_tiny_random_model
 
@@ -234,4 +255,6 @@ def _load_model(fmt: str, path: str | Path, dev: torch.device, dt: torch.dtype, 
         from engine.models.nanochat import load_nanochat_checkpoint
 
         model = load_nanochat_checkpoint(Path(path), dev, dt, step=step)
+    if final_dt != dt:
+        model.use_bfloat16_weights()
     return model.eval(), reader

@@ -79,7 +79,7 @@ class Engine:
         self.tokenizer = tokenizer
         info = model.info
         p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        self.device, self.dtype = p.device, model.kv_dtype  # bfloat16 weights: a bfloat16 KV cache
         self.max_seq_len = min(max_seq_len or info.context_len, info.context_len)
         self.prefix_sharing = prefix_sharing
         bs = BLOCK_SIZE
@@ -94,7 +94,7 @@ class Engine:
                              f"tokens ({need * self.block_bytes} bytes); raise kv_cache_bytes or lower max_seq_len")
         self.kv = KVCache(info.n_layer, info.n_kv_head, info.head_dim, max_num_seqs, self.max_seq_len,
                           self.dtype, self.device, info.state_dims, batch_invariant=batch_invariant,
-                          num_positions=num_blocks * bs)
+                          num_positions=num_blocks * bs, state_dtype=model.act_dtype)
         self.scheduler = Scheduler(max_num_seqs, num_blocks, bs, self.max_seq_len, max_prefill_tokens,
                                    prefix_sharing)
         self.running: dict[int, Sequence] = {}
@@ -437,6 +437,31 @@ def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
         return toks, raw
     mask = torch.tensor(processed, device=logits.device)
     return toks, torch.where(mask, proc, raw)
+
+
+@torch.no_grad()
+def teacher_forced_logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
+    """The logits at every position of `tokens` (L token ids) as the engine's step computes
+    them: one prefill through the model's forward_step, its kernels and a KV cache of the
+    model's dtype. (L, V) float32; row t is the next-token logits after tokens[: t + 1].
+
+    Each row equals the logits of prefilling tokens[: t + 1] alone, bit for bit where the
+    step is batch-invariant (CPU with the compiled kernels: a prefill row depends on its own
+    keys only), so this scores a continuation (teacher forcing) as generation would see it.
+    Raises ValueError beyond the model's context.
+    """
+    L = len(tokens)
+    info = model.info
+    if L > info.context_len:
+        raise ValueError(f"{L} tokens exceed the model's context of {info.context_len}")
+    p = next(model.parameters())
+    kv = KVCache(info.n_layer, info.n_kv_head, info.head_dim, 1, L, model.kv_dtype, p.device, info.state_dims,
+                 state_dtype=model.act_dtype)
+    dev = p.device
+    batch = StepBatch(slots=torch.zeros(1, dtype=torch.long, device=dev), positions=torch.arange(L, device=dev)[None],
+                      last_index=torch.tensor([L - 1], device=dev), prefill=True,
+                      layout=KVLayout.for_prefill([0], [L], dev), all_logits=True)
+    return model.forward_step(torch.tensor([tokens], device=dev), batch, kv)[0].float()
 
 
 def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str = "auto", *, tokenizer=None,

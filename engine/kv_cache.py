@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention import decode_batched, decode_grouped, prefill_mask, prefill_rows
+from engine.attention import (decode_batched, decode_grouped, native_kernel, prefill_mask, prefill_native,
+                              prefill_rows)
 from engine.kv_layout import KVLayout
 
 
@@ -39,6 +40,8 @@ class StepBatch:
     slot_start: accepted for callers of the static-slot layout; not needed by the cache.
     layout: where each row's keys and values live (engine/kv_layout.py); None means the
         static-slot layout, built from `slots` and `positions` (which costs a device sync).
+    all_logits: prefill only: the forward returns the logits at every position, (B, T, V),
+        instead of at last_index (scoring a given continuation: `teacher_forced_logits`).
     """
 
     slots: torch.Tensor
@@ -48,6 +51,7 @@ class StepBatch:
     kv_len: int = 0
     slot_start: int | None = None
     layout: KVLayout | None = None
+    all_logits: bool = False
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
@@ -70,10 +74,12 @@ class KVCache:
         n_layer, n_kv_head, head_dim: the model's attention shape.
         num_slots: sequences decoding at once, at most (rows of `state`).
         max_seq_len: the longest sequence, prompt + generated, in positions.
-        dtype, device: storage (the model's compute dtype).
+        dtype, device: storage (the model's compute dtype; bfloat16 for a model with
+            bfloat16 weights and float32 activations: keys and values are rounded to
+            bfloat16 as they are stored, and attention widens them back as it reads).
         state_dims: extra per-sequence model state, name -> width, stored as (num_slots,
             width) tensors in `self.state` (nanochat's smear keeps the previous token's
-            embedding there).
+            embedding there), in `state_dtype` (default: dtype; the activations' dtype).
         batch_invariant: on CPU, attention whose result for a row is bit-identical whatever
             else is in the step (engine/attention.py); GPUs ignore it. Decode attention on
             CPU is `decode_grouped`, elsewhere `decode_batched` (`batched_decode` forces it).
@@ -87,12 +93,13 @@ class KVCache:
 
     def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, num_slots: int, max_seq_len: int,
                  dtype: torch.dtype, device: torch.device | str, state_dims: dict[str, int] | None = None,
-                 batch_invariant: bool = True, num_positions: int | None = None):
+                 batch_invariant: bool = True, num_positions: int | None = None,
+                 state_dtype: torch.dtype | None = None):
         self.num_positions = num_positions if num_positions is not None else num_slots * max_seq_len
         shape = (n_layer, self.num_positions, n_kv_head, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.state = {name: torch.zeros(num_slots, dim, dtype=dtype, device=device)
+        self.state = {name: torch.zeros(num_slots, dim, dtype=state_dtype or dtype, device=device)
                       for name, dim in (state_dims or {}).items()}
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
@@ -128,8 +135,14 @@ class KVCache:
         invariant = self.batch_invariant and q.device.type == "cpu"
         if batch.prefill:
             dst, src = layout.prefill_write(T)
-            kc.index_copy_(0, dst, k.transpose(1, 2).reshape(B * T, H, D).index_select(0, src))
-            vc.index_copy_(0, dst, v.transpose(1, 2).reshape(B * T, H, D).index_select(0, src))
+            kc.index_copy_(0, dst, k.transpose(1, 2).reshape(B * T, H, D).index_select(0, src).to(kc.dtype))
+            vc.index_copy_(0, dst, v.transpose(1, 2).reshape(B * T, H, D).index_select(0, src).to(vc.dtype))
+            kernel = native_kernel(q.dtype, D) if q.device.type == "cpu" and kc.is_contiguous() else None
+            if kernel is not None:  # one call for the batch, from the arena just written
+                return prefill_native(kernel, q, kc, vc, layout, window)
+            if k.dtype != kc.dtype:  # float32 activations over a bfloat16 cache: the prefill
+                # attends to the keys and values the cache holds, as every later step does
+                k, v = k.to(kc.dtype).to(k.dtype), v.to(kc.dtype).to(v.dtype)
             if invariant:
                 return prefill_rows(q, k, v, layout.lengths, window)
             # A prefill starts at position 0, so its own keys are the whole history: attend
@@ -141,8 +154,8 @@ class KVCache:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=gqa)
         if self.batched_decode or q.device.type != "cpu":
             idx = layout.write_index()
-            kc.index_copy_(0, idx, k[:, :, 0])
-            vc.index_copy_(0, idx, v[:, :, 0])
+            kc.index_copy_(0, idx, k[:, :, 0].to(kc.dtype))
+            vc.index_copy_(0, idx, v[:, :, 0].to(vc.dtype))
             return decode_batched(kc, vc, q, layout, window)
         return decode_grouped(kc, vc, q, layout, window, invariant=self.batch_invariant, new_kv=(k, v))
 

@@ -340,6 +340,15 @@ class KVLayout:
             self._step["write"] = base + self.t if self.t else base
         return self._step["write"]
 
+    def prefill_runs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill: (arena position of each prompt's first token, its length), (B,) int64 on
+        the CPU each, for the compiled prefill kernel."""
+        key = "prefill_runs"
+        if key not in self._static:
+            self._static[key] = (torch.tensor(self.own_start, dtype=torch.long),
+                                 torch.tensor(self.lengths, dtype=torch.long))
+        return self._static[key]
+
     def prefill_write(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill: (arena positions, flat row * T + t indices) of every real prompt token."""
         key = ("prefill_write", T)

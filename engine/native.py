@@ -1,28 +1,41 @@
-"""The engine's compiled CPU kernels (engine/csrc/), one shared library: decode attention
-(decode_attention.cpp), the fused per-row operations of a Llama-family layer
-(layer_ops.cpp: RMSNorm with its residual add, rotary embedding, SwiGLU gating), and the
-sampler's passes over the vocabulary (sampling_ops.cpp: top-k, logsumexp).
+"""The engine's compiled CPU kernels (engine/csrc/), one shared library: the matrix multiply
+of every projection and the head (gemm.cpp), prefill and decode attention over the KV arena
+(prefill_attention.cpp, decode_attention.cpp), the fused per-row operations of a
+Llama-family layer (layer_ops.cpp: RMSNorm with its residual add, rotary embedding, SwiGLU
+gating), and the sampler's passes over the vocabulary (sampling_ops.cpp: top-k, logsumexp).
 
-Torch's CPU flash kernel costs tens of microseconds per call and a decode step makes one
-call per prompt and cohort per layer; the C++ kernel attends a whole step's rows in one call
-per layer, reading each prompt's keys once for all its samples and storing the step's keys
-and values itself. Torch runs a norm or a gating as 3-10 kernels, each a pass over memory
-with its own temporary; fused, each is one pass. Every function's result for a row is
-independent of the batch by construction (see the sources' headers).
+Why compiled: a library GEMM's or attention kernel's rows move with the row count and the
+instruction set (gemm.cpp's header), so the engine owns the reduction order of its products;
+torch's CPU flash kernel costs tens of microseconds per call where a decode step needs one
+call per layer; torch runs a norm or a gating as 3-10 kernels, each a pass over memory.
+Every function's result for a row is independent of the batch and the thread count by
+construction (see the sources' headers), and the same on every instruction set below.
+
+Instruction sets (`ISAS`): the library is built for one of
+- `avx2`: x86-64 with AVX2 and FMA (Haswell, Zen 1-3);
+- `avx512`: and AVX-512 F/BW/DQ/VL (Skylake-SP, Ice Lake): 16-lane GEMM tiles;
+- `avx512_bf16`: and AVX-512 BF16 (Cooper Lake, Sapphire Rapids, Zen 4-5): bfloat16
+  products with vdpbf16ps, which the other builds compute bit for bit with two fused
+  multiply-adds.
+`native_isa()` picks the widest the CPU has (CPUID flags, from /proc/cpuinfo) that torch's
+own dispatch also allows, so `ATEN_CPU_CAPABILITY=avx2` limits both; `BATCHGEN_ISA` names one
+(it must be supported). A build's results are bit-identical to every other build's: the
+choice changes speed, never a sample.
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`;
-about two seconds, no torch headers) into a cache directory keyed by the sources' hash, the
-flags and the compiler (`$BATCHGEN_CACHE_DIR`, else `$XDG_CACHE_HOME/batchgen`, else
-`~/.cache/batchgen`), and loaded with ctypes. It needs x86-64 with AVX2 and FMA (torch's
-CPU capability AVX2 or AVX512). Where it cannot be built or loaded (no compiler, another
-CPU, `BATCHGEN_NATIVE=0`), `native_kernels()` returns None and the engine uses torch's
-operations (engine/attention.py, engine/models/layers.py): the same results to about 1e-6,
-slower.
+a few seconds, no torch headers) into a cache directory keyed by the sources' hash, the
+ISA's flags and the compiler (`$BATCHGEN_CACHE_DIR`, else `$XDG_CACHE_HOME/batchgen`, else
+`~/.cache/batchgen`), and loaded with ctypes. Where it cannot be built or loaded (no
+compiler, not x86-64 with AVX2, `BATCHGEN_NATIVE=0`), `native_kernels()` returns None and the
+engine uses torch's operations (engine/attention.py, engine/models/layers.py,
+engine/models/base.py): the same results to about 1e-6, slower, and batch-invariant only as
+far as torch's kernels happen to be on that machine (README, "Batch invariance").
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -30,6 +43,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,10 +52,19 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"  # every .cpp in it is compiled into one library; the .h are shared
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
+# Narrowest first: each ISA's compiler flags and the /proc/cpuinfo flags it needs.
+ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+    "avx512": (("-mavx2", "-mfma", "-mf16c", *_AVX512), ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq",
+                                                         "avx512vl")),
+    "avx512_bf16": (("-mavx2", "-mfma", "-mf16c", *_AVX512, "-mavx512bf16"),
+                    ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16")),
+}
 
 _lock = threading.Lock()
-_library: "NativeKernels | None | bool" = False  # False: not tried yet
+_libraries: dict[str, "NativeKernels | None"] = {}  # by ISA; None: tried and unavailable
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -58,17 +82,53 @@ def _call(name: str, fn, *args):
     return fn(*args)
 
 
+_GEMM_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@dataclass(frozen=True, eq=False)
+class PackedWeight:
+    """A weight (N, K) in gemm.cpp's panel layout, made by `NativeKernels.pack`: `data` the
+    packed bytes (uint8), `dtype` the weight's (float32 or bfloat16), `bias` (N,) float32 or
+    None (a bfloat16 bias is widened once here: the kernel adds it in float32)."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+    dtype: torch.dtype
+    bias: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
 class NativeKernels:
     """The loaded library's functions, with tensor arguments. Each checks nothing the caller
-    can check more cheaply: shapes, contiguity, float32 and bounds are the caller's (the
+    can check more cheaply: shapes, contiguity, dtypes and bounds are the caller's (the
     docstrings say what). All run on `threads` threads (OpenMP, the runtime torch uses) and
-    are batch-invariant: a row's result depends only on that row (see the sources)."""
+    are batch-invariant: a row's result depends only on that row (see the sources).
+    `isa`: the instruction set the library was built for (`ISAS`); `path`: its file."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, isa: str, path: Path):
+        self.isa, self.path = isa, path
+        self._gemm = lib.batchgen_gemm
+        self._gemm.argtypes = [_p, _int, _i64, _i64, _i64, _p, _i64, _p, _p, _i64, _int, _int, _int]
+        self._gemm.restype = None
+        self._pack = lib.batchgen_gemm_pack
+        self._pack.argtypes = [_p, _i64, _i64, _i64, _int, _p]
+        self._pack.restype = None
+        self._packed_bytes = lib.batchgen_gemm_packed_bytes
+        self._packed_bytes.argtypes = [_i64, _i64, _int]
+        self._packed_bytes.restype = _i64
+        self.native_bf16 = bool(lib.batchgen_gemm_native_bf16())
         self._attention = lib.batchgen_decode_attention
-        self._attention.argtypes = [_p, _i64, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _f32, _int,
+        self._attention.argtypes = [_p, _i64, _p, _p, _int, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _f32, _int,
                                     _p, _p, _i64, _p, _i64]
         self._attention.restype = _int
+        self._prefill = lib.batchgen_prefill_attention
+        self._prefill.argtypes = [_p, _i64, _i64, _p, _p, _int, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _p,
+                                  _int]
+        self._prefill.restype = _int
         self._supports = lib.batchgen_decode_attention_supports
         self._supports.argtypes = [_i64]
         self._supports.restype = _int
@@ -88,8 +148,42 @@ class NativeKernels:
         self._logsumexp.argtypes = [_p, _i64, _i64, _i64, _p, _int]
         self._logsumexp.restype = None
 
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
+        """gemm.cpp's packed form of weight (N, K) float32 or bfloat16 (K even for bfloat16;
+        rows may be strided, the last dim contiguous) and its bias (N,) or None. Raises
+        ValueError for another dtype or an odd K in bfloat16."""
+        if weight.dtype not in _GEMM_DTYPES or weight.dim() != 2:
+            raise ValueError(f"gemm: weight must be a 2-d float32 or bfloat16 tensor, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        n, k = weight.shape
+        if weight.dtype == torch.bfloat16 and k % 2:
+            raise ValueError(f"gemm: a bfloat16 weight needs an even K, got {k}")
+        w = weight.detach()
+        if w.stride(1) != 1:
+            w = w.contiguous()
+        code = _GEMM_DTYPES[w.dtype]
+        data = torch.empty(self._packed_bytes(n, k, code), dtype=torch.uint8)
+        self._pack(w.data_ptr(), w.stride(0), n, k, code, data.data_ptr())
+        b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        return PackedWeight(data, n, k, w.dtype, b)
+
+    def gemm(self, x: torch.Tensor, w: PackedWeight, out_dtype: torch.dtype, threads: int) -> torch.Tensor:
+        """x (M, K) @ W.T + bias, x with a contiguous last dim (rows may be strided) in the
+        weight's dtype or float32 (a bfloat16 weight's float32 activations are rounded to
+        bfloat16 first, as `.to(torch.bfloat16)` rounds); returns (M, N) of out_dtype
+        (float32, or bfloat16 for a bfloat16 weight). Each element is one fused multiply-add
+        chain over K in order (gemm.cpp), so a row's bits depend on that row alone, on any
+        ISA and thread count."""
+        M = x.shape[0]
+        y = torch.empty(M, w.n, dtype=out_dtype)
+        _call("batchgen::gemm", self._gemm, x.data_ptr(), _GEMM_DTYPES[x.dtype], x.stride(0), M, w.k,
+              w.data.data_ptr(), w.n, _ptr(w.bias), y.data_ptr(), w.n, _GEMM_DTYPES[w.dtype],
+              _GEMM_DTYPES[out_dtype], threads)
+        return y
+
     def supports(self, head_dim: int) -> bool:
-        """Whether decode attention handles head_dim: 32, 64, 80, 96, 128."""
+        """Whether decode and prefill attention handle head_dim: every multiple of 8 up to
+        128, and 160, 192, 256."""
         return bool(self._supports(head_dim))
 
     def decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seg: torch.Tensor,
@@ -99,24 +193,49 @@ class NativeKernels:
 
         q: (B, Hq, D) float32 whose last two dims are contiguous (rows may be strided, as
         the q part of a fused qkv projection is); kc, vc: one layer's contiguous (positions,
-        Hkv, D) float32 arena; seg (B, 4) int64 rows of (prompt start, prompt length, own
-        start, own length) in arena positions, every run inside the arena; group_ptr (G + 1,)
-        and order (B,) int64: group i is rows order[group_ptr[i]:group_ptr[i + 1]], which
-        share their prompt run. new_kv: (k, v, write), this step's keys and values (B, Hkv,
-        D) (last two dims contiguous, rows strided alike) stored first at arena positions
-        write (B,) int64, each inside its row's own run. Returns (B, Hq, D) float32, scale
-        1/sqrt(D). The caller guarantees the bounds: the kernel reads and writes what it is told.
+        Hkv, D) arena, float32 or bfloat16 (each key and value widened to float32 as read);
+        seg (B, 4) int64 rows of (prompt start, prompt length, own start, own length) in
+        arena positions, every run inside the arena; group_ptr (G + 1,) and order (B,)
+        int64: group i is rows order[group_ptr[i]:group_ptr[i + 1]], which share their
+        prompt run. new_kv: (k, v, write), this step's keys and values (B, Hkv, D) float32
+        (last two dims contiguous, rows strided alike) stored first (rounded to bfloat16 as
+        torch rounds, into a bfloat16 arena) at arena positions write (B,) int64, each inside
+        its row's own run. Returns (B, Hq, D) float32, scale 1/sqrt(D). The caller
+        guarantees the bounds: the kernel reads and writes what it is told.
         """
         B, Hq, D = q.shape
         out = q.new_empty(B, Hq, D)
         k, v, write = new_kv if new_kv is not None else (None, None, None)
         kv_ld = 0 if k is None else k.stride(0)
         rc = _call("batchgen::decode_attention", self._attention, q.data_ptr(), q.stride(0), kc.data_ptr(),
-                   vc.data_ptr(), out.data_ptr(), seg.data_ptr(), group_ptr.data_ptr(), order.data_ptr(),
+                   vc.data_ptr(), int(kc.dtype == torch.bfloat16), out.data_ptr(), seg.data_ptr(),
+                   group_ptr.data_ptr(), order.data_ptr(),
                    group_ptr.numel() - 1, Hq, kc.shape[1], D, D ** -0.5, threads, _ptr(k), _ptr(v), kv_ld,
                    _ptr(write), B)
         if rc != 0:
             raise ValueError(f"decode attention kernel: head_dim {D} is not supported")
+        return out
+
+    def prefill_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, starts: torch.Tensor,
+                          lengths: torch.Tensor, window: int | None, threads: int) -> torch.Tensor:
+        """Causal prefill attention of every prompt token to its prompt's keys, read from
+        the arena (engine/csrc/prefill_attention.cpp).
+
+        q: (B, T, Hq, D) float32 with its last two dims contiguous (tokens and prompts may be
+        strided, as the q part of a fused qkv projection is); kc, vc: one layer's contiguous
+        (positions, Hkv, D) arena, float32 or bfloat16, holding prompt b at positions
+        starts[b] .. starts[b] + lengths[b] - 1 (starts, lengths: (B,) int64, lengths <= T);
+        window: a query at t sees keys t - window .. t (None: all). Returns (B, T, Hq, D)
+        float32, zeros past each prompt's length; scale 1/sqrt(D). Raises ValueError for an
+        unsupported head_dim (`supports`)."""
+        B, T, Hq, D = q.shape
+        out = torch.empty(B, T, Hq, D)
+        rc = _call("batchgen::prefill_attention", self._prefill, q.data_ptr(), q.stride(1), q.stride(0),
+                   kc.data_ptr(), vc.data_ptr(), int(kc.dtype == torch.bfloat16), starts.data_ptr(),
+                   lengths.data_ptr(), B, T, Hq, kc.shape[1], D, -1 if window is None else window, D ** -0.5,
+                   out.data_ptr(), threads)
+        if rc != 0:
+            raise ValueError(f"prefill attention kernel: head_dim {D} is not supported")
         return out
 
     def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -167,23 +286,140 @@ class NativeKernels:
         return out
 
 
-def native_kernels() -> NativeKernels | None:
-    """The compiled library, built and loaded once per process; None where it is unavailable
-    (the reason is logged once at INFO)."""
-    global _library
-    if _library is False:
+def native_kernels(isa: str | None = None) -> NativeKernels | None:
+    """The compiled library for `isa` (default `native_isa()`), built and loaded once per
+    process and ISA; None where it is unavailable (the reason is logged once at INFO). Tests
+    load a narrower ISA beside the native one to compare their bits."""
+    if isa is None:
+        isa = native_isa()
+        if isa is None:
+            return None
+    if isa not in _libraries:
         with _lock:
-            if _library is False:
+            if isa not in _libraries:
                 try:
-                    _library = NativeKernels(ctypes.CDLL(str(_build())))
+                    path = _build(isa)
+                    _libraries[isa] = NativeKernels(ctypes.CDLL(str(path)), isa, path)
                 except (_Unavailable, OSError, AttributeError) as e:  # OSError, AttributeError: a bad library
-                    log.info("batchgen: compiled kernels unavailable (%s); using torch's kernels", e)
-                    _library = None
-    return _library
+                    log.info("batchgen: compiled kernels (%s) unavailable (%s); using torch's kernels", isa, e)
+                    _libraries[isa] = None
+    return _libraries[isa]
 
 
 class _Unavailable(Exception):
     pass
+
+
+_isa_choice: "str | None | bool" = False  # False: not decided yet
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (/proc/cpuinfo); empty where unreadable."""
+    for line in _cpuinfo_lines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def supported_isas() -> list[str]:
+    """The ISAs of `ISAS` this machine can run, narrowest first: what CPUID reports (on Linux;
+    elsewhere, torch's CPU capability alone, without bf16), cut to what torch's own dispatch
+    allows (`ATEN_CPU_CAPABILITY=avx2` leaves only `avx2`). Empty off x86-64."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    cap = torch.backends.cpu.get_cpu_capability()
+    flags = cpu_flags()
+    if not flags:  # no /proc/cpuinfo: trust torch's capability, which never reports bf16
+        return {"AVX2": ["avx2"], "AVX512": ["avx2", "avx512"]}.get(cap, [])
+    out = [isa for isa, (_, need) in ISAS.items() if all(f in flags for f in need)]
+    return out[:1] if cap == "AVX2" else out if cap == "AVX512" else []
+
+
+def native_isa() -> str | None:
+    """The ISA the engine's kernels use in this process: `$BATCHGEN_ISA` when set, else the
+    widest of `supported_isas()`; None when there is none (or `BATCHGEN_NATIVE=0`). Raises
+    ValueError for a `BATCHGEN_ISA` this machine cannot run. Decided once per process."""
+    global _isa_choice
+    if _isa_choice is False:
+        want = os.environ.get("BATCHGEN_ISA")
+        have = supported_isas()
+        if os.environ.get("BATCHGEN_NATIVE", "1") == "0":
+            _isa_choice = None
+        elif want:
+            if want not in ISAS:
+                raise ValueError(f"BATCHGEN_ISA={want!r}: not one of {', '.join(ISAS)}")
+            if want not in have:
+                raise ValueError(f"BATCHGEN_ISA={want!r}: this machine supports {have or 'none of them'}")
+            _isa_choice = want
+        else:
+            _isa_choice = have[-1] if have else None
+    return _isa_choice
+
+
+_BF16_PROBE: "tuple[bool, str] | None" = None
+_PROBE_SHAPE = (128, 2048, 1024)  # rows x K x N: a decode step's projection
+
+
+def bfloat16_is_faster() -> tuple[bool, str]:
+    """(whether bfloat16 GEMMs beat float32 ones here by a clear margin, why) for `dtype:
+    auto` on CPU. Only a build with vdpbf16ps (`avx512_bf16`) can win: elsewhere bfloat16 is
+    emulated at float32's rate. There a probe times a 128 x 2048 x 1024 product both ways on
+    one thread, in the thread's CPU time (so another process on the same cores does not
+    skew it; best of 5, float32 activations as a step has them), and picks bfloat16 when it
+    takes under 0.8x float32's time (vdpbf16ps does twice the products of an FMA). The
+    verdict is kept on disk beside the compiled library, keyed by the CPU model, the ISA
+    and the library, so a machine decides once: the same config does not change dtype from
+    one run to the next."""
+    global _BF16_PROBE
+    if _BF16_PROBE is None:
+        _BF16_PROBE = _probe_bf16()
+    return _BF16_PROBE
+
+
+def _probe_bf16() -> tuple[bool, str]:
+    kernels = native_kernels()
+    if kernels is None:
+        return False, "the compiled kernels are unavailable, so bfloat16 would run on torch's emulated kernels"
+    if not kernels.native_bf16:
+        return False, f"this CPU has no AVX-512 BF16 ({kernels.isa}): bfloat16 products would be emulated"
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines() if line.startswith("model name")), "")
+    key = hashlib.sha256(f"{model}|{kernels.isa}|{kernels.path.name}".encode()).hexdigest()[:16]
+    verdict = _cache_dir() / f"dtype-auto-{key}.json"
+    try:
+        saved = json.loads(verdict.read_text())
+        return bool(saved["bfloat16"]), str(saved["why"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    M, K, N = _PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    packed = {dt: kernels.pack(w.to(dt)) for dt in (torch.float32, torch.bfloat16)}
+    times = {dt: float("inf") for dt in packed}
+    for i in range(6):  # interleaved, the first round to warm up
+        for dt, p in packed.items():
+            t0 = time.thread_time()
+            kernels.gemm(x, p, torch.float32, 1)
+            if i:
+                times[dt] = min(times[dt], time.thread_time() - t0)
+    faster = times[torch.bfloat16] < 0.8 * times[torch.float32]
+    why = (f"{kernels.isa}: a {M}x{K}x{N} product took {times[torch.bfloat16] * 1e3:.2f} ms in bfloat16 and "
+           f"{times[torch.float32] * 1e3:.2f} ms in float32 on one thread of {model or 'this CPU'}")
+    try:
+        verdict.parent.mkdir(parents=True, exist_ok=True)
+        tmp = verdict.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"bfloat16": faster, "why": why}))
+        os.replace(tmp, verdict)
+    except OSError:
+        pass
+    return faster, why
+
+
+def _cpuinfo_lines() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
 
 
 def _cache_dir() -> Path:
@@ -193,15 +429,12 @@ def _cache_dir() -> Path:
     return Path(base) / "batchgen"
 
 
-def _build() -> Path:
-    """Path of the shared library, compiled if the cache lacks it (raises _Unavailable)."""
+def _build(isa: str) -> Path:
+    """Path of the shared library for `isa`, compiled if the cache lacks it (raises _Unavailable)."""
     if os.environ.get("BATCHGEN_NATIVE", "1") == "0":
         raise _Unavailable("BATCHGEN_NATIVE=0")
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise _Unavailable(f"{platform.machine()} is not x86-64")
-    cap = torch.backends.cpu.get_cpu_capability()
-    if cap not in ("AVX2", "AVX512"):
-        raise _Unavailable(f"CPU capability {cap}, AVX2 needed")
+    if isa not in supported_isas():
+        raise _Unavailable(f"this CPU does not run {isa} (it runs {supported_isas() or 'none of ' + str(list(ISAS))})")
     cxx = os.environ.get("CXX") or "c++"
     if shutil.which(cxx) is None:
         raise _Unavailable(f"no C++ compiler ({cxx})")
@@ -210,10 +443,11 @@ def _build() -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise _Unavailable(f"{cxx} --version failed: {e}") from None
     sources = sorted(CSRC.glob("*.cpp"))
+    flags = (*FLAGS, *ISAS[isa][0])
     key = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in sources + sorted(CSRC.glob("*.h")))
-                         + " ".join(FLAGS).encode()
+                         + " ".join(flags).encode()
                          + version.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"batchgen_kernels-{key}.so"
+    target = _cache_dir() / f"batchgen_kernels-{isa}-{key}.so"
     if target.exists():
         return target
     try:
@@ -222,7 +456,7 @@ def _build() -> Path:
         # workers of one machine) each get a whole file.
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            res = subprocess.run([cxx, *FLAGS, "-o", str(out), *map(str, sources)], capture_output=True,
+            res = subprocess.run([cxx, *flags, "-o", str(out), *map(str, sources)], capture_output=True,
                                  text=True, timeout=300)
             if res.returncode != 0:
                 raise _Unavailable(f"{cxx} failed: {res.stderr.strip()[-500:]}")

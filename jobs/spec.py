@@ -25,13 +25,14 @@ Paths:
   A checkpoint path must be readable by every worker at that path. An object store URI
   (s3://...) is refused: workers load checkpoints from a filesystem.
 
-Device and dtype are resolved here, on the driver, so that the fingerprint names what the
-workers will run and no worker picks something else: `model.device: auto` is "cuda" when
-`cluster.gpus_per_worker` > 0, else "cpu" (Ray does not hide GPUs from CPU actors);
-`model.dtype: auto` is float32 on cpu; on cuda it is resolved by each worker for its GPU
-(bfloat16 with native support, compute capability 8.0 and up; float32 on older GPUs), the
-first ready worker's choice binds the run (a worker that resolves another is refused), and
-the fingerprint records "auto": set model.dtype explicitly to pin it across GPU generations.
+The device is resolved here, on the driver, so that the fingerprint names what the workers
+will run: `model.device: auto` is "cuda" when `cluster.gpus_per_worker` > 0, else "cpu" (Ray
+does not hide GPUs from CPU actors). `model.dtype: auto` is resolved by each worker for its
+own machine (engine/checkpoint.py: bfloat16 on a GPU with native support, compute capability
+8.0 and up, and on a CPU whose compiled GEMM has AVX-512 BF16 and measures faster in it;
+float32 elsewhere); the first ready worker's choice binds the run (a worker that resolves
+another is refused), and the fingerprint records "auto": set model.dtype explicitly to pin
+it across machine kinds.
 
 `input.column` defaults to "prompt" for the text and tokens formats and "messages" for chat.
 
@@ -320,14 +321,11 @@ class JobSpec(_Section):
         return d
 
     def resolved_dtype(self) -> str:
-        """model.dtype with aliases resolved, and "auto" resolved to float32 on cpu; on cuda
-        "auto" stays "auto": each worker's engine picks bfloat16 on a GPU with native support
-        (compute capability 8.0 and up) and float32 on older ones, and the workers of one run
-        must agree (cluster/pool.py refuses a worker that resolved another)."""
-        dt = DTYPE_NAMES[self.model.dtype]
-        if dt == "auto" and not self.resolved_device().startswith("cuda"):
-            return "float32"
-        return dt
+        """model.dtype with aliases resolved; "auto" stays "auto": each worker's engine picks
+        bfloat16 where it is native and faster (a GPU of compute capability 8.0 and up, a CPU
+        with AVX-512 BF16) and float32 elsewhere, and the workers of one run must agree
+        (cluster/pool.py refuses a worker that resolved another)."""
+        return DTYPE_NAMES[self.model.dtype]
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.load_engine: path, device and dtype (resolved, see the

@@ -184,7 +184,7 @@ def test_plan_prints_the_plan_without_ray_or_a_model(tmp_path, capsys, monkeypat
     out = capsys.readouterr().out
     assert "input:" in out and "(1 file, 10 prompts)" in out and "in.parquet: 10 rows in 3 row groups" in out
     assert "units:         3 (cluster.unit_rows 4)" in out and "rows decoded:  10 for 10 prompts (1.00x)" in out
-    assert "model:         smollm2 (cpu, float32)" in out and f"output:        {tmp_path / 'out'}: new" in out
+    assert "model:         smollm2 (cpu, auto)" in out and f"output:        {tmp_path / 'out'}: new" in out
     assert "lease:         free" in out and "fingerprint:   " in out
     assert not (tmp_path / "out").exists()  # plan writes nothing
 

@@ -20,6 +20,8 @@ from engine.checkpoint import CheckpointError  # noqa: E402
 from engine.kv_cache import KVCache, StepBatch  # noqa: E402
 from engine.models.gpt2 import load_gpt2_checkpoint  # noqa: E402
 
+pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py
+
 CPU = torch.device("cpu")
 MERGES = [" t", " a", "he", "in", "re", "on", " the", "er", " s", "at", "en", "nd"]
 VOCAB = 256 + len(MERGES) + 1  # bytes, merges, <|endoftext|>

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import SamplingParams, load_engine
+from engine import checkpoint
 from engine.checkpoint import resolve_dtype
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3] * 30, [100, 101], list(range(40, 90)), [7]]
@@ -92,12 +93,15 @@ def test_batched_path_is_used_and_close_to_the_invariant_one(engines, prefix_sha
 
 def test_dtype_auto_is_bfloat16_only_on_native_gpus(monkeypatch):
     """auto: bfloat16 on CUDA compute capability >= 8.0, float32 on older GPUs (emulated
-    bfloat16 is slower) and on CPU."""
+    bfloat16 is slower); on CPU what the bfloat16 probe says (tests/test_dtype_auto.py)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cuda = torch.device("cuda")
     for cap, want in (((7, 5), torch.float32), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16),
                       ((6, 1), torch.float32)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
         assert resolve_dtype("auto", cuda) == want, cap
+    monkeypatch.setattr(checkpoint, "bfloat16_is_faster", lambda: (False, "probe"))
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    monkeypatch.setattr(checkpoint, "bfloat16_is_faster", lambda: (True, "probe"))
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16

@@ -15,6 +15,8 @@ from engine.kv_cache import KVCache
 from engine.params import SamplingParams
 from toy import ByteTokenizer, ToyLM
 
+pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py
+
 TOK = ByteTokenizer()
 
 

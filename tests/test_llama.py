@@ -31,7 +31,9 @@ from engine.models.hf_config import LlamaConfig  # noqa: E402
 from engine.models.layers import RopeScaling  # noqa: E402
 from engine.models import base  # noqa: E402
 from engine.models.llama import build_llama, load_llama_checkpoint  # noqa: E402
-from engine.native import native_kernels  # noqa: E402
+from engine.native import bfloat16_is_faster, native_kernels  # noqa: E402
+
+pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py
 
 CPU = torch.device("cpu")
 V, CTX = 384, 256
@@ -274,7 +276,8 @@ def test_load_engine_detects_llama_family(checkpoint, tmp_path):
     with open(tmp_path / "tokenizer.pkl", "wb") as f:
         pickle.dump(enc, f)
     eng = load_engine(d, device="cpu", dtype="auto", tokenizer=tmp_path / "tokenizer.pkl")
-    assert eng.dtype == torch.float32 and eng.model.info.arch == "mistral"
+    auto = torch.bfloat16 if bfloat16_is_faster()[0] else torch.float32  # this CPU's choice
+    assert eng.dtype == auto and eng.model.info.arch == "mistral"
     out = eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[]))
     assert len(out[0][0].tokens) == 4
 

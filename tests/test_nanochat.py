@@ -16,6 +16,8 @@ from engine.checkpoint import CheckpointError
 from engine.kv_cache import KVCache, StepBatch
 from engine.models.nanochat import build_tiny_random_model, load_nanochat_checkpoint
 
+pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py
+
 FIXTURES = Path(__file__).parent / "fixtures" / "nanochat"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
 CPU = torch.device("cpu")

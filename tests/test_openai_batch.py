@@ -270,7 +270,7 @@ def test_run_batch_210_lines_kill_and_rerun(tmp_path):
     spec = batch_spec(str(inp), str(ref), model="tiny-random", overrides=sets)
     threads = torch.get_num_threads()
     try:
-        run_in_process(load_engine("tiny-random", device="cpu", dtype="float32", num_threads=1), spec)
+        run_in_process(load_engine("tiny-random", device="cpu", dtype="auto", num_threads=1), spec)  # the job's dtype
     finally:
         torch.set_num_threads(threads)
     assert OutputDir(spec.output.path).verify() == []

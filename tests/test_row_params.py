@@ -113,8 +113,8 @@ def test_mixed_rows_in_one_unit_equal_each_request_alone(ray_local, tmp_path):
     import torch
 
     threads = torch.get_num_threads()
-    # the worker's thread count (cpus_per_worker): oneDNN's blocking, and so the last bits, follow it
-    eng = load_engine("tiny-random", device="cpu", dtype="float32", num_threads=1)
+    # the job's dtype (auto: this machine's choice, as its worker made it) and thread count
+    eng = load_engine("tiny-random", device="cpu", dtype="auto", num_threads=1)
     try:
         _compare_alone(eng, spec, by_id)
     finally:

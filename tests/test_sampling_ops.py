@@ -15,7 +15,7 @@ from engine.native import native_kernels
 from engine.sampling import token_logprobs
 
 K = native_kernels()
-pytestmark = pytest.mark.skipif(K is None, reason="the compiled kernels are unavailable here")
+pytestmark = [pytest.mark.invariance, pytest.mark.skipif(K is None, reason="the compiled kernels are unavailable here")]
 
 
 def _logits(n, V, seed):

@@ -148,14 +148,14 @@ def test_sampling_params_and_engine_kwargs(tmp_path):
 
 
 def test_device_and_dtype_resolved_on_the_driver(tmp_path):
-    """auto never depends on the machine the driver happens to run on: a CPU job is
-    cpu/float32 on a GPU node too; a GPU job is cuda with dtype "auto", which each worker
-    resolves for its own GPU (bfloat16 only with native support; the run's workers must
-    agree, cluster/pool.py); the fingerprint names the device kind and dtype (so a resumed
-    job cannot switch either, and "auto" on cuda is not the same job as an explicit dtype)."""
+    """auto never depends on the machine the driver happens to run on: a CPU job is cpu on a
+    GPU node too; dtype "auto" stays "auto", which each worker resolves for its own machine
+    (bfloat16 only where native and faster; the run's workers must agree, cluster/pool.py);
+    the fingerprint names the device kind and dtype (so a resumed job cannot switch either,
+    and "auto" is not the same job as an explicit dtype)."""
     cpu = load_spec(write(tmp_path, ""))
     gpu = load_spec(write(tmp_path, ""), ["cluster.gpus_per_worker=1"])
-    assert (cpu.engine_kwargs()["device"], cpu.engine_kwargs()["dtype"]) == ("cpu", "float32")
+    assert (cpu.engine_kwargs()["device"], cpu.engine_kwargs()["dtype"]) == ("cpu", "auto")
     assert (gpu.engine_kwargs()["device"], gpu.engine_kwargs()["dtype"]) == ("cuda", "auto")
     assert cpu.fingerprint_dict()["model"]["device"] == "cpu" and gpu.fingerprint_dict()["model"]["dtype"] == "auto"
     bf16 = load_spec(write(tmp_path, ""), ["cluster.gpus_per_worker=1", "model.dtype=bf16"])
@@ -165,7 +165,9 @@ def test_device_and_dtype_resolved_on_the_driver(tmp_path):
     assert explicit.engine_kwargs()["device"] == "cuda:1" and explicit.fingerprint_dict()["model"]["device"] == "cuda"
     assert explicit.fingerprint_dict()["model"]["dtype"] == "float16"
     # aliases are the same job
-    assert load_spec(write(tmp_path, ""), ["model.dtype=fp32"]).fingerprint_dict() == cpu.fingerprint_dict()
+    fp32 = load_spec(write(tmp_path, ""), ["model.dtype=fp32"])
+    assert fp32.fingerprint_dict() == load_spec(write(tmp_path, ""), ["model.dtype=float32"]).fingerprint_dict()
+    assert fp32.fingerprint_dict() != cpu.fingerprint_dict()
 
 
 def test_fingerprint_dict_ignores_placement(tmp_path):

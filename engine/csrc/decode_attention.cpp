@@ -3,7 +3,9 @@
 //
 // Built and loaded by engine/native.py (g++ -O3 -mavx2 -mfma -fopenmp, no torch headers),
 // called through ctypes by engine/attention.py. Layout (engine/kv_layout.py): kc and vc are
-// one layer's (positions, Hkv, D) float32 arena; out is (B, Hq, D) and q the same with rows
+// one layer's (positions, Hkv, D) arena of float32 or bfloat16 (a bfloat16 model's KV cache:
+// half the bytes to read; each key and value is widened to float32 as it is loaded, the
+// arithmetic is float32 either way); out is (B, Hq, D) float32 and q the same with rows
 // q_ld floats apart (the q part of a fused qkv projection, read in place), query head
 // h * g + j reading KV head h (g = Hq / Hkv). The call first stores the step's new keys and
 // values at their positions (one per row), then attends. Row b attends to two runs of arena positions,
@@ -19,7 +21,9 @@
 // computes each key's score, exponential and contribution with the same instructions
 // wherever the key sits in its block; threads split the groups, never a row. So a row's
 // bits do not depend on the batch, its group, the thread count, or whether its prompt is
-// shared or its own copy.
+// shared or its own copy. Nor on the ISA: a score's partial sums run in a 16-lane order that
+// AVX-512 holds in one register and AVX2 in two (`partials8`), and each output element is
+// one fused multiply-add chain over the keys (`accumulate`), whatever the vector width.
 #include "simd.h"
 
 #include <algorithm>
@@ -31,32 +35,140 @@
 namespace {
 
 using batchgen::exp8;
+using batchgen::f32_to_bf16;
 using batchgen::hsum8;
 using batchgen::hsum8x8;
 
 constexpr int KB = 32;  // keys per block
 
-// One query row q (D = 8 * ND floats) against n <= KB keys K[i * ld], values V[i * ld]:
+// 8 consecutive keys' or values' elements as float32: a float32 arena as it is, a bfloat16
+// one widened (its 16 bits become the top half of a float32: exact).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// A step's new key or value row (n float32) into the arena: copied, or rounded to bfloat16
+// as torch rounds (`.to(torch.bfloat16)`), so the cache holds what a prefill writes.
+inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(uint16_t* dst, const float* src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+}
+
+// Score partials in a 16-lane order: lane l of a key's partial sums q[d] k[d] over d = l,
+// l + 16, l + 32, ... in order (the first a product, the rest fused multiply-adds), and the
+// score is hsum8(lanes 0-7 + lanes 8-15) times the scale. AVX-512 holds the 16 lanes in one
+// register, AVX2 in two; either way every lane is the same chain, so the builds agree bit
+// for bit and a key's score never depends on where it sits.
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// 8 elements at p in lanes 0-7 of a 16-lane register, zeros above (a head's last half chunk).
+inline __m512 load8z(const float* p) { return _mm512_zextps256_ps512(_mm256_loadu_ps(p)); }
+inline __m512 load8z(const uint16_t* p) { return _mm512_zextps256_ps512(load8(p)); }
+
+// The 8 keys k[u]'s score partials (D = 16 NC + 8 HALF: NC chunks of 16, then a half chunk
+// whose lanes 8-15 add 0 x 0), folded to 8 lanes each: r[u].
+template <int NC, bool HALF, class T>
+inline void partials8(const float* q, const T* const* k, __m256* r) {
+    __m512 a[8];
+    const __m512 q0 = NC > 0 ? _mm512_loadu_ps(q) : load8z(q);
+    for (int u = 0; u < 8; u++) a[u] = _mm512_mul_ps(q0, NC > 0 ? load16(k[u]) : load8z(k[u]));
+    for (int c = 1; c < NC; c++) {
+        const __m512 qc = _mm512_loadu_ps(q + 16 * c);
+        for (int u = 0; u < 8; u++) a[u] = _mm512_fmadd_ps(qc, load16(k[u] + 16 * c), a[u]);
+    }
+    if (HALF && NC > 0) {
+        const __m512 qc = load8z(q + 16 * NC);
+        for (int u = 0; u < 8; u++) a[u] = _mm512_fmadd_ps(qc, load8z(k[u] + 16 * NC), a[u]);
+    }
+    for (int u = 0; u < 8; u++) {  // lanes 0-7 + lanes 8-15
+        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[u]), 1));
+        r[u] = _mm256_add_ps(_mm512_castps512_ps256(a[u]), hi);
+    }
+}
+#else
+template <int NC, bool HALF, class T>
+inline void partials8(const float* q, const T* const* k, __m256* r) {
+    const __m256 zero = _mm256_setzero_ps();
+    for (int h = 0; h < 8; h += 4) {  // four keys at a time: 8 accumulators of 16 registers
+        __m256 lo[4], hi[4];
+        const __m256 q0 = _mm256_loadu_ps(q), q1 = NC > 0 ? _mm256_loadu_ps(q + 8) : zero;
+        for (int u = 0; u < 4; u++) {
+            lo[u] = _mm256_mul_ps(q0, load8(k[h + u]));
+            hi[u] = NC > 0 ? _mm256_mul_ps(q1, load8(k[h + u] + 8)) : zero;  // 0 x 0
+        }
+        for (int c = 1; c < NC; c++) {
+            const __m256 qa = _mm256_loadu_ps(q + 16 * c), qb = _mm256_loadu_ps(q + 16 * c + 8);
+            for (int u = 0; u < 4; u++) {
+                lo[u] = _mm256_fmadd_ps(qa, load8(k[h + u] + 16 * c), lo[u]);
+                hi[u] = _mm256_fmadd_ps(qb, load8(k[h + u] + 16 * c + 8), hi[u]);
+            }
+        }
+        if (HALF && NC > 0) {
+            const __m256 qa = _mm256_loadu_ps(q + 16 * NC);
+            for (int u = 0; u < 4; u++) {
+                lo[u] = _mm256_fmadd_ps(qa, load8(k[h + u] + 16 * NC), lo[u]);
+                hi[u] = _mm256_add_ps(hi[u], zero);  // what 0 x 0 adds in a 16-lane register
+            }
+        }
+        for (int u = 0; u < 4; u++) r[h + u] = _mm256_add_ps(lo[u], hi[u]);
+    }
+}
+#endif
+
+// acc[0, D) = acc * corr + sum_i s[i] v_i for the n values V + i * ld, in order of i (one
+// fused multiply-add chain per element: the vector width does not enter).
+template <int NC, bool HALF, class T>
+inline void accumulate(float* __restrict acc, float corr, const float* s, const T* __restrict V, int64_t ld, int n) {
+#if defined(__AVX512F__)
+    constexpr int W = NC > 0 ? NC : 1;
+    __m512 a[W];
+    __m256 h = _mm256_setzero_ps();
+    const __m512 cv = _mm512_set1_ps(corr);
+    for (int c = 0; c < NC; c++) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), cv);
+    if (HALF) h = _mm256_mul_ps(_mm256_loadu_ps(acc + 16 * NC), _mm256_set1_ps(corr));
+    for (int i = 0; i < n; i++) {
+        const T* v = V + i * ld;
+        const __m512 p = _mm512_set1_ps(s[i]);
+        for (int c = 0; c < NC; c++) a[c] = _mm512_fmadd_ps(p, load16(v + 16 * c), a[c]);
+        if (HALF) h = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), load8(v + 16 * NC), h);
+    }
+    for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc + 16 * c, a[c]);
+    if (HALF) _mm256_storeu_ps(acc + 16 * NC, h);
+#else
+    constexpr int N8 = 2 * NC + (HALF ? 1 : 0);
+    __m256 a[N8];
+    const __m256 cv = _mm256_set1_ps(corr);
+    for (int c = 0; c < N8; c++) a[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), cv);
+    for (int i = 0; i < n; i++) {
+        const __m256 p = _mm256_set1_ps(s[i]);
+        const T* v = V + i * ld;
+        for (int c = 0; c < N8; c++) a[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), a[c]);
+    }
+    for (int c = 0; c < N8; c++) _mm256_storeu_ps(acc + 8 * c, a[c]);
+#endif
+}
+
+// One query row q (D = 16 NC + 8 HALF floats) against n <= KB keys K[i * ld], values V[i * ld]:
 // the online-softmax update of its running max m, sum l and unnormalised output acc (D).
 // Keys go through the same instructions eight at a time (a short block repeats its last
 // key and drops the extra scores), so a key's score never depends on where it sits.
-template <int ND>
-__attribute__((noinline)) void update(const float* __restrict q, const float* __restrict K,
-                                      const float* __restrict V, int64_t ld, int n, float scale,
-                                      float* __restrict m, float* __restrict l, float* __restrict acc) {
+template <int NC, bool HALF, class T>
+__attribute__((noinline)) void update(const float* __restrict q, const T* __restrict K, const T* __restrict V,
+                                      int64_t ld, int n, float scale, float* __restrict m, float* __restrict l,
+                                      float* __restrict acc) {
     alignas(32) float s[KB];
     const __m256 sv = _mm256_set1_ps(scale);
     for (int i = 0; i < n; i += 8) {
-        const float* k[8];
+        const T* k[8];
         for (int u = 0; u < 8; u++) k[u] = K + std::min(i + u, n - 1) * ld;
-        __m256 a[8];
-        const __m256 q0 = _mm256_loadu_ps(q);
-        for (int u = 0; u < 8; u++) a[u] = _mm256_mul_ps(q0, _mm256_loadu_ps(k[u]));
-        for (int d = 1; d < ND; d++) {
-            const __m256 qd = _mm256_loadu_ps(q + 8 * d);
-            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[u] + 8 * d), a[u]);
-        }
-        _mm256_store_ps(s + i, _mm256_mul_ps(hsum8x8(a), sv));
+        __m256 r[8];
+        partials8<NC, HALF>(q, k, r);
+        _mm256_store_ps(s + i, _mm256_mul_ps(hsum8x8(r), sv));
     }
     const int nv = (n + 7) / 8;
     __m256 mxv = _mm256_set1_ps(*m);
@@ -89,26 +201,22 @@ __attribute__((noinline)) void update(const float* __restrict q, const float* __
     }
     *l = *l * corr + hsum8(sum);
     *m = mx;
-    __m256 a[ND];
-    const __m256 cv = _mm256_set1_ps(corr);
-    for (int d = 0; d < ND; d++) a[d] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * d), cv);
-    for (int i = 0; i < n; i++) {
-        const __m256 p = _mm256_set1_ps(s[i]);
-        const float* v = V + i * ld;
-        for (int d = 0; d < ND; d++) a[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * d), a[d]);
-    }
-    for (int d = 0; d < ND; d++) _mm256_storeu_ps(acc + 8 * d, a[d]);
+    accumulate<NC, HALF>(acc, corr, s, V, ld, n);
 }
 
-using UpdateFn = void (*)(const float*, const float*, const float*, int64_t, int, float, float*, float*, float*);
+template <class T>
+using UpdateFn = void (*)(const float*, const T*, const T*, int64_t, int, float, float*, float*, float*);
 
-UpdateFn pick(int64_t D) {
+// Head sizes: every multiple of 8 up to 128, and 160, 192, 256.
+template <class T>
+UpdateFn<T> pick(int64_t D) {
     switch (D) {
-        case 32: return update<4>;
-        case 64: return update<8>;
-        case 80: return update<10>;
-        case 96: return update<12>;
-        case 128: return update<16>;
+#define BATCHGEN_D(d) \
+    case d: return update<(d) / 16, (d) % 16 != 0, T>;
+        BATCHGEN_D(8) BATCHGEN_D(16) BATCHGEN_D(24) BATCHGEN_D(32) BATCHGEN_D(40) BATCHGEN_D(48) BATCHGEN_D(56)
+        BATCHGEN_D(64) BATCHGEN_D(72) BATCHGEN_D(80) BATCHGEN_D(88) BATCHGEN_D(96) BATCHGEN_D(104) BATCHGEN_D(112)
+        BATCHGEN_D(120) BATCHGEN_D(128) BATCHGEN_D(160) BATCHGEN_D(192) BATCHGEN_D(256)
+#undef BATCHGEN_D
         default: return nullptr;
     }
 }
@@ -120,24 +228,28 @@ UpdateFn pick(int64_t D) {
 // flight). Measured on 2 EPYC cores, SmolLM2's shapes at 32 prompts x 4 samples: 20-26%
 // less time per layer (1.55 -> 1.26 ms at 64 generated tokens). Prefetch instructions for
 // the next block instead, or reading one head at a time, gained nothing.
-inline void stream_in(const float* kc, const float* vc, int64_t p, int n, int64_t ld) {
-    const float* k = kc + p * ld;
-    const float* v = vc + p * ld;
-    __m256 sink = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n * ld; i += 16) {
-        sink = _mm256_or_ps(sink, _mm256_castps128_ps256(_mm_load_ss(k + i)));
-        sink = _mm256_or_ps(sink, _mm256_castps128_ps256(_mm_load_ss(v + i)));
+template <class T>
+inline void stream_in(const T* kc, const T* vc, int64_t p, int n, int64_t ld) {
+    const T* k = kc + p * ld;
+    const T* v = vc + p * ld;
+    int32_t sink = 0;
+    for (int64_t i = 0; i < n * ld; i += 64 / (int64_t)sizeof(T)) {
+        int32_t a, b;
+        std::memcpy(&a, k + i, 4);
+        std::memcpy(&b, v + i, 4);
+        sink |= a | b;
     }
-    asm volatile("" : : "x"(sink));  // the loads are the point: keep them
+    asm volatile("" : : "r"(sink));  // the loads are the point: keep them
 }
 
 // All the (row, query head) pairs of one KV head h against `n` keys from arena position p.
-inline void block(UpdateFn up, const float* q, const float* kc, const float* vc, int64_t p, int n, int64_t h,
+template <class T>
+inline void block(UpdateFn<T> up, const float* q, const T* kc, const T* vc, int64_t p, int n, int64_t h,
                   int64_t q_ld, int64_t Hq, int64_t g, int64_t D, int64_t ld, float scale, const int64_t* rows,
                   int64_t nr,
                   int64_t first, float* m, float* l, float* acc) {
-    const float* K = kc + p * ld + h * D;
-    const float* V = vc + p * ld + h * D;
+    const T* K = kc + p * ld + h * D;
+    const T* V = vc + p * ld + h * D;
     for (int64_t r = 0; r < nr; r++) {
         const float* qr = q + rows[r] * q_ld + h * g * D;
         for (int64_t j = 0; j < g; j++) {
@@ -147,28 +259,17 @@ inline void block(UpdateFn up, const float* q, const float* kc, const float* vc,
     }
 }
 
-}  // namespace
-
-extern "C" {
-
-// 1 when head_dim D is supported, else 0.
-int batchgen_decode_attention_supports(int64_t D) { return pick(D) != nullptr; }
-
-// See the file comment. q: row b's query heads at q + b * q_ld (Hq x D contiguous). When
-// knew is not null, first stores this step's keys and values: row b's knew + b * kv_ld and
-// vnew + b * kv_ld (Hkv x D each) at arena position write[b] (b < B), which the caller puts
-// inside the row's own run. Returns 0, or -1 for an unsupported D (nothing written).
-int batchgen_decode_attention(const float* q, int64_t q_ld, float* kc, float* vc, float* out, const int64_t* seg,
-                              const int64_t* group_ptr, const int64_t* order, int64_t n_groups, int64_t Hq,
-                              int64_t Hkv, int64_t D, float scale, int threads, const float* knew,
-                              const float* vnew, int64_t kv_ld, const int64_t* write, int64_t B) {
-    const UpdateFn up = pick(D);
+template <class T>
+int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t* seg, const int64_t* group_ptr,
+           const int64_t* order, int64_t n_groups, int64_t Hq, int64_t Hkv, int64_t D, float scale, int threads,
+           const float* knew, const float* vnew, int64_t kv_ld, const int64_t* write, int64_t B) {
+    const UpdateFn<T> up = pick<T>(D);
     if (up == nullptr) return -1;
     const int64_t g = Hq / Hkv, ld = Hkv * D;
     if (knew != nullptr) {
         for (int64_t b = 0; b < B; b++) {
-            std::memcpy(kc + write[b] * ld, knew + b * kv_ld, ld * sizeof(float));
-            std::memcpy(vc + write[b] * ld, vnew + b * kv_ld, ld * sizeof(float));
+            store_row(kc + write[b] * ld, knew + b * kv_ld, ld);
+            store_row(vc + write[b] * ld, vnew + b * kv_ld, ld);
         }
     }
 #pragma omp parallel num_threads(threads)
@@ -187,7 +288,7 @@ int batchgen_decode_attention(const float* q, int64_t q_ld, float* kc, float* vc
                 const int n = (int)std::min<int64_t>(KB, s0[1] - a);
                 stream_in(kc, vc, s0[0] + a, n, ld);
                 for (int64_t h = 0; h < Hkv; h++)
-                    block(up, q, kc, vc, s0[0] + a, n, h, q_ld, Hq, g, D, ld, scale, rows, nr, 0, m, l, acc);
+                    block<T>(up, q, kc, vc, s0[0] + a, n, h, q_ld, Hq, g, D, ld, scale, rows, nr, 0, m, l, acc);
             }
             for (int64_t r = 0; r < nr; r++) {  // each row's own run, then its output
                 const int64_t* s = seg + rows[r] * 4;
@@ -195,7 +296,8 @@ int batchgen_decode_attention(const float* q, int64_t q_ld, float* kc, float* vc
                     const int n = (int)std::min<int64_t>(KB, s[3] - a);
                     stream_in(kc, vc, s[2] + a, n, ld);
                     for (int64_t h = 0; h < Hkv; h++)
-                        block(up, q, kc, vc, s[2] + a, n, h, q_ld, Hq, g, D, ld, scale, rows + r, 1, r, m, l, acc);
+                        block<T>(up, q, kc, vc, s[2] + a, n, h, q_ld, Hq, g, D, ld, scale, rows + r, 1, r, m, l,
+                                 acc);
                 }
                 for (int64_t j = 0; j < Hq; j++) {
                     const int64_t x = r * Hq + j;
@@ -207,6 +309,29 @@ int batchgen_decode_attention(const float* q, int64_t q_ld, float* kc, float* vc
         }
     }
     return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 when head_dim D is supported, else 0.
+int batchgen_decode_attention_supports(int64_t D) { return pick<float>(D) != nullptr; }
+
+// See the file comment. q: row b's query heads at q + b * q_ld (Hq x D contiguous). kv_bf16:
+// 0 when kc, vc are float32, 1 when bfloat16. When knew is not null, first stores this
+// step's keys and values (float32): row b's knew + b * kv_ld and vnew + b * kv_ld (Hkv x D
+// each) at arena position write[b] (b < B), which the caller puts inside the row's own run.
+// Returns 0, or -1 for an unsupported D (nothing written).
+int batchgen_decode_attention(const float* q, int64_t q_ld, void* kc, void* vc, int kv_bf16, float* out,
+                              const int64_t* seg, const int64_t* group_ptr, const int64_t* order, int64_t n_groups,
+                              int64_t Hq, int64_t Hkv, int64_t D, float scale, int threads, const float* knew,
+                              const float* vnew, int64_t kv_ld, const int64_t* write, int64_t B) {
+    if (kv_bf16)
+        return attend<uint16_t>(q, q_ld, (uint16_t*)kc, (uint16_t*)vc, out, seg, group_ptr, order, n_groups, Hq, Hkv,
+                                D, scale, threads, knew, vnew, kv_ld, write, B);
+    return attend<float>(q, q_ld, (float*)kc, (float*)vc, out, seg, group_ptr, order, n_groups, Hq, Hkv, D, scale,
+                         threads, knew, vnew, kv_ld, write, B);
 }
 
 }  // extern "C"

@@ -10,8 +10,18 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace batchgen {
+
+// float32 to bfloat16, rounding to nearest even, NaN to 0x7fc0: c10::BFloat16's conversion,
+// so a stored bfloat16 equals torch's `.to(torch.bfloat16)` of the same float.
+inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 // exp(x) for 8 floats: Cephes' expf (range reduction by ln 2 split in two constants, a
 // degree-6 polynomial; about 1 ulp on the inputs softmax gives it, x <= 0).
@@ -30,6 +40,31 @@ inline __m256 exp8(__m256 x) {
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
+
+#if defined(__AVX512F__)
+// exp8's arithmetic on 16 lanes: the same operations in the same order, so each lane gets
+// exp8's bits (the AVX-512 builds' elementwise kernels must equal the AVX2 build's).
+inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(0x7f)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// The first n (< 16) floats at p, zeros after them; and the first n lanes of v stored at p.
+inline __m512 load_part16(const float* p, int64_t n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+inline void store_part16(float* p, __m512 v, int64_t n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
+#endif
 
 inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_cache import KVCache, StepBatch
-from engine.native import NativeKernels, native_kernels
+from engine.native import NativeKernels, PackedWeight, native_kernels
 
 
 def reference_numerics(forward):
@@ -95,36 +95,95 @@ class ModelInfo:
 
 
 class CausalLM(nn.Module):
-    """Interface of the engine's models (see the module docstring)."""
+    """Interface of the engine's models (see the module docstring).
+
+    bfloat16 weights on CPU (`use_bfloat16_weights`): the matrices (projections, embeddings,
+    head) are stored in bfloat16 and multiplied by the compiled GEMM in bfloat16 with float32
+    sums; everything else (norm weights, biases, activations, the residual stream, rotary
+    tables) stays float32, as in llama.cpp, and the KV cache is bfloat16. The GEMMs and the
+    KV reads, which are the step's cost, run at bfloat16's rate; the pointwise operations
+    cost the same in either dtype, and in float32 they add no rounding of their own.
+    """
 
     info: ModelInfo
     _head_out: torch.Tensor | None = None
     _reference = False  # True inside a @reference_numerics forward
+    act_dtype: torch.dtype | None = None  # float32 with bfloat16 weights on CPU; None: the weights' dtype
+    _kv_dtype: torch.dtype | None = None
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype and the model's nominal one: bfloat16 with bfloat16 weights,
+        else the parameters' dtype."""
+        return self._kv_dtype or next(self.parameters()).dtype
+
+    def use_bfloat16_weights(self) -> None:
+        """Store every matrix parameter (2-d: projections, embeddings, the head) in bfloat16
+        and keep the others (norms, biases, per-layer scalars) and the activations in float32
+        (see the class docstring). Call on a float32 model before its first step; the
+        engine's CPU loader does for `dtype: bfloat16` where the compiled GEMM is available."""
+        with torch.no_grad():
+            for p in self.parameters():
+                if p.dim() == 2:
+                    p.data = p.data.to(torch.bfloat16)
+        self.act_dtype, self._kv_dtype = torch.float32, torch.bfloat16
+        self.weights_changed()
+
+    def as_cached(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values a reference forward attends to: as the KV cache would hold
+        them (rounded to bfloat16 and widened back for bfloat16 weights; unchanged otherwise),
+        so the cache-free forward computes what the cached steps compute."""
+        if self._kv_dtype is None or k.dtype == self._kv_dtype:
+            return k, v
+        return k.to(self._kv_dtype).to(k.dtype), v.to(self._kv_dtype).to(v.dtype)
+
+    def embedding(self, tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """F.embedding(tokens, table) in the activations' dtype: (...,) int64 -> (..., C)."""
+        x = F.embedding(tokens, table)
+        return x if self.act_dtype is None else x.to(self.act_dtype)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, weight, bias) for every projection of the engine's step: x (..., C),
-        weight (N, C), bias (N,) or None -> (..., N).
+        weight (N, C), bias (N,) or None -> (..., N) in x's dtype.
 
-        In float32 on CPU it runs through oneDNN with the weight reordered once into its
-        blocked layout (torch's mkldnn linear, the kernel inductor uses), for two reasons:
-        - batch invariance: each row's result is bit-identical whatever the number of rows
-          (measured from 1 to 3,000 rows, widths 32 to 3,072), where F.linear (MKL) moves a
-          row by 1e-7 to 1e-6 as the row count changes. Those bits could flip a near-tie
-          between two tokens, so a sample would depend on its neighbours.
-        - speed: on 2 AVX2 cores, 1.25-1.46x F.linear's at GPT-2-small shapes with 128 rows
-          (2.6x with 8 rows), 1.2-1.8x on a 50k-100k output head; for widths under 256 it is
-          about 0.03 ms a call slower, which is small next to the head.
-        The price is a second, reordered copy of the weights in CPU memory. Elsewhere (GPU,
-        bf16, no oneDNN, or inside a @reference_numerics forward) it is F.linear. The path
-        depends only on the model and device; results differ from F.linear in the last bits
-        (about 1e-6 relative).
+        On CPU in float32 or bfloat16 it is the compiled GEMM (engine/csrc/gemm.cpp) with the
+        weight packed once into its panel layout: each output element is one fused
+        multiply-add chain over C in order, so a row's bits do not depend on how many rows
+        share the call, on the thread count or on the instruction set (AVX2 and AVX-512 give
+        the same bits). A library GEMM does not promise that: oneDNN's and MKL's rows move
+        by about 1e-7 relative with the row count on AVX-512 Xeons, enough to flip a near-tie
+        between two tokens. The price is a second, packed copy of the weights in memory.
+        Without the compiled library, in float32 on CPU it is oneDNN's linear with the
+        weight reordered once (row-invariant on the CPUs measured, not by construction);
+        elsewhere (GPU, float16, inside a @reference_numerics forward) F.linear. The path
+        depends only on the model, device and dtype; results differ from F.linear in the
+        last bits (about 1e-6 relative).
         """
-        if not self._reference and x.dtype == torch.float32 and x.device.type == "cpu":
-            packed = self._packed_weight(weight)
-            if packed is not None:
+        return self._linear(x, weight, bias, x.dtype)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        if not self._reference and x.device.type == "cpu" and x.dtype in (weight.dtype, torch.float32):
+            packed = self._packed_weight(weight, bias)
+            if isinstance(packed, PackedWeight):  # the compiled GEMM (float32 activations or the weight's dtype)
+                return self._gemm(x, packed, out_dtype)
+            if packed is not None and x.dtype == weight.dtype:  # oneDNN's reordered float32 weight
                 y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
-                return y.view(*x.shape[:-1], y.shape[-1])
-        return F.linear(x, weight, bias)
+                return y.view(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+        if x.dtype != weight.dtype:
+            # float32 activations, bfloat16 weight, elsewhere: the products the compiled GEMM
+            # forms (x rounded to bfloat16, exact products in float32), summed by torch
+            w, b = weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
+            return F.linear(x.to(weight.dtype).to(x.dtype), w, b).to(out_dtype)
+        return F.linear(x, weight, bias).to(out_dtype)
+
+    @staticmethod
+    def _gemm(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = native_kernels().gemm(x2, packed, out_dtype, torch.get_num_threads())
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def pointwise(self, reference: Callable[[torch.Tensor], torch.Tensor],
                   invariant: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -144,44 +203,56 @@ class CausalLM(nn.Module):
         return native_kernels()
 
     def project_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T for the output head: x (B, C) or (B, T, C), weight (N, C) -> (..., N).
+        """x @ weight.T for the output head: x (B, C) or (B, T, C), weight (N, C) -> (..., N)
+        float32 logits, whatever the compute dtype.
 
-        The head (N = the vocabulary) is the largest matmul of a decode step. On CPU in
-        float32 it goes through `linear` (oneDNN). Otherwise (GPU in float32, without oneDNN)
-        allocating the (B, N) output every step would be a large part of a small model's
-        step, so the result is a matmul into a buffer that every step reuses; it is valid
-        until the next call.
+        The head (N = the vocabulary) is the largest matmul of a decode step. On CPU it goes
+        through `linear`'s compiled GEMM (or oneDNN) and, for a bfloat16 model, returns the
+        float32 sums unrounded: sampling and logprobs work on float32 logits. Otherwise (GPU
+        in float32, without oneDNN) allocating the (B, N) output every step would be a large
+        part of a small model's step, so the result is a matmul into a buffer that every
+        step reuses; it is valid until the next call.
         """
-        if self._reference or x.dtype != torch.float32 or x.dim() != 2:
-            return F.linear(x, weight)
-        if x.device.type == "cpu" and self._packed_weight(weight) is not None:
-            return self.linear(x, weight)
+        if not self._reference and x.device.type == "cpu":
+            packed = self._packed_weight(weight, None)
+            if isinstance(packed, PackedWeight) or (packed is not None and x.dtype == torch.float32):
+                return self._linear(x, weight, None, torch.float32)
+        if self._reference or x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != x.dtype:
+            return self._linear(x, weight, None, x.dtype)
         B, N = x.shape[0], weight.shape[0]
         buf = self._head_out
         if buf is None or buf.shape[0] < B or buf.shape[1] != N or buf.device != x.device:
             buf = self._head_out = torch.empty(max(B, 64), N, device=x.device)
         return torch.mm(x, weight.t(), out=buf[:B])
 
-    def _packed_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The oneDNN-reordered copy of `weight`, made once per weight; None when oneDNN is
-        unavailable or its result does not match F.linear (a private torch API: checked,
-        never trusted)."""
+    def _packed_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> "PackedWeight | torch.Tensor | None":
+        """The packed copy of `weight` (and its bias) for a CPU step, made once per weight:
+        gemm.cpp's (a `PackedWeight`) where the compiled library is available and the dtype
+        is float32 or bfloat16; else, in float32, oneDNN's reordered weight (a tensor) when
+        its result matches F.linear (a private torch API: checked, never trusted); None
+        otherwise (F.linear)."""
         cache = self.__dict__.setdefault("_packed_weights", {})
-        key = (weight.data_ptr(), tuple(weight.shape), weight.stride())
+        key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype,
+               None if bias is None else bias.data_ptr())
         if key in cache:
             return cache[key]
         packed = None
-        try:
-            if torch.backends.mkldnn.is_available():
-                w = weight.detach().contiguous()
-                cand = torch.ops.mkldnn._reorder_linear_weight(w, 128)
-                probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0))
-                got = torch.ops.mkldnn._linear_pointwise(probe, cand, None, "none", [], "")
-                want = F.linear(probe, w)
-                if torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
-                    packed = cand
-        except (AttributeError, RuntimeError, TypeError):
-            packed = None
+        kernels = native_kernels()
+        if kernels is not None and weight.dtype in (torch.float32, torch.bfloat16) and (
+                weight.dtype == torch.float32 or weight.shape[1] % 2 == 0):
+            packed = kernels.pack(weight, bias)
+        elif weight.dtype == torch.float32:
+            try:
+                if torch.backends.mkldnn.is_available():
+                    w = weight.detach().contiguous()
+                    cand = torch.ops.mkldnn._reorder_linear_weight(w, 128)
+                    probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0))
+                    got = torch.ops.mkldnn._linear_pointwise(probe, cand, None, "none", [], "")
+                    want = F.linear(probe, w)
+                    if torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+                        packed = cand
+            except (AttributeError, RuntimeError, TypeError):
+                packed = None
         cache[key] = packed
         return packed
 
@@ -194,8 +265,8 @@ class CausalLM(nn.Module):
         return {}
 
     def weights_changed(self) -> None:
-        """Forget what was derived from the weights (the oneDNN-packed copies `linear` keeps,
-        keyed by storage address): call after writing new values into the parameters in
+        """Forget what was derived from the weights (the packed copies `linear` keeps, keyed
+        by storage address): call after writing new values into the parameters in
         place, or `linear` would go on using the old ones."""
         self.__dict__.pop("_packed_weights", None)
 

@@ -103,7 +103,7 @@ class GPT2(CausalLM):
 
     # ------------------------------------------------------------------ pieces
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.wte) + F.embedding(positions, self.wpe)
+        return self.embedding(tokens, self.wte) + self.embedding(positions, self.wpe)
 
     def _qkv(self, blk: GPT2Block, layer: int, x: torch.Tensor):
         """x (B, T, C) -> q, k, v each (B, H, T, D) (strided views of one fused matmul)."""
@@ -148,6 +148,7 @@ class GPT2(CausalLM):
         x = self._embed(tokens, torch.arange(T, device=tokens.device))
         for i, blk in enumerate(self.blocks):
             q, k, v = self._qkv(blk, i, x)
+            k, v = self.as_cached(k, v)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = self._attn_out_mlp(blk, x, y)
         return self._logits(x)
@@ -155,15 +156,18 @@ class GPT2(CausalLM):
     @torch.no_grad()
     def forward_step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         """One prefill or decode step: tokens (B, T) int64 at batch.positions -> logits (B, V)
-        fp32 at batch.last_index of each row. Keys/values go through `kv.attend`.
+        fp32 at batch.last_index of each row ((B, T, V) with batch.all_logits). Keys/values go
+        through `kv.attend`.
         """
         x = self._embed(tokens, batch.positions)
         last = self.n_layer - 1
-        rows = batch.last_index if tokens.shape[1] > 1 else None
+        rows = batch.last_index if tokens.shape[1] > 1 and not batch.all_logits else None
         for i, blk in enumerate(self.blocks):
             q, k, v = self._qkv(blk, i, x)
             y = kv.attend(i, q, k, v, batch, None)
             x = self._attn_out_mlp(blk, x, y, rows if i == last else None)
+        if batch.all_logits:
+            return self._logits(x)
         return self._logits(x[:, -1] if rows is not None else x[:, 0])
 
 

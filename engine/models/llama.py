@@ -119,12 +119,13 @@ class LlamaModel(CausalLM):
         """
         B, T = tokens.shape
         rope = RotaryStep(self.rotary, torch.arange(T, device=tokens.device).expand(B, T), T - 1, None)
-        x, delta = F.embedding(tokens, self.embed), None
+        x, delta = self.embedding(tokens, self.embed), None
         i = torch.arange(T, device=tokens.device)
         dist = i[:, None] - i[None, :]
         for layer, window in zip(self.layers, self.cfg.windows):
             x, h = add_rms_norm(x, delta, layer.input_norm, self.cfg.rms_norm_eps, None)
             q, k, v = self._attention_inputs(layer, h, rope)
+            k, v = self.as_cached(k, v)
             gqa = q.shape[1] != k.shape[1]
             if window is None or window >= T - 1:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -136,11 +137,11 @@ class LlamaModel(CausalLM):
     @torch.no_grad()
     def forward_step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         """One prefill or decode step: tokens (B, T) int64 at batch.positions -> logits (B, V)
-        fp32 at batch.last_index of each row. Keys and values go through `kv.attend`. On CPU
+        fp32 at batch.last_index of each row ((B, T, V) with batch.all_logits). Keys and values go through `kv.attend`. On CPU
         in float32 the norms, rotary and SwiGLU gating run fused (engine/csrc/layer_ops.cpp).
         """
         B, T = tokens.shape
-        x, delta = F.embedding(tokens, self.embed), None
+        x, delta = self.embedding(tokens, self.embed), None
         kernels = self.fused_kernels(x)
         rope = RotaryStep(self.rotary, batch.positions, T - 1 if batch.prefill else batch.kv_len - 1, kernels)
         last = len(self.layers) - 1
@@ -148,12 +149,14 @@ class LlamaModel(CausalLM):
             x, h = add_rms_norm(x, delta, layer.input_norm, self.cfg.rms_norm_eps, kernels)
             q, k, v = self._attention_inputs(layer, h, rope)
             y = kv.attend(i, q, k, v, batch, window)
-            if i == last and T > 1:
+            if i == last and T > 1 and not batch.all_logits:
                 # only each row's last token feeds the logits: skip o_proj and the MLP elsewhere
                 rows = torch.arange(B, device=tokens.device)
                 x = x[rows, batch.last_index].unsqueeze(1)
                 y = y[rows, :, batch.last_index].unsqueeze(2)
             x, delta = self._attention_out_mlp(layer, x, y, kernels)
+        if batch.all_logits:
+            return self._logits(x, delta, kernels)
         return self._logits(x[:, 0], delta[:, 0], kernels)
 
 

@@ -297,6 +297,7 @@ class NanochatGPT(CausalLM):
         def attend(i, q, k, v):
             w = self.windows[i]
             gqa = q.shape[1] != k.shape[1]
+            k, v = self.as_cached(k, v)
             if w is None or w >= T:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             r = torch.arange(T, device=q.device)
@@ -306,7 +307,8 @@ class NanochatGPT(CausalLM):
         return self._logits(self._trunk(x, tokens, cos, sin, attend))
 
     def forward_step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
-        """One prefill or decode step over the KV cache, (B, T) -> (B, vocab) fp32 at last_index."""
+        """One prefill or decode step over the KV cache, (B, T) -> (B, vocab) fp32 at last_index
+        ((B, T, vocab) with batch.all_logits)."""
         B, T = tokens.shape
         pos = batch.positions
         self._check_positions(T - 1 if batch.prefill else batch.kv_len - 1)  # host ints: no device sync
@@ -328,7 +330,7 @@ class NanochatGPT(CausalLM):
             return kv.attend(i, q, k, v, batch, self.windows[i])
 
         x = self._trunk(x, tokens, cos, sin, attend)
-        return self._logits(x[rows, batch.last_index])
+        return self._logits(x if batch.all_logits else x[rows, batch.last_index])
 
 
 # ----- loading -----

@@ -1,0 +1,339 @@
+// The engine's CPU matrix multiply: y = x W^T (+ bias) for every projection and the output
+// head, with the reduction order defined here rather than by a library.
+//
+// Why own it: a sample's logits must not depend on how many rows share its step, on the
+// thread count, or on the CPU. oneDNN and MKL choose kernels, blockings and K splits by
+// shape and instruction set (measured: rows move with the row count on AVX-512 Xeons and at
+// M = 1 on EPYC), so their rows are reproducible only where they happen to be. Here every
+// output element is one chain of fused multiply-adds over k = 0 .. K-1 in order, started
+// from 0, then the bias added:
+//     float32:  acc = fma(x[m, k], w[n, k], acc)                            for k = 0, 1, ...
+//     bfloat16: acc = fma(x[m, 2j], w[n, 2j], fma(x[m, 2j+1], w[n, 2j+1], acc))  for j = 0, 1, ...
+//               with denormals read and written as zero
+// The bfloat16 chain is what AVX-512 BF16's vdpbf16ps computes for a pair (Intel SDM: the
+// odd product first, each add rounded, DAZ and FTZ; checked bit for bit against this
+// formula on 4.8M random operands, denormals, infinities and NaNs included), so CPUs
+// without it compute the same bits with two fused multiply-adds under DAZ and FTZ. A lane
+// holds one output column, so the vector width (8 lanes on AVX2, 16 on AVX-512), the
+// register tile, the thread split and the row count change which element is computed when,
+// never how: a row's bits are the same on every x86-64 CPU with FMA, for any batch, on any
+// number of threads.
+//
+// Layout (BLIS's, Van Zee & van de Geijn 2015): the weight is packed once into panels of NR
+// output columns, panel p holding columns [p NR, p NR + NR) (zero past N) as K rows of NR
+// floats (bfloat16: K/2 rows of NR pairs (w[n, 2j], w[n, 2j+1]), the operand layout of
+// vdpbf16ps). A micro-kernel keeps an MR x NR tile of y in registers over the whole of K,
+// broadcasting x[m, k] from the row-major activations and loading NR weights per k; the
+// panel stays in L2 while the kernel walks down the rows of a block of MC rows. Threads
+// take contiguous ranges of (row block, panel) pairs.
+#include "simd.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using batchgen::f32_to_bf16;
+
+// ---------------------------------------------------------------- vectors of one ISA
+#if defined(__AVX512F__)
+using vf = __m512;
+using vi = __m512i;
+constexpr int L = 16;  // float lanes
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vi viload(const void* p) { return _mm512_loadu_si512(p); }
+inline vf vlo16(vi p) { return _mm512_castsi512_ps(_mm512_slli_epi32(p, 16)); }  // bf16 in the low half
+inline vf vhi16(vi p) { return _mm512_castsi512_ps(_mm512_and_si512(p, _mm512_set1_epi32((int)0xffff0000u))); }
+constexpr int MR_F32 = 8, NV_F32 = 3;      // 8 x 48 tile: 24 accumulators of 32 registers
+constexpr int MR_BF16 = 8, NV_BF16 = 3;
+constexpr int MR_EMU = 6, NV_EMU = 2;      // emulated bf16: 12 accumulators, 4 weight vectors
+#else
+using vf = __m256;
+using vi = __m256i;
+constexpr int L = 8;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vi viload(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline vf vlo16(vi p) { return _mm256_castsi256_ps(_mm256_slli_epi32(p, 16)); }
+inline vf vhi16(vi p) { return _mm256_castsi256_ps(_mm256_and_si256(p, _mm256_set1_epi32((int)0xffff0000u))); }
+constexpr int MR_F32 = 4, NV_F32 = 3;      // 4 x 24 tile: 12 accumulators of 16 registers
+constexpr int MR_BF16 = 4, NV_BF16 = 2;    // (bf16 on AVX2 is always emulated)
+constexpr int MR_EMU = 4, NV_EMU = 2;      // 8 accumulators, 4 weight vectors, 2 broadcasts
+#endif
+
+#if defined(__AVX512BF16__)
+constexpr bool kNativeBf16 = true;
+#else
+constexpr bool kNativeBf16 = false;
+#endif
+
+constexpr int NR_F32 = NV_F32 * L;
+constexpr int NR_BF16 = kNativeBf16 ? NV_BF16 * L : NV_EMU * L;  // columns per bf16 panel
+constexpr int64_t MC = 256;  // rows per block: a block of activations stays in L2 across panels
+
+enum Dtype : int { F32 = 0, BF16 = 1 };
+
+inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+
+// The output tile's epilogue, shared by every kernel: bias, then the store (float32, or
+// bfloat16 rounded as torch rounds), `cols` of the tile's NV * L columns (a panel past N
+// holds zeros and is not stored).
+template <int MR, int NV>
+inline void store_tile(vf (&acc)[MR][NV], const float* bias, void* y, int64_t ldy, int out_dtype, int cols) {
+    if (bias != nullptr) {
+        alignas(64) float b[NV * L] = {};
+        std::memcpy(b, bias, cols * sizeof(float));
+        for (int v = 0; v < NV; v++) {
+            const vf bv = vload(b + v * L);
+            for (int r = 0; r < MR; r++) acc[r][v] = vadd(acc[r][v], bv);
+        }
+    }
+    alignas(64) float t[NV * L];
+    for (int r = 0; r < MR; r++) {
+        if (out_dtype == F32 && cols == NV * L) {
+            float* yr = (float*)y + r * ldy;
+            for (int v = 0; v < NV; v++) vstore(yr + v * L, acc[r][v]);
+            continue;
+        }
+        for (int v = 0; v < NV; v++) vstore(t + v * L, acc[r][v]);
+        if (out_dtype == F32) {
+            std::memcpy((float*)y + r * ldy, t, cols * sizeof(float));
+        } else {
+            uint16_t* yr = (uint16_t*)y + r * ldy;
+            for (int c = 0; c < cols; c++) yr[c] = f32_to_bf16(t[c]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- micro-kernels
+// Each computes an R x NV*L tile of y: rows [0, R) of x (row m at x + m * ldx) against one
+// packed panel over all of K. R < MR serves a row block's last, short tile.
+
+template <int MR, int NV>
+void kernel_f32(const float* x, int64_t ldx, int64_t K, const float* panel, const float* bias, void* y, int64_t ldy,
+                int out_dtype, int cols) {
+    const float* xr[MR];
+    for (int r = 0; r < MR; r++) xr[r] = x + r * ldx;
+    vf acc[MR][NV];
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = vzero();
+    for (int64_t k = 0; k < K; k++) {
+        const float* w = panel + k * NV * L;
+        vf b[NV];
+        for (int v = 0; v < NV; v++) b[v] = vload(w + v * L);
+        for (int r = 0; r < MR; r++) {
+            const vf a = vset(xr[r][k]);
+            for (int v = 0; v < NV; v++) acc[r][v] = vfma(a, b[v], acc[r][v]);
+        }
+    }
+    store_tile<MR, NV>(acc, bias, y, ldy, out_dtype, cols);
+}
+
+#if defined(__AVX512BF16__)
+// vdpbf16ps: per lane, acc = (acc + x_odd w_odd) + x_even w_even, each add rounded, DAZ/FTZ.
+template <int MR, int NV>
+void kernel_bf16(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* panel, const float* bias, void* y,
+                 int64_t ldy, int out_dtype, int cols) {
+    const uint16_t* xr[MR];
+    for (int r = 0; r < MR; r++) xr[r] = x + r * ldx;
+    vf acc[MR][NV];
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = vzero();
+    for (int64_t j = 0; j < K / 2; j++) {
+        const uint16_t* w = panel + j * NV * L * 2;
+        __m512bh b[NV];
+        for (int v = 0; v < NV; v++) b[v] = (__m512bh)_mm512_loadu_si512(w + v * L * 2);
+        for (int r = 0; r < MR; r++) {
+            int32_t pair;
+            std::memcpy(&pair, xr[r] + 2 * j, 4);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            for (int v = 0; v < NV; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+        }
+    }
+    store_tile<MR, NV>(acc, bias, y, ldy, out_dtype, cols);
+}
+#endif
+
+// The same chain without vdpbf16ps: two fused multiply-adds per pair, odd first, with the
+// thread's MXCSR set to DAZ | FTZ for the chain (vdpbf16ps ignores MXCSR and always flushes)
+// and restored for the bias and the store.
+template <int MR, int NV>
+void kernel_bf16_emulated(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* panel, const float* bias,
+                          void* y, int64_t ldy, int out_dtype, int cols) {
+    const uint16_t* xr[MR];
+    for (int r = 0; r < MR; r++) xr[r] = x + r * ldx;
+    vf acc[MR][NV];
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = vzero();
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6)
+    for (int64_t j = 0; j < K / 2; j++) {
+        const uint16_t* w = panel + j * NV * L * 2;
+        vf be[NV], bo[NV];
+        for (int v = 0; v < NV; v++) {
+            const vi p = viload(w + v * L * 2);
+            be[v] = vlo16(p);
+            bo[v] = vhi16(p);
+        }
+        for (int r = 0; r < MR; r++) {
+            const vf ao = vset(bf16_to_f32(xr[r][2 * j + 1])), ae = vset(bf16_to_f32(xr[r][2 * j]));
+            for (int v = 0; v < NV; v++) acc[r][v] = vfma(ae, be[v], vfma(ao, bo[v], acc[r][v]));
+        }
+    }
+    _mm_setcsr(csr);
+    store_tile<MR, NV>(acc, bias, y, ldy, out_dtype, cols);
+}
+
+// ---------------------------------------------------------------- driver
+template <class T>
+using Kernel = void (*)(const T*, int64_t, int64_t, const T*, const float*, void*, int64_t, int, int);
+
+// The kernels for tiles of 1 .. MR rows.
+template <class T, int NV, template <int, int> class Pick, int... R>
+constexpr auto tiles(std::integer_sequence<int, R...>) {
+    return std::array<Kernel<T>, sizeof...(R)>{Pick<R + 1, NV>::fn...};
+}
+template <int R, int NV> struct F32K { static constexpr Kernel<float> fn = kernel_f32<R, NV>; };
+template <int R, int NV> struct EmuK { static constexpr Kernel<uint16_t> fn = kernel_bf16_emulated<R, NV>; };
+#if defined(__AVX512BF16__)
+template <int R, int NV> struct Bf16K { static constexpr Kernel<uint16_t> fn = kernel_bf16<R, NV>; };
+#endif
+
+// float32 rows to bfloat16 as torch rounds them (the activations of a bfloat16 weight's
+// product, when the step keeps them in float32).
+inline void round_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, uint16_t* out) {
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t k = 0; k < K; k++) out[m * K + k] = f32_to_bf16(x[m * ldx + k]);
+}
+
+// The x of a call whose activations are float32 and weight bfloat16, rounded once per call.
+thread_local std::vector<uint16_t> rounded;
+
+template <class T, int MR, int NV, template <int, int> class Pick>
+void run(const T* x, int64_t ldx, int64_t M, int64_t K, const T* packed, int64_t N, int64_t panel_elems,
+         const float* bias, void* y, int64_t ldy, int out_dtype, int threads, const float* x32 = nullptr,
+         int64_t ldx32 = 0) {
+    static constexpr auto kern = tiles<T, NV, Pick>(std::make_integer_sequence<int, MR>{});
+    constexpr int NR = NV * L;
+    const int64_t P = (N + NR - 1) / NR, blocks = (M + MC - 1) / MC, units = blocks * P;
+    const int64_t osize = out_dtype == F32 ? 4 : 2;
+    // A small product is not worth waking a second thread (the result does not depend on it).
+    const double flops = 2.0 * (double)M * (double)N * (double)K;
+    const int team = flops < 4e6 ? 1 : (int)std::min<int64_t>(threads, units);
+    if (x32 != nullptr) {  // round float32 activations to bfloat16 first: every thread reads them all
+        rounded.resize(M * K);
+        x = (const T*)rounded.data();
+        ldx = K;
+    }
+    uint16_t* xr = rounded.data();
+#pragma omp parallel num_threads(team)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (x32 != nullptr) {
+            round_rows(x32, ldx32, M * t / nt, M * (t + 1) / nt, K, xr);
+#pragma omp barrier
+        }
+        const int64_t lo = units * t / nt, hi = units * (t + 1) / nt;
+        for (int64_t u = lo; u < hi; u++) {
+            const int64_t blk = u / P, p = u % P;
+            const int64_t m0 = blk * MC, m1 = std::min(M, m0 + MC), n0 = p * NR;
+            const int cols = (int)std::min<int64_t>(NR, N - n0);
+            const T* panel = packed + p * panel_elems;
+            const float* bp = bias == nullptr ? nullptr : bias + n0;
+            for (int64_t m = m0; m < m1; m += MR) {
+                const int64_t rows = std::min<int64_t>(MR, m1 - m);
+                kern[rows - 1](x + m * ldx, ldx, K, panel, bp, (char*)y + (m * ldy + n0) * osize, ldy, out_dtype,
+                               cols);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Lanes of the float vectors this build uses (8: AVX2, 16: AVX-512) and 1 when bfloat16
+// products use vdpbf16ps (AVX-512 BF16), else 0.
+int batchgen_gemm_lanes(void) { return L; }
+int batchgen_gemm_native_bf16(void) { return kNativeBf16 ? 1 : 0; }
+
+// Bytes of the packed form of an (N, K) weight of `dtype` (0 float32, 1 bfloat16; K even).
+int64_t batchgen_gemm_packed_bytes(int64_t N, int64_t K, int dtype) {
+    if (dtype == F32) return (N + NR_F32 - 1) / NR_F32 * NR_F32 * K * 4;
+    return (N + NR_BF16 - 1) / NR_BF16 * NR_BF16 * K * 2;
+}
+
+// Pack w (N, K), rows ldw elements apart, into out (batchgen_gemm_packed_bytes bytes).
+void batchgen_gemm_pack(const void* w, int64_t ldw, int64_t N, int64_t K, int dtype, void* out) {
+    if (dtype == F32) {
+        const float* src = (const float*)w;
+        float* dst = (float*)out;
+        const int64_t P = (N + NR_F32 - 1) / NR_F32;
+        for (int64_t p = 0; p < P; p++)
+            for (int64_t k = 0; k < K; k++)
+                for (int c = 0; c < NR_F32; c++) {
+                    const int64_t n = p * NR_F32 + c;
+                    dst[(p * K + k) * NR_F32 + c] = n < N ? src[n * ldw + k] : 0.f;
+                }
+        return;
+    }
+    const uint16_t* src = (const uint16_t*)w;
+    uint16_t* dst = (uint16_t*)out;
+    const int64_t P = (N + NR_BF16 - 1) / NR_BF16, K2 = K / 2;
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t j = 0; j < K2; j++)
+            for (int c = 0; c < NR_BF16; c++) {
+                const int64_t n = p * NR_BF16 + c;
+                uint16_t* d = dst + ((p * K2 + j) * NR_BF16 + c) * 2;
+                d[0] = n < N ? src[n * ldw + 2 * j] : 0;
+                d[1] = n < N ? src[n * ldw + 2 * j + 1] : 0;
+            }
+}
+
+// y (M, N), rows ldy elements apart, = x (M, K), rows ldx apart, times the packed weight,
+// plus bias (N,) float32 when not null. dtype: the weight's (0 float32, 1 bfloat16, K even);
+// x_dtype: x's, the weight's or float32 (a bfloat16 weight's float32 activations are
+// rounded to bfloat16 first, as torch rounds); out_dtype: y's (float32, or bfloat16 for a
+// bfloat16 weight).
+void batchgen_gemm(const void* x, int x_dtype, int64_t ldx, int64_t M, int64_t K, const void* packed, int64_t N,
+                   const float* bias, void* y, int64_t ldy, int dtype, int out_dtype, int threads) {
+    if (M <= 0 || N <= 0) return;
+    if (dtype == F32) {
+        run<float, MR_F32, NV_F32, F32K>((const float*)x, ldx, M, K, (const float*)packed, N, K * NR_F32, bias, y,
+                                         ldy, out_dtype, threads);
+        return;
+    }
+    const float* x32 = x_dtype == F32 ? (const float*)x : nullptr;
+#if defined(__AVX512BF16__)
+    run<uint16_t, MR_BF16, NV_BF16, Bf16K>((const uint16_t*)x, ldx, M, K, (const uint16_t*)packed, N, K * NR_BF16,
+                                           bias, y, ldy, out_dtype, threads, x32, ldx);
+#else
+    run<uint16_t, MR_EMU, NV_EMU, EmuK>((const uint16_t*)x, ldx, M, K, (const uint16_t*)packed, N, K * NR_BF16,
+                                        bias, y, ldy, out_dtype, threads, x32, ldx);
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,244 @@
+// Prefill attention over the KV arena: every prompt token's causal attention to its prompt's
+// keys, for a whole prefill batch in one call per layer, each query row's result a function
+// of its own query and keys only, the same bits on every x86-64 CPU.
+//
+// Why not torch's flash kernel: its blocks, vector widths and inner GEMMs follow the shape and
+// the instruction set (a query row's bits moved between ATen's AVX2 and AVX-512 builds), and
+// batch invariance meant one call per prompt. Here the arithmetic of a query row is fixed:
+// - keys in blocks of KB from the prompt's first token; a block holding no key the row may
+//   see (after it, or before its sliding window) is skipped; in the others the unseen keys'
+//   scores are -inf;
+// - a score is one fused multiply-add chain over the head dimension in order, times the
+//   scale (a lane holds one key, so the vector width does not enter);
+// - the online softmax update of FlashAttention (Dao et al. 2022; Milakov & Gimelshein 2018)
+//   per block: m' = max(m, block max), l' = l e^(m - m') + the block's sum of e^(s - m')
+//   (summed in a fixed tree over 8 lanes), acc' = acc e^(m - m') + sum_j p_j v_j (one chain
+//   of fused multiply-adds per output element over the block's keys in order, stopping at
+//   the row's last visible key);
+// - out = acc / l.
+// So a row's bits depend only on its position, window and keys: not on the batch, the prompt
+// length, the other rows of its tile, the thread count (threads split (prompt, KV head,
+// query tile) items, never a row) or the ISA. Keys and values are read from the arena the
+// prefill has just written (float32, or bfloat16 widened as read), so a prompt attends to
+// what its samples' decode steps will read.
+//
+// Built and loaded by engine/native.py, called from engine/attention.py (prefill_native).
+#include "simd.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using batchgen::exp8;
+using batchgen::hsum8;
+
+constexpr int KB = 32;  // keys per block: 4 vectors of 8 lanes
+constexpr int QT = 16;  // query positions per work item
+#if defined(__AVX512F__)
+constexpr int MR = 4;   // query rows whose scores are formed together (16 of 32 registers)
+#else
+constexpr int MR = 2;   // (8 of 16 registers)
+#endif
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// One query row's running state.
+struct Row {
+    const float* q;  // D floats
+    float* out;      // D floats
+    int64_t t;       // position in the prompt
+    int64_t lo;      // first visible key (0, or t - window)
+    float m, l;
+};
+
+// Scores of R rows against the KB keys of the block at kt (Kt: D rows of `ldk` floats, the
+// block's keys in lanes): s[r][j] = (sum_d q_r[d] kt[d][j]) * scale, one chain per lane.
+template <int R>
+inline void scores(Row* const* rows, const float* kt, int64_t ldk, int64_t D, float scale, float (*s)[KB]) {
+    __m256 acc[R][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const float* k = kt + d * ldk;
+        const __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + 8), k2 = _mm256_loadu_ps(k + 16),
+                     k3 = _mm256_loadu_ps(k + 24);
+        for (int r = 0; r < R; r++) {
+            const __m256 q = _mm256_set1_ps(rows[r]->q[d]);
+            acc[r][0] = _mm256_fmadd_ps(q, k0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(q, k1, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(q, k2, acc[r][2]);
+            acc[r][3] = _mm256_fmadd_ps(q, k3, acc[r][3]);
+        }
+    }
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(s[r] + 8 * c, _mm256_mul_ps(acc[r][c], sv));
+}
+
+// The online-softmax update of one row with its scores s over the block of keys [a, a + KB)
+// (values V + j * ldv, j < KB; D = 8 * ND): keys outside [row.lo, row.t] do not count.
+template <int ND, class T>
+inline void update(Row& row, float* s, int64_t a, const T* V, int64_t ldv, float* acc) {
+    const int64_t first = std::max<int64_t>(row.lo - a, 0), last = std::min<int64_t>(row.t - a, KB - 1);
+    if (first > last) return;  // nothing visible in this block: the state is unchanged
+    for (int64_t j = 0; j < KB; j++)
+        if (j < first || j > last) s[j] = -INFINITY;
+    __m256 mx = _mm256_loadu_ps(s);
+    for (int c = 1; c < 4; c++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + 8 * c));
+    alignas(32) float t8[8];
+    _mm256_store_ps(t8, mx);
+    float bm = t8[0];
+    for (int u = 1; u < 8; u++) bm = std::max(bm, t8[u]);
+    const float mnew = std::max(row.m, bm);
+    const __m256 mv = _mm256_set1_ps(mnew);
+    __m256 sum = _mm256_setzero_ps();
+    for (int c = 0; c < 4; c++) {  // e^(-inf - m) is exactly 0: unseen keys add nothing
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + 8 * c), mv));
+        _mm256_storeu_ps(s + 8 * c, p);
+        sum = _mm256_add_ps(sum, p);
+    }
+    float corr = 0.f;  // e^(m - m'); acc and l are 0 before the first visible key
+    if (row.m != -INFINITY) {
+        alignas(32) float c8[8] = {row.m - mnew, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        _mm256_store_ps(c8, exp8(_mm256_load_ps(c8)));
+        corr = c8[0];
+    }
+    row.l = row.l * corr + hsum8(sum);
+    row.m = mnew;
+    const __m256 cv = _mm256_set1_ps(corr);
+    __m256 o[ND];
+    for (int c = 0; c < ND; c++) o[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), cv);
+    for (int64_t j = first; j <= last; j++) {
+        const __m256 p = _mm256_set1_ps(s[j]);
+        const T* v = V + j * ldv;
+        for (int c = 0; c < ND; c++) o[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), o[c]);
+    }
+    for (int c = 0; c < ND; c++) _mm256_storeu_ps(acc + 8 * c, o[c]);
+}
+
+template <int ND, class T>
+void prefill(const float* q, int64_t q_tok_ld, int64_t q_batch_ld, const T* kc, const T* vc, const int64_t* starts,
+             const int64_t* lengths, int64_t B, int64_t T_, int64_t Hq, int64_t Hkv, int64_t window, float scale,
+             float* out, int threads) {
+    constexpr int64_t D = 8 * ND;
+    const int64_t g = Hq / Hkv, ld = Hkv * D, tiles = (T_ + QT - 1) / QT;
+    const int64_t items = B * Hkv * tiles;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        std::vector<float> kt;                  // the current (prompt, head)'s keys, transposed
+        std::vector<float> acc(QT * g * D);     // the tile's rows' unnormalised outputs
+        std::vector<Row> rowbuf(QT * g);
+        alignas(32) float s[MR][KB];
+        int64_t cur = -1;
+        for (int64_t it = items * tid / nt; it < items * (tid + 1) / nt; it++) {
+            const int64_t b = it / (Hkv * tiles), h = it / tiles % Hkv, tile = it % tiles;
+            const int64_t len = lengths[b], t0 = tile * QT;
+            const int64_t nq = std::min<int64_t>(QT, len - t0);
+            for (int64_t t = std::max(t0, len); t < std::min(t0 + QT, T_); t++)  // padding: zeros
+                std::memset(out + ((b * T_ + t) * Hq + h * g) * D, 0, g * D * sizeof(float));
+            if (nq <= 0) continue;
+            const int64_t ldk = (len + KB - 1) / KB * KB;  // Kt row length: whole blocks, zeros past len
+            if (cur != b * Hkv + h) {
+                cur = b * Hkv + h;
+                kt.assign(D * ldk, 0.f);
+                const T* K = kc + starts[b] * ld + h * D;
+                for (int64_t j = 0; j < len; j++)
+                    for (int64_t d = 0; d < D; d++) kt[d * ldk + j] = widen(K[j * ld + d]);
+            }
+            const T* V = vc + starts[b] * ld + h * D;
+            int64_t n = 0;
+            for (int64_t i = 0; i < nq; i++) {
+                const int64_t t = t0 + i;
+                for (int64_t j = 0; j < g; j++) {
+                    const int64_t hq = h * g + j;
+                    rowbuf[n++] = {q + b * q_batch_ld + t * q_tok_ld + hq * D, out + ((b * T_ + t) * Hq + hq) * D, t,
+                                   window < 0 ? 0 : std::max<int64_t>(0, t - window), -INFINITY, 0.f};
+                }
+            }
+            std::fill(acc.begin(), acc.begin() + n * D, 0.f);
+            const int64_t tmax = t0 + nq - 1;
+            const int64_t lo_min = rowbuf[0].lo;
+            for (int64_t a = lo_min / KB * KB; a <= tmax; a += KB) {
+                for (int64_t r0 = 0; r0 < n; r0 += MR) {
+                    Row* rows[MR];
+                    const int R = (int)std::min<int64_t>(MR, n - r0);
+                    for (int r = 0; r < MR; r++) rows[r] = &rowbuf[r0 + std::min(r, R - 1)];
+                    scores<MR>(rows, kt.data() + a, ldk, D, scale, s);
+                    for (int r = 0; r < R; r++)
+                        update<ND>(rowbuf[r0 + r], s[r], a, V + a * ld, ld, acc.data() + (r0 + r) * D);
+                }
+            }
+            for (int64_t r = 0; r < n; r++) {
+                const Row& row = rowbuf[r];
+                const float inv = row.l > 0.f ? 1.f / row.l : 0.f;
+                for (int64_t d = 0; d < D; d++) row.out[d] = acc[r * D + d] * inv;
+            }
+        }
+    }
+}
+
+template <class T>
+using Fn = void (*)(const float*, int64_t, int64_t, const T*, const T*, const int64_t*, const int64_t*, int64_t,
+                    int64_t, int64_t, int64_t, int64_t, float, float*, int);
+
+// Head sizes: every multiple of 8 up to 128, and 160, 192, 256 (as decode_attention.cpp).
+template <class T>
+Fn<T> pick(int64_t D) {
+    switch (D) {
+#define BATCHGEN_D(d) \
+    case d: return prefill<(d) / 8, T>;
+        BATCHGEN_D(8) BATCHGEN_D(16) BATCHGEN_D(24) BATCHGEN_D(32) BATCHGEN_D(40) BATCHGEN_D(48) BATCHGEN_D(56)
+        BATCHGEN_D(64) BATCHGEN_D(72) BATCHGEN_D(80) BATCHGEN_D(88) BATCHGEN_D(96) BATCHGEN_D(104) BATCHGEN_D(112)
+        BATCHGEN_D(120) BATCHGEN_D(128) BATCHGEN_D(160) BATCHGEN_D(192) BATCHGEN_D(256)
+#undef BATCHGEN_D
+        default: return nullptr;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Causal prefill attention (see the file comment). q: the query of prompt b, position t, head
+// hq at q + b * q_batch_ld + t * q_tok_ld + hq * D (D contiguous floats); prompt b's keys and
+// values at arena positions starts[b] .. starts[b] + lengths[b] - 1 of kc, vc ((positions,
+// Hkv, D), float32 or, kv_bf16 = 1, bfloat16); window: a query at t sees keys t - window .. t
+// (-1: all before it). out: (B, T, Hq, D) float32, zeros at t >= lengths[b] (padding).
+// Returns 0, or -1 for an unsupported head_dim D (`pick`; nothing written).
+int batchgen_prefill_attention(const float* q, int64_t q_tok_ld, int64_t q_batch_ld, const void* kc,
+                               const void* vc, int kv_bf16, const int64_t* starts, const int64_t* lengths, int64_t B,
+                               int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t window, float scale, float* out,
+                               int threads) {
+    if (kv_bf16) {
+        const Fn<uint16_t> f = pick<uint16_t>(D);
+        if (f == nullptr) return -1;
+        f(q, q_tok_ld, q_batch_ld, (const uint16_t*)kc, (const uint16_t*)vc, starts, lengths, B, T, Hq, Hkv, window,
+          scale, out, threads);
+        return 0;
+    }
+    const Fn<float> f = pick<float>(D);
+    if (f == nullptr) return -1;
+    f(q, q_tok_ld, q_batch_ld, (const float*)kc, (const float*)vc, starts, lengths, B, T, Hq, Hkv, window, scale, out,
+      threads);
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,127 @@
+"""The compiled attention kernels on their own: prefill (engine/csrc/prefill_attention.cpp) and
+decode over a bfloat16 arena (engine/csrc/decode_attention.cpp), against float64 attention.
+
+What this proves: prefill attention is causal attention (sliding windows, grouped-query
+heads, every supported head size, padding rows zero) within float32 rounding; a query row's
+bits depend on its own position and keys alone (the first n rows of a prompt equal the rows
+of its first n tokens prefilled alone, wherever the prompt sits in the arena, whatever else
+is in the batch, on one thread or two); a bfloat16 arena gives exactly the float32 result
+on its widened values, and stores a step's keys rounded as torch rounds; and every ISA build
+this CPU runs gives the same bits.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.native import native_kernels, supported_isas
+
+K = native_kernels()
+pytestmark = [pytest.mark.invariance,
+              pytest.mark.skipif(K is None, reason="the compiled kernels are unavailable here")]
+
+
+def reference(q, k, v, window):
+    """Causal attention in float64: q (T, Hq, D), k, v (T, Hkv, D) -> (T, Hq, D)."""
+    T, Hq, D = q.shape
+    g = Hq // k.shape[1]
+    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = torch.einsum("thd,shd->hts", q.double(), kk) / math.sqrt(D)
+    t = torch.arange(T)
+    visible = (t[None, :] <= t[:, None]) & ((window is None) | (t[:, None] - t[None, :] <= (window or 0)))
+    s = s.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hts,shd->thd", s.softmax(-1), vv)
+
+
+def batch(lengths, Hq, Hkv, D, seed, dtype=torch.float32, gap=7):
+    """Prompts of `lengths` at scattered arena positions: (q (B, T, Hq, D) strided as a
+    fused projection's q part, kc, vc, starts, lengths)."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(lengths), max(lengths)
+    fused = torch.randn(B, T, Hq + 2 * Hkv, D, generator=g)
+    q = fused[:, :, :Hq]
+    starts, pos = [], 3
+    for n in lengths:
+        starts.append(pos)
+        pos += n + gap
+    kc = torch.randn(pos, Hkv, D, generator=g).to(dtype)
+    vc = torch.randn(pos, Hkv, D, generator=g).to(dtype)
+    return q, kc, vc, torch.tensor(starts), torch.tensor(lengths)
+
+
+def run(kern, q, kc, vc, starts, lengths, window=None, threads=2):
+    return kern.prefill_attention(q, kc, vc, starts, lengths, window, threads)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (2, 1, 32), (6, 2, 80), (4, 1, 96),
+                                      (3, 1, 8), (2, 2, 24), (2, 1, 256)])
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_prefill_equals_causal_attention(Hq, Hkv, D, window):
+    lengths = [1, 33, 70, 8]
+    q, kc, vc, starts, lens = batch(lengths, Hq, Hkv, D, seed=Hq * D)
+    out = run(K, q, kc, vc, starts, lens, window)
+    for b, n in enumerate(lengths):
+        s = int(starts[b])
+        want = reference(q[b, :n], kc[s:s + n], vc[s:s + n], window)
+        assert (out[b, :n].double() - want).abs().max() < 5e-6
+        assert not out[b, n:].any()  # padding rows are zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20])
+def test_prefill_rows_depend_on_their_own_keys_only(dtype, window):
+    """Prompt A's first n rows, prefilled beside other prompts, equal prompt A[:n] prefilled
+    alone at another arena position, bit for bit, on 1 or 2 threads."""
+    Hq, Hkv, D = 9, 3, 64
+    q, kc, vc, starts, lens = batch([90, 5, 64], Hq, Hkv, D, seed=1, dtype=dtype)
+    full = run(K, q, kc, vc, starts, lens, window)
+    assert torch.equal(run(K, q, kc, vc, starts, lens, window, threads=1), full)
+    for n in (1, 17, 32, 33, 64, 90):
+        # prompt 0's first n tokens copied elsewhere in the arena, alone in the batch
+        kc2, vc2 = torch.zeros(200, Hkv, D, dtype=dtype), torch.zeros(200, Hkv, D, dtype=dtype)
+        kc2[101:101 + n], vc2[101:101 + n] = kc[3:3 + n], vc[3:3 + n]
+        alone = run(K, q[:1, :n].contiguous(), kc2, vc2, torch.tensor([101]), torch.tensor([n]), window)
+        assert torch.equal(alone[0], full[0, :n]), n
+
+
+def test_bfloat16_arena_is_the_float32_result_on_its_values():
+    q, kc, vc, starts, lens = batch([40, 12], 6, 2, 64, seed=3, dtype=torch.bfloat16)
+    assert torch.equal(run(K, q, kc, vc, starts, lens), run(K, q, kc.float(), vc.float(), starts, lens))
+
+
+def test_decode_over_a_bfloat16_arena():
+    """The decode kernel reads a bfloat16 arena exactly as the float32 arena of its widened
+    values, and stores this step's float32 keys and values rounded as `.to(torch.bfloat16)`."""
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, D, P = 5, 8, 2, 64, 300
+    kc = torch.randn(P, Hkv, D, generator=g).bfloat16()
+    vc = torch.randn(P, Hkv, D, generator=g).bfloat16()
+    q = torch.randn(B, Hq, D, generator=g)
+    knew, vnew = torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
+    seg = torch.tensor([[0, 40, 100 + 20 * b, 5 + b] for b in range(B)])  # a shared prompt, own runs
+    write = torch.tensor([100 + 20 * b + 4 + b for b in range(B)])  # each row's last own position
+    ptr, order = torch.tensor([0, B]), torch.arange(B)
+    kf, vf = kc.float(), vc.float()
+    out = K.decode_attention(q, kc, vc, seg, ptr, order, 2, new_kv=(knew, vnew, write))
+    assert torch.equal(kc[write], knew.bfloat16()) and torch.equal(vc[write], vnew.bfloat16())
+    want = K.decode_attention(q, kf, vf, seg, ptr, order, 2, new_kv=(knew.bfloat16().float(),
+                                                                     vnew.bfloat16().float(), write))
+    assert torch.equal(out, want)
+
+
+@pytest.mark.skipif(len(supported_isas()) < 2, reason=f"this CPU runs only {supported_isas()}: the other builds "
+                                                       "are compared on AVX-512 machines")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [8, 24, 64, 80])
+def test_every_isa_gives_the_same_bits(dtype, D):
+    """Prefill and decode attention of the avx2 build (16-lane partial sums in two 8-lane
+    registers) and the AVX-512 builds (in one), head sizes with and without a half chunk."""
+    q, kc, vc, starts, lens = batch([77, 3, 40], 9, 3, D, seed=9, dtype=dtype)
+    outs = [run(native_kernels(isa), q, kc, vc, starts, lens, 30) for isa in supported_isas()]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    seg = torch.tensor([[int(starts[0]), 60, int(starts[2]), 40], [int(starts[0]), 60, int(starts[1]), 3]])
+    decodes = [native_kernels(isa).decode_attention(q[:2, 0], kc, vc, seg, torch.tensor([0, 2]), torch.arange(2), 2)
+               for isa in supported_isas()]
+    assert all(torch.equal(o, decodes[0]) for o in decodes)
