@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared" / "data"
 
 from bounds import gemm_peak, run_bound  # noqa: E402  (bench/ is the script's directory)
+from machine import describe  # noqa: E402
 
 
 def main() -> None:
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=SHARED, help="directory with gsm8k/ and tokenizers/")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(describe())
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -70,7 +72,7 @@ def main() -> None:
           f"num_samples={args.num_samples}, max_tokens={args.max_tokens}, top_k={args.top_k}")
     peak = gemm_peak(args.threads)
     floor = peak / (2 * n_params)
-    print(f"fp32 GEMM peak (torch.matmul 2048^3, {args.threads} threads): {peak / 1e9:.1f} GFLOP/s; "
+    print(f"fp32 GEMM peak (the engine's GEMM, 2048^3, {args.threads} threads): {peak / 1e9:.1f} GFLOP/s; "
           f"compute floor peak / (2 x parameters) = {floor:.1f} tokens/s")
 
     eos = tok.special("<|endoftext|>")

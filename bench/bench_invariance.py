@@ -2,9 +2,10 @@
 
 For each kernel the engine could use, how much a row's result moves when the rest of the
 call changes, and what the batch-invariant choice costs. Prints:
-1. projections: F.linear (MKL) vs oneDNN's prepacked linear at GPT-2-small and head shapes:
+1. projections: F.linear (MKL), oneDNN's prepacked linear and the engine's compiled GEMM
+   (engine/csrc/gemm.cpp, float32 and bfloat16 weights) at GPT-2-small and head shapes:
    time per call at 128 and 8 rows, and the largest change of a row's output between a
-   call over 1..1000 rows and one over 3000 rows;
+   call over 1..1000 rows and one over 3000 rows (the compiled GEMM's is 0 by construction);
 2. pointwise: how many of 256,000 inputs get a different value on the scalar-tail path
    than on the SIMD path, for torch's kernels and the engine's exp/tanh compositions;
 3. attention: the largest change of a row's SDPA output between a call over 1, 2 or 3 rows
@@ -30,6 +31,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.native import native_isa, native_kernels  # noqa: E402
+from machine import describe  # noqa: E402  (bench/ is the script's directory)
+
 
 def _time_ms(fn, reps: int = 20) -> float:
     fn()
@@ -40,7 +44,8 @@ def _time_ms(fn, reps: int = 20) -> float:
 
 
 def projections(g: torch.Generator) -> None:
-    print("1. projections (in -> out): ms per call at 128 / 8 rows; max row change vs a 3000-row call")
+    print("1. projections (in -> out): ms per call at 128 / 8 rows; max row change vs a 3000-row call "
+          f"(compiled kernels: {native_isa()})")
     for i, o in ((768, 2304), (768, 768), (768, 3072), (3072, 768), (128, 512), (768, 50257)):
         w, b = torch.randn(o, i, generator=g) * 0.02, torch.randn(o, generator=g) * 0.02
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 128)
@@ -51,9 +56,16 @@ def projections(g: torch.Generator) -> None:
         def onednn(z):
             return torch.ops.mkldnn._linear_pointwise(z, packed, b, "none", [], "")
 
+        fns = [("F.linear", mkl), ("oneDNN", onednn)]
+        kernels = native_kernels()
+        if kernels is not None:
+            own = {dt: kernels.pack(w.to(dt), b) for dt in (torch.float32, torch.bfloat16)}
+            threads = torch.get_num_threads()
+            fns += [(f"gemm {str(dt)[6:]}", lambda z, p=p: kernels.gemm(z, p, torch.float32, threads))
+                    for dt, p in own.items()]
         x = torch.randn(3000, i, generator=g)
         cols = []
-        for name, f in (("F.linear", mkl), ("oneDNN", onednn)):
+        for name, f in fns:
             full = f(x)
             drift = max((f(x[:n]) - full[:n]).abs().max().item() for n in (1, 7, 128, 1000))
             cols.append(f"{name} {_time_ms(lambda: f(x[:128])):7.2f} / {_time_ms(lambda: f(x[:8])):6.2f} ms, "
@@ -155,6 +167,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not torch.backends.mkldnn.is_available():
         sys.exit("torch was built without oneDNN")
+    print(describe())
     g = torch.Generator().manual_seed(0)
     projections(g)
     pointwise(g)

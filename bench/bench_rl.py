@@ -16,7 +16,10 @@ rate, the most KV memory reserved at once and the reserved KV bytes per running 
 (averaged over decode steps), and at the end the ratios. Machines are noisy: compare ratios
 from one run.
 
-    python bench/bench_rl.py [--prompts 8] [--num-samples 16] [--max-tokens 256] [--skip-hf] [--data ../shared/data]
+The engine runs in `--dtype` (float32 by default, as transformers does).
+
+    python bench/bench_rl.py [--prompts 8] [--num-samples 16] [--max-tokens 256] [--dtype float32] [--skip-hf]
+                             [--data ../shared/data]
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared" / "data"
+
+from machine import describe  # noqa: E402  (bench/ is the script's directory)
 
 
 def few_shot_prefix(train: Path, k: int = 8) -> str:
@@ -54,10 +59,12 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--data", type=Path, default=SHARED, help="directory with gsm8k/train.jsonl and test.jsonl")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(describe())
 
     from engine import SamplingParams, load_engine
     from engine.builtin import smollm2_path
@@ -71,13 +78,14 @@ def main() -> None:
     prompts: list[list[int]] = []
     stop: list[int] = []
     for sharing in (False, True):
-        eng = load_engine("smollm2", device="cpu", dtype="float32", prefix_sharing=sharing)
+        eng = load_engine("smollm2", device="cpu", dtype=args.dtype, prefix_sharing=sharing)
         if not prompts:
             tok = eng.tokenizer
             prompts = [tok.render_chat([{"role": "user", "content": f"{prefix}Question: {q}\nAnswer:"}])
                        for q in questions]
             stop = sorted(eng.default_stop_ids)
-            print(f"model: {eng.model.info.description}; fp32, {args.threads} threads")
+            print(f"model: {eng.model.info.description}; engine dtype {str(eng.dtype)[6:]} ({args.dtype}), "
+                  f"{args.threads} threads")
             print(f"workload: {len(prompts)} GSM8K test questions behind an 8-shot prefix (prompts of "
                   f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens), num_samples={args.num_samples}, "
                   f"max_tokens={args.max_tokens}, temperature 1, stop ids {stop}")

@@ -13,7 +13,10 @@ the ratio uses the mean of its two rates: the machine's speed drifts over the mi
 transformers runs, and runs on both sides of the baseline cancel a steady drift. Machines are noisy:
 compare the ratios printed at the end, not the absolute rates.
 
-    python bench/bench_smollm2.py [--prompts 32] [--max-tokens 128] [--skip-hf]
+The engine runs in `--dtype` (float32 by default, as transformers does; bfloat16 or auto to
+measure those: bench/bench_dtypes.py compares the engine's dtypes on this workload).
+
+    python bench/bench_smollm2.py [--prompts 32] [--max-tokens 128] [--dtype float32] [--skip-hf]
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 QUESTIONS = ROOT / "jobs" / "data" / "gsm8k_demo.jsonl"  # the first 64 GSM8K test questions (MIT)
 
 from bounds import gemm_peak, run_bound  # noqa: E402  (bench/ is the script's directory)
+from machine import describe  # noqa: E402
 
 
 def main() -> None:
@@ -40,19 +44,22 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(describe())
 
     from engine import SamplingParams, load_engine
     from engine.builtin import smollm2_path
 
     questions = [json.loads(line)["question"] for line in QUESTIONS.open()][: args.prompts]
-    eng = load_engine("smollm2", device="cpu", dtype="float32")
+    eng = load_engine("smollm2", device="cpu", dtype=args.dtype)
     tok = eng.tokenizer
     prompts = [tok.render_chat([{"role": "user", "content": q}]) for q in questions]
     stop = sorted(eng.default_stop_ids)
-    print(f"model: {eng.model.info.description}; fp32, {args.threads} threads")
+    print(f"model: {eng.model.info.description}; engine dtype {str(eng.dtype)[6:]} ({args.dtype}), "
+          f"{args.threads} threads")
     print(f"workload: {len(prompts)} GSM8K chat prompts (mean {sum(map(len, prompts)) / len(prompts):.0f} tokens), "
           f"num_samples={args.num_samples}, max_tokens={args.max_tokens}, top_k={args.top_k}, stop ids {stop}")
     params = SamplingParams(num_samples=args.num_samples, max_tokens=args.max_tokens, temperature=1.0,
@@ -69,7 +76,8 @@ def main() -> None:
 
     res, rate = run_engine("run 1")
     print(f"  example: {tok.decode(res[0][0].tokens)[:300]!r}")
-    bound = run_bound(eng.model, len(prompts) * args.num_samples, gemm_peak(args.threads), list(map(len, prompts)),
+    bound = run_bound(eng.model, len(prompts) * args.num_samples, gemm_peak(args.threads, dtype=eng.dtype),
+                      list(map(len, prompts)),
                       [[len(s.tokens) for s in row] for row in res])
     print(f"  bound for this run: {bound.describe()}")
     if args.skip_hf:
@@ -109,7 +117,7 @@ def main() -> None:
     # mean of a run on each side of the baseline is not biased by a drift (A-B-A order).
     del hf, out
     gc.collect()
-    eng = load_engine("smollm2", device="cpu", dtype="float32")
+    eng = load_engine("smollm2", device="cpu", dtype=args.dtype)
     res2, rate2 = run_engine("run 2, after transformers")
     assert [[s.tokens for s in row] for row in res2] == [[s.tokens for s in row] for row in res]
     rate = (rate + rate2) / 2

@@ -4,8 +4,8 @@ A speed target stated as a multiple of a baseline is only reachable if it is bel
 hardware allows. This module bounds a finished engine run from below in time (so from above
 in tokens/s) by the two costs no implementation of the same computation avoids:
 - the matrix multiplies: every projection and the head, for every generated token, timed
-  alone at the run's batch size through the engine's own kernel (`CausalLM.linear`, oneDNN
-  on CPU), plus the prefill's multiplies at the GEMM peak;
+  alone at the run's batch size through the engine's own kernel (`CausalLM.linear`: the
+  compiled GEMM on CPU), plus the prefill's multiplies at the GEMM peak;
 - reading the KV cache once per decode step: each prompt's keys and values once per step
   while any of its samples runs (shared-prefix attention), and each sample's own, at the
   machine's measured read bandwidth.
@@ -52,11 +52,20 @@ def best_seconds(fn, reps: int) -> float:
     return best
 
 
-def gemm_peak(threads: int, n: int = 2048, reps: int = 5) -> float:
-    """Best fp32 torch.matmul rate over `reps` n x n x n products with `threads` threads (FLOP/s)."""
+def gemm_peak(threads: int, n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Best rate over `reps` n x n x n products with `threads` threads (FLOP/s) through the
+    engine's GEMM (the compiled kernel, weights in `dtype`, float32 activations as a step
+    has them); torch.matmul in float32 where the compiled kernels are unavailable."""
+    from engine.native import native_kernels
+
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / best_seconds(lambda: torch.matmul(a, b), reps)
+    a = torch.randn(n, n)
+    kernels = native_kernels()
+    if kernels is None:
+        b = torch.randn(n, n)
+        return 2 * n**3 / best_seconds(lambda: torch.matmul(a, b), reps)
+    w = kernels.pack(torch.randn(n, n).to(dtype))
+    return 2 * n**3 / best_seconds(lambda: kernels.gemm(a, w, torch.float32, threads), reps)
 
 
 def read_bandwidth(nbytes: int = 512 << 20, reps: int = 3) -> float:
@@ -94,7 +103,7 @@ def run_bound(model, rows: int, peak_flops: float, prompt_lengths: list[int], sa
         gemm_s += best_seconds(lambda: model.project_head(xs[head.shape[1]], head), reps)
     body = sum(w.numel() for w, _ in calls)  # multiply-adds per token outside the head
     info = model.info
-    kv_token = 2 * info.n_layer * info.n_kv_head * info.head_dim * 4  # K and V, float32, bytes
+    kv_token = 2 * info.n_layer * info.n_kv_head * info.head_dim * torch.empty((), dtype=model.kv_dtype).element_size()
     kv_bytes = 0
     for p, lens in zip(prompt_lengths, sample_lengths):
         kv_bytes += p * max(lens, default=0)               # the prompt, once per step of its cohort

@@ -8,6 +8,7 @@ step time, its operators grouped as GEMM (oneDNN / BLAS matmuls), attention (the
 kernel, or torch's flash kernel), sampling and the rest, and the top operators outside GEMMs.
 
     python bench/profile_step.py [--threads 2] [--steps 10] [--batch-invariant 1] [--prefix-sharing 1] [--model gpt2|smollm2]
+                                 [--dtype float32|bfloat16]
 """
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared" / "data"
 
-GEMM = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
-ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "batchgen::decode_attention")
+from machine import describe  # noqa: E402  (bench/ is the script's directory)
+
+GEMM = ("batchgen::gemm", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "batchgen::decode_attention",
+             "batchgen::prefill_attention")
 SAMPLING = ("aten::topk", "aten::sort", "aten::argmax", "aten::log_softmax", "aten::_log_softmax", "aten::logsumexp",
             "batchgen::topk", "batchgen::logsumexp")
 
@@ -39,11 +43,13 @@ def main() -> None:
     ap.add_argument("--batch-invariant", type=int, default=1)
     ap.add_argument("--prefix-sharing", type=int, default=1)
     ap.add_argument("--rows", type=int, default=20, help="operators to list")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     ap.add_argument("--data", type=Path, default=SHARED)
     ap.add_argument("--model", choices=("gpt2", "smollm2"), default="gpt2",
                     help="gpt2: GPT-2 small shape, random weights, plain prompts; smollm2: the real model, chat prompts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(describe())
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -51,7 +57,7 @@ def main() -> None:
     from engine.tokenizer import Tokenizer
 
     questions = [json.loads(line)["question"] for line in (args.data / "gsm8k" / "test.jsonl").open()][:32]
-    opts = dict(device="cpu", dtype="float32", batch_invariant=bool(args.batch_invariant),
+    opts = dict(device="cpu", dtype=args.dtype, batch_invariant=bool(args.batch_invariant),
                 prefix_sharing=bool(args.prefix_sharing))
     if args.model == "smollm2":
         eng = load_engine("smollm2", **opts)
