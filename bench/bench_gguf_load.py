@@ -60,6 +60,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    from machine import describe
+
+    print(describe())
     path = smollm2_path()
     if args.child:
         peak_rss_child(path, args.threads)

@@ -85,6 +85,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
+    from machine import describe
+
+    print(describe())
     engine_level(args.repeat)
     pool_level(args.workers, args.repeat)
 

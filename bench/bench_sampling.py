@@ -29,6 +29,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from machine import describe
+
+    print(describe())
     B, V = args.batch, args.vocab
     lg = torch.randn(B, V, generator=torch.Generator().manual_seed(0)) * 3
     keys = torch.tensor([request_key(0, str(i), 0) for i in range(B)], dtype=torch.long)

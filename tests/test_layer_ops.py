@@ -116,6 +116,18 @@ def test_every_isa_gives_the_same_bits():
         logits = _rows(6, 1000 + width, 4)
         outs = [torch.cat([k.logsumexp(logits, 2)[:, None], *k.topk(logits, 7, 2)], 1) for k in builds]
         assert all(torch.equal(o, outs[0]) for o in outs), width
+    # the sampler's rows at a real vocabulary: every block size of the two-pass top-k, the heap
+    # (k near V), rows with NaN, infinities and ties
+    logits = _rows(8, 49152 + 5, 9)
+    logits[1, 17] = float("nan")
+    logits[2, :] = float("-inf")
+    logits[3, 100:200] = 50.0
+    logits[4, 9] = float("inf")
+    logits[5] = logits[5].round()
+    for k in (1, 50, 400, 3000, 40000):
+        outs = [torch.cat([kn.logsumexp(logits, 2)[:, None], *kn.topk(logits, k, 2)], 1) for kn in builds]
+        for o in outs[1:]:  # equal bits, NaN where NaN
+            torch.testing.assert_close(o, outs[0], rtol=0, atol=0, equal_nan=True, msg=f"k={k}")
     for D in (64, 80, 128, 24):
         x = _rows(12, 5 * D, 5).view(12, 5, D)
         cos, sin = _rows(40, D // 2, 6), _rows(40, D // 2, 7)

@@ -101,7 +101,7 @@ def gold(engine):
 
 
 def test_bfloat16_agrees_with_float32_at_least_as_well_as_transformers_bfloat16(engine, hf_model, gold):
-    """Teacher-forced over the gold answers of 8 GSM8K questions (1,029 positions): the
+    """Teacher-forced over the gold answers of 8 GSM8K questions (697 positions): the
     next-token argmax and the gold token's logprob of batchgen in bfloat16 (bfloat16
     weights and KV cache, float32 activations; its step's own kernels, `teacher_forced_logits`)
     against transformers in float32, compared with transformers' own bfloat16 (the whole

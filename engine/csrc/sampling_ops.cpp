@@ -8,6 +8,11 @@
 // own values. The top-k is exact and its order is fixed: larger value first, equal values
 // by smaller token id (torch.topk leaves the order of ties unspecified); NaN counts as larger
 // than every number, as in torch.topk.
+//
+// The AVX-512 builds scan 16 ids per instruction. Every build gives the same results: the
+// top-k is exact (a vector compare only filters which ids a scalar test looks at), and
+// logsumexp's 16-lane accumulators are the AVX2 build's pairs of 8-lane ones, added in the
+// same order.
 #include "simd.h"
 
 #include <algorithm>
@@ -18,6 +23,9 @@
 namespace {
 
 using batchgen::exp8;
+#if defined(__AVX512F__)
+using batchgen::exp16;
+#endif
 using batchgen::hsum8;
 
 struct Cand {
@@ -52,6 +60,12 @@ void topk_heap(const float* x, int64_t V, int k, float* vals, int64_t* idx, Cand
         }
     };
     // x > worst, or x unordered (NaN in x or in the worst): then the scalar test decides
+#if defined(__AVX512F__)
+    for (; j + 16 <= V; j += 16) {
+        unsigned mask = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), _mm512_set1_ps(heap[0].v), _CMP_NLE_UQ);
+        for (; mask; mask &= mask - 1) offer(j + __builtin_ctz(mask));
+    }
+#endif
     __m256 worst = _mm256_set1_ps(heap[0].v);
     for (; j + 8 <= V; j += 8) {
         int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), worst, _CMP_NLE_UQ));
@@ -77,7 +91,27 @@ bool topk_bounded(const float* x, int64_t V, int k, int64_t bs, float* vals, int
                   float* bmax) {
     const int64_t nb = V / bs;
     __m256 nan = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
+    int64_t b0 = 0;
+#if defined(__AVX512F__)
+    if (bs >= 16) {  // a max is exact in any order: the same block maxima as the 8-lane loop
+        __mmask16 nan16 = 0;
+        for (; b0 < nb; b0++) {
+            const float* p = x + b0 * bs;
+            __m512 m[4];
+            int n = (int)(bs / 16);
+            for (int u = 0; u < n; u++) m[u] = _mm512_loadu_ps(p + 16 * u);
+            for (; n > 1; n /= 2)
+                for (int u = 0; u < n / 2; u++) {
+                    nan16 |= _mm512_cmp_ps_mask(m[2 * u], m[2 * u + 1], _CMP_UNORD_Q);
+                    m[u] = _mm512_max_ps(m[2 * u], m[2 * u + 1]);
+                }
+            nan16 |= _mm512_cmp_ps_mask(m[0], m[0], _CMP_UNORD_Q);
+            bmax[b0] = _mm512_reduce_max_ps(m[0]);
+        }
+        if (nan16) return false;
+    }
+#endif
+    for (int64_t b = b0; b < nb; b++) {
         // Pairwise, not a chain: no block waits on the previous one's maxima (a chain of
         // dependent max_ps made this pass latency-bound, 3x slower).
         const float* p = x + b * bs;
@@ -102,6 +136,14 @@ bool topk_bounded(const float* x, int64_t V, int k, int64_t bs, float* vals, int
     const float t = bmax[k - 1];
     const __m256 tv = _mm256_set1_ps(t);
     int64_t n = 0, j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= V; j += 16)
+        for (unsigned mask = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), _mm512_set1_ps(t), _CMP_GE_OQ); mask;
+             mask &= mask - 1) {
+            const int64_t id = j + __builtin_ctz(mask);
+            cand[n++] = {x[id], id};
+        }
+#endif
     for (; j + 8 <= V; j += 8) {
         for (int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), tv, _CMP_GE_OQ)); mask;
              mask &= mask - 1) {
@@ -135,6 +177,22 @@ float logsumexp_row(const float* x, int64_t V) {
                     _mm256_set1_ps(-INFINITY)};
     __m256 nan = _mm256_setzero_ps();  // max_ps drops NaNs: they are collected apart
     int64_t j = 0;
+#if defined(__AVX512F__)
+    {  // a max is exact in any order
+        __m512 m16[2] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY)};
+        __mmask16 nan16 = 0;
+        for (; j + 32 <= full; j += 32)
+            for (int u = 0; u < 2; u++) {
+                const __m512 v = _mm512_loadu_ps(x + j + 16 * u);
+                m16[u] = _mm512_max_ps(m16[u], v);
+                nan16 |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            }
+        const __m512 mm = _mm512_max_ps(m16[0], m16[1]);
+        mx[0] = _mm512_castps512_ps256(mm);
+        mx[1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(mm), 1));
+        if (nan16) nan = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    }
+#endif
     for (; j + 32 <= full; j += 32)
         for (int u = 0; u < 4; u++) {
             const __m256 v = _mm256_loadu_ps(x + j + 8 * u);
@@ -160,6 +218,20 @@ float logsumexp_row(const float* x, int64_t V) {
     const __m256 mv = _mm256_set1_ps(m);
     __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     j = 0;
+#if defined(__AVX512F__)
+    {  // s01 holds s[0] and s[1] side by side, s23 s[2] and s[3]: each lane's adds as below
+        const __m512 mv16 = _mm512_set1_ps(m);
+        __m512 s01 = _mm512_setzero_ps(), s23 = _mm512_setzero_ps();
+        for (; j + 32 <= full; j += 32) {
+            s01 = _mm512_add_ps(s01, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), mv16)));
+            s23 = _mm512_add_ps(s23, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j + 16), mv16)));
+        }
+        s[0] = _mm512_castps512_ps256(s01);
+        s[1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s01), 1));
+        s[2] = _mm512_castps512_ps256(s23);
+        s[3] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s23), 1));
+    }
+#endif
     for (; j + 32 <= full; j += 32)
         for (int u = 0; u < 4; u++)
             s[u] = _mm256_add_ps(s[u], exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8 * u), mv)));
