@@ -10,7 +10,7 @@ Each dtype runs twice, in the order float32, bfloat16, auto, bfloat16, float32 (
 the machine's speed over the minutes shows as a difference between a dtype's two runs, and
 cancels in their mean); a dtype's runs must give the same tokens. Prints each rate, the
 ratio bfloat16 / float32, and auto against the faster of the two, with the reason auto gave
-(engine/native.py, `bfloat16_is_faster`).
+(engine/kernels/native.py, `bfloat16_is_faster`).
 
     python bench/bench_dtypes.py [--workload smollm2|rl|both] [--threads 2] [--data ../shared/data]
 """
@@ -74,7 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(describe())
-    from engine.native import bfloat16_is_faster
+    from engine.kernels.native import bfloat16_is_faster
 
     faster, why = bfloat16_is_faster()
     print(f"dtype auto -> {'bfloat16' if faster else 'float32'}: {why}")

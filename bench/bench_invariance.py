@@ -3,7 +3,7 @@
 For each kernel the engine could use, how much a row's result moves when the rest of the
 call changes, and what the batch-invariant choice costs. Prints:
 1. projections: F.linear (MKL), oneDNN's prepacked linear and the engine's compiled GEMM
-   (engine/csrc/gemm.cpp, float32 and bfloat16 weights) at GPT-2-small and head shapes:
+   (engine/kernels/csrc/gemm.cpp, float32 and bfloat16 weights) at GPT-2-small and head shapes:
    time per call at 128 and 8 rows, and the largest change of a row's output between a
    call over 1..1000 rows and one over 3000 rows (the compiled GEMM's is 0 by construction);
 2. pointwise: how many of 256,000 inputs get a different value on the scalar-tail path
@@ -13,7 +13,7 @@ call changes, and what the batch-invariant choice costs. Prints:
 4. the CPU flash kernel (what the engine's decode attention calls): for which numbers of
    query rows per (batch, head) item the result depends on the thread running the item;
 5. and which row counts of one call change a row's result (a last block of 1-3 rows);
-6. the alignment rule engine/attention.py follows (thread dependence exactly where a
+6. the alignment rule engine/kernels/attention.py follows (thread dependence exactly where a
    thread's scratch buffer is not 16-byte aligned), checked over query rows and key counts;
 7. what the unpadded single-row (matrix-vector) path saves over padding to 4 rows.
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.native import native_isa, native_kernels  # noqa: E402
+from engine.kernels.native import native_isa, native_kernels  # noqa: E402
 from machine import describe  # noqa: E402  (bench/ is the script's directory)
 
 
@@ -96,7 +96,7 @@ def attention(g: torch.Generator, threads: int) -> None:
         drift = [(F.scaled_dot_product_attention(q[:n], k[:n], v[:n], enable_gqa=h != kv) - full[:n]).abs().max().item()
                  for n in (1, 2, 3)]
         print(f"   heads {h}/{kv}, {length} keys: " + ", ".join(f"{x:.1e}" for x in drift))
-    # The engine's decode attention (engine/attention.py) relies on the next two measurements.
+    # The engine's decode attention (engine/kernels/attention.py) relies on the next two measurements.
     fa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     print(f"4. CPU flash kernel, items (batch x head) with m query rows: does an item's result depend on the "
           f"thread that runs it ({threads} threads vs 1)?")
@@ -126,7 +126,7 @@ def attention(g: torch.Generator, threads: int) -> None:
 
 
 def alignment(g: torch.Generator, threads: int) -> None:
-    """6-7: the rule engine/attention.py derives from the kernel's per-thread scratch buffer
+    """6-7: the rule engine/kernels/attention.py derives from the kernel's per-thread scratch buffer
     (q * (k + 2 + head_dim) floats, k = min(keys, 512)): an item's result depends on its
     thread exactly when that size is not a multiple of 4 floats (16 bytes) and k > 3."""
     fa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -56,7 +56,7 @@ def gemm_peak(threads: int, n: int = 2048, reps: int = 5, dtype: torch.dtype = t
     """Best rate over `reps` n x n x n products with `threads` threads (FLOP/s) through the
     engine's GEMM (the compiled kernel, weights in `dtype`, float32 activations as a step
     has them); torch.matmul in float32 where the compiled kernels are unavailable."""
-    from engine.native import native_kernels
+    from engine.kernels.native import native_kernels
 
     torch.set_num_threads(threads)
     a = torch.randn(n, n)

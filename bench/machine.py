@@ -40,7 +40,7 @@ def describe() -> str:
     import torch
 
     try:
-        from engine.native import native_isa
+        from engine.kernels.native import native_isa
         isa = native_isa()
     except ImportError:
         isa = "unknown"

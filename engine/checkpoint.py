@@ -36,7 +36,7 @@ import torch
 
 from engine.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
 from engine.models.base import CausalLM
-from engine.native import bfloat16_is_faster, native_kernels
+from engine.kernels.native import bfloat16_is_faster, native_kernels
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     - a CUDA GPU: bfloat16 from compute capability 8.0 (Ampere, Hopper, ...); older GPUs
       emulate it (torch.cuda.is_bf16_supported() says True there too) and are slower;
     - a CPU: bfloat16 weights (float32 activations) where the compiled GEMM has AVX-512
-      BF16 and a probe measures it clearly faster than float32 (engine/native.py,
+      BF16 and a probe measures it clearly faster than float32 (engine/kernels/native.py,
       `bfloat16_is_faster`, decided once per machine); float32 on every other CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine.kv_cache import StepBatch
-from engine.kv_layout import KVLayout
+from engine.kernels.kv_layout import KVLayout
 from engine.sampling import row_kinds
 from engine.sequence import Sequence
 

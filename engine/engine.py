@@ -9,7 +9,7 @@ Each `step()`:
 2. every running sample decodes one token in one batch (continuous batching: rows that
    finish free their memory at once, and the next step admits waiting samples into it).
    With prefix sharing, a sample attends to its prompt's stored KV, read once per prompt
-   for all its samples, and to its own generated KV (engine/attention.py);
+   for all its samples, and to its own generated KV (engine/kernels/attention.py);
 3. finished requests are returned.
 
 `generate()` runs steps until its prompts are done; workers use the streaming form
@@ -25,7 +25,7 @@ import torch
 
 from engine.decode_batch import DecodeBatch
 from engine.kv_cache import KVCache, StepBatch
-from engine.kv_layout import KVLayout
+from engine.kernels.kv_layout import KVLayout
 from engine.models.base import CausalLM
 from engine.params import RequestOutput, Sample, SamplingParams, error_output
 from engine.sampling import request_key, row_kinds, sample_with_logprobs, token_logprobs
@@ -60,7 +60,7 @@ class Engine:
             maximum: the model's context window).
         max_prefill_tokens: bound on one prefill batch (prompts x longest prompt, tokens).
         batch_invariant: on CPU, make every sample's logits, and so its tokens and logprobs,
-            bit-identical whatever batch it runs in (engine/attention.py; the projections are
+            bit-identical whatever batch it runs in (engine/kernels/attention.py; the projections are
             oneDNN's batch-invariant kernels either way). False runs the batched attention
             path that GPUs use; tokens then match except at rare near-ties (logits move by
             about 1e-7). GPUs are not batch-invariant in either mode.

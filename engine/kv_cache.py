@@ -5,7 +5,7 @@ Storage per layer is (num_positions, n_kv_head, head_dim), flash-attention's and
 single index_copy_, and any run of positions is a (H, T, D) view of the arena without a copy.
 Who owns which positions is the scheduler's business (engine/scheduler.py, with
 engine/block_manager.py): a prompt's KV is one run written once at prefill and read by all
-its samples; each sample's generated KV is one run of its own (engine/kv_layout.py).
+its samples; each sample's generated KV is one run of its own (engine/kernels/kv_layout.py).
 
 Models call `attend(layer, q, k, v, batch, window)` and never index the cache themselves:
 `StepBatch` describes one forward (prefill or decode) and carries the `KVLayout` that says
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention import (decode_batched, decode_grouped, native_kernel, prefill_mask, prefill_native,
+from engine.kernels.attention import (decode_batched, decode_grouped, native_kernel, prefill_mask, prefill_native,
                               prefill_rows)
-from engine.kv_layout import KVLayout
+from engine.kernels.kv_layout import KVLayout
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ class StepBatch:
     prefill: True for a prefill from position 0, False for a one-token decode step.
     kv_len: decode only: max(positions) + 1, the longest sequence of the step (host int).
     slot_start: accepted for callers of the static-slot layout; not needed by the cache.
-    layout: where each row's keys and values live (engine/kv_layout.py); None means the
+    layout: where each row's keys and values live (engine/kernels/kv_layout.py); None means the
         static-slot layout, built from `slots` and `positions` (which costs a device sync).
     all_logits: prefill only: the forward returns the logits at every position, (B, T, V),
         instead of at last_index (scoring a given continuation: `teacher_forced_logits`).
@@ -81,7 +81,7 @@ class KVCache:
             width) tensors in `self.state` (nanochat's smear keeps the previous token's
             embedding there), in `state_dtype` (default: dtype; the activations' dtype).
         batch_invariant: on CPU, attention whose result for a row is bit-identical whatever
-            else is in the step (engine/attention.py); GPUs ignore it. Decode attention on
+            else is in the step (engine/kernels/attention.py); GPUs ignore it. Decode attention on
             CPU is `decode_grouped`, elsewhere `decode_batched` (`batched_decode` forces it).
         num_positions: positions per layer (default num_slots * max_seq_len: a full-length
             slot per sequence, the static layout).

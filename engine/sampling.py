@@ -32,7 +32,7 @@ import threading
 
 import torch
 
-from engine.native import native_kernels
+from engine.kernels.native import native_kernels
 
 _M32 = 0xFFFFFFFF
 
@@ -288,7 +288,7 @@ _NATIVE_TOPK_MAX = 1024  # beyond this k, torch.topk (the compiled one sorts k c
 
 
 def _vocab_kernels(x: torch.Tensor):
-    """The compiled kernels (engine/native.py) for x (B, V) float32 on CPU with contiguous
+    """The compiled kernels (engine/kernels/native.py) for x (B, V) float32 on CPU with contiguous
     rows, else None (then torch's operations)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
         return None
@@ -297,7 +297,7 @@ def _vocab_kernels(x: torch.Tensor):
 
 def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(logits, k, dim=-1) for (B, V) logits: (values, ids), largest first. On CPU
-    the compiled kernel (engine/csrc/sampling_ops.cpp: one read of each row from memory;
+    the compiled kernel (engine/kernels/csrc/sampling_ops.cpp: one read of each row from memory;
     1.7-1.9 ms against torch.topk's 5.7 ms for 128 x 49,152 and k = 50, 2 threads), which
     also fixes the order of equal values (smaller id first); a row's candidates are the same
     set either way, and the race does not depend on their order."""
@@ -318,7 +318,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, inplace: bool = F
     """log_softmax(logits)[token] per row: logits (B, V) float32, tokens (B,) -> (B,) float32.
 
     On CPU (float32) it is logits[token] - logsumexp(row), the logsumexp compiled
-    (engine/csrc/sampling_ops.cpp: 1.9 ms against log_softmax's 4.6 ms for 128 x 49,152 on
+    (engine/kernels/csrc/sampling_ops.cpp: 1.9 ms against log_softmax's 4.6 ms for 128 x 49,152 on
     2 threads, and nothing written). Without the compiled kernel (another device or dtype, or
     no library), inplace=True overwrites CPU `logits` with their log-softmax when they are
     contiguous (the engine's last use of them): torch's fused kernel reads each row twice and

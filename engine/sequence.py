@@ -70,7 +70,7 @@ class Sequence:
 
     `last_token` is the token to feed at `position` on the next decode step; `key` keys its
     sampling noise (see engine/sampling.py). slot: its row of per-sequence model state and
-    its key in Engine.running. KV (engine/kv_layout.py): sequence positions own_pos0, ... live
+    its key in Engine.running. KV (engine/kernels/kv_layout.py): sequence positions own_pos0, ... live
     at arena positions own_start, ...; prefix_start is the arena position of its prompt's
     shared run (-1: it has its own copy of the prompt, own_pos0 = 0). own_block, own_blocks:
     the run as the scheduler allocated it.

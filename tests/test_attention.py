@@ -1,11 +1,11 @@
-"""engine.attention: cascade (shared-prefix) decode attention over the KV arena.
+"""engine.kernels.attention: cascade (shared-prefix) decode attention over the KV arena.
 
 Both implementations (the batch-invariant CPU one and the batched one GPUs use) must equal
 plain attention over each row's whole history (prompt + own tokens) computed in float64, for
 grouped-query and plain multi-head shapes, with and without a sliding window. The invariant
 one must also give every row bit-identical output whatever other rows share the step, in
 whatever order: that is what makes the engine's samples batch-invariant. The CPU path has two
-implementations (the compiled kernel of engine/native.py, and torch's kernels where it is
+implementations (the compiled kernel of engine/kernels/native.py, and torch's kernels where it is
 unavailable): every test here runs with each.
 """
 import random
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine.attention as A
-from engine.attention import decode_batched, decode_grouped, merge_attention, native_kernel
-from engine.kv_layout import KVLayout
+import engine.kernels.attention as A
+from engine.kernels.attention import decode_batched, decode_grouped, merge_attention, native_kernel
+from engine.kernels.kv_layout import KVLayout
 
 pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py
 
@@ -176,7 +176,7 @@ def _intel_avx512() -> bool:
     """An Intel CPU with AVX-512, whose MKL kernels (inside torch's CPU flash kernel, and not
     limited by ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA) moved rows with the call's shape
     on a Sapphire Rapids Xeon (issue #18)."""
-    from engine.native import cpu_flags
+    from engine.kernels.native import cpu_flags
 
     try:
         vendor = next(line for line in open("/proc/cpuinfo") if line.startswith("vendor_id"))
@@ -257,7 +257,7 @@ def test_generated_parts_of_every_length_are_row_invariant(shape):
 def test_key_chunks_and_query_rows_follow_the_alignment_rule():
     """Every chunk (or padded call) keeps q * (keys + 2 + head_dim) a multiple of 4 within one
     512-key block, or is at most 3 keys; chunks cover the length exactly."""
-    from engine.attention import aligned_query_rows, key_chunks
+    from engine.kernels.attention import aligned_query_rows, key_chunks
     for D in (64, 80, 128):
         for L in range(1, 1200):
             chunks = key_chunks(L, 1, D)
@@ -304,7 +304,7 @@ def test_the_compiled_kernel_is_built_where_it_can_be(decode_impl):
 def test_the_kernel_falls_back_when_it_cannot_be_built(monkeypatch, tmp_path):
     """BATCHGEN_NATIVE=0, or a compiler that fails, makes the build raise (and
     native_kernels return None): attention then runs on torch's kernels."""
-    import engine.native as N
+    import engine.kernels.native as N
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("BATCHGEN_NATIVE", "0")
     with pytest.raises(N._Unavailable, match="BATCHGEN_NATIVE=0"):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from engine import SamplingParams, load_engine
 from engine.engine import Engine, teacher_forced_logits
-from engine.native import PackedWeight, native_kernels
+from engine.kernels.native import PackedWeight, native_kernels
 from engine.sampling import token_logprobs
 
 pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py
@@ -189,7 +189,7 @@ def test_neighbours_do_not_matter(engine_parts):
 @pytest.mark.skipif(native_kernels() is None, reason="the compiled kernels are unavailable here")
 def test_step_projections_use_the_compiled_gemm(engine_parts):
     """On CPU every projection of a step and the head run through the compiled GEMM
-    (engine/csrc/gemm.cpp): each weight packed once, each result equal to F.linear within
+    (engine/kernels/csrc/gemm.cpp): each weight packed once, each result equal to F.linear within
     float error, each row bit-identical whatever the number of rows; the cache-free forward
     stays F.linear."""
     model, tok = engine_parts

@@ -1,4 +1,4 @@
-"""The compiled GEMM (engine/csrc/gemm.cpp): every projection and the head of a CPU step.
+"""The compiled GEMM (engine/kernels/csrc/gemm.cpp): every projection and the head of a CPU step.
 
 What this proves: each output element is the fused multiply-add chain over K in order that
 the source's header defines, so a row's bits depend on that row alone: not on how many rows
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.native import native_isa, native_kernels, supported_isas
+from engine.kernels.native import native_isa, native_kernels, supported_isas
 
 K = native_kernels()
 pytestmark = [pytest.mark.invariance,
@@ -98,7 +98,7 @@ def test_dtype_auto_probe_is_decided_once_per_machine(monkeypatch, tmp_path):
     """`dtype: auto` on CPU: bfloat16 only where the GEMM has vdpbf16ps and measures faster;
     the verdict is written beside the compiled library and read back, so a noisy moment
     cannot change a machine's choice from one run to the next."""
-    import engine.native as N
+    import engine.kernels.native as N
 
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(N, "_BF16_PROBE", None)

@@ -1,6 +1,6 @@
 """The GPU code path, exercised on CPU (no GPU is lent to this project).
 
-GPUs run the batched attention path (engine/attention.py: decode_batched) in bfloat16; on
+GPUs run the batched attention path (engine/kernels/attention.py: decode_batched) in bfloat16; on
 CPU `KVCache.batched_decode` selects it. On tiny-random (nanochat architecture: sliding
 windows, per-sequence smear state, GQA): bfloat16 greedy tokens equal float32's up to
 near-ties, in both attention paths and both prefix-sharing modes; the batched path in float32

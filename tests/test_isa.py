@@ -3,7 +3,7 @@ invariance and parity tests run once natively (the rest of the suite) and once m
 a subprocess with torch, oneDNN and batchgen's kernels limited to AVX2, so a change tested on
 either kind of machine is tested for both. The subprocess also generates SmolLM2 samples
 whose tokens and logprob bits must equal the native run's: the engine's arithmetic does not
-depend on the instruction set (engine/csrc/gemm.cpp's header says why).
+depend on the instruction set (engine/kernels/csrc/gemm.cpp's header says why).
 
 On an AVX2-only CPU there is nothing wider to limit: the tests skip, saying so.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.native import native_isa, supported_isas
+from engine.kernels.native import native_isa, supported_isas
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMITED = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "BATCHGEN_ISA": "avx2"}
@@ -30,7 +30,7 @@ SAMPLES = """
 import hashlib, json, struct, sys
 import torch
 from engine import SamplingParams, load_engine
-from engine.native import native_isa
+from engine.kernels.native import native_isa
 torch.set_num_threads(2)
 qs = [json.loads(l)["question"] for l in open("jobs/data/gsm8k_demo.jsonl")][:6]
 out = {"isa": native_isa(), "capability": torch.backends.cpu.get_cpu_capability()}

@@ -124,7 +124,7 @@ def test_prompt_is_stored_once_with_sharing_and_copied_without(model):
 @pytest.mark.parametrize("max_num_seqs", [1, 4, 32])
 def test_sharing_off_is_batch_invariant_and_equals_sharing_on(model, max_num_seqs):
     """prefix_sharing=False is batch-invariant too, and gives bit-identical samples to the
-    default: both split each row's attention at the end of its prompt (engine/attention.py)."""
+    default: both split each row's attention at the end of its prompt (engine/kernels/attention.py)."""
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10] * 20, [42], list(range(30, 45))]
     ids = ["a", "b", "c", "d", "e"]
     p = SamplingParams(num_samples=3, max_tokens=12, top_k=0, stop_token_ids=[])

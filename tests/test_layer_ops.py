@@ -1,4 +1,4 @@
-"""engine/csrc/layer_ops.cpp: the fused RMSNorm (with its residual add), rotary embedding
+"""engine/kernels/csrc/layer_ops.cpp: the fused RMSNorm (with its residual add), rotary embedding
 (with Qwen3's per-head norm) and SwiGLU gating of a Llama-family step.
 
 Each must equal torch's operations (engine/models/layers.py), the reference that matches
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.layers import apply_rotary, rms_norm
-from engine.native import native_kernels, supported_isas
+from engine.kernels.native import native_kernels, supported_isas
 
 K = native_kernels()
 pytestmark = [pytest.mark.invariance, pytest.mark.skipif(K is None, reason="the compiled kernels are unavailable here")]
@@ -85,7 +85,7 @@ def test_silu_mul_equals_torch_and_is_row_invariant(I):
 
 def test_every_kernel_source_ships_with_the_package():
     """An installed (non-editable) batchgen compiles its kernels from the package's own copy
-    of engine/csrc: pyproject's package-data must cover every source and header there, or
+    of engine/kernels/csrc: pyproject's package-data must cover every source and header there, or
     the build fails on users' machines and decoding silently falls back to torch."""
     import fnmatch
     from pathlib import Path
@@ -94,7 +94,7 @@ def test_every_kernel_source_ships_with_the_package():
 
     root = Path(__file__).resolve().parents[1]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["engine"]
-    for f in (root / "engine" / "csrc").iterdir():
+    for f in (root / "engine" / "kernels" / "csrc").iterdir():
         rel = f.relative_to(root / "engine").as_posix()
         assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not in package-data"
 

@@ -31,7 +31,7 @@ from engine.models.hf_config import LlamaConfig  # noqa: E402
 from engine.models.layers import RopeScaling  # noqa: E402
 from engine.models import base  # noqa: E402
 from engine.models.llama import build_llama, load_llama_checkpoint  # noqa: E402
-from engine.native import bfloat16_is_faster, native_kernels  # noqa: E402
+from engine.kernels.native import bfloat16_is_faster, native_kernels  # noqa: E402
 
 pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py
 

@@ -1,5 +1,5 @@
-"""The compiled attention kernels on their own: prefill (engine/csrc/prefill_attention.cpp) and
-decode over a bfloat16 arena (engine/csrc/decode_attention.cpp), against float64 attention.
+"""The compiled attention kernels on their own: prefill (engine/kernels/csrc/prefill_attention.cpp) and
+decode over a bfloat16 arena (engine/kernels/csrc/decode_attention.cpp), against float64 attention.
 
 What this proves: prefill attention is causal attention (sliding windows, grouped-query
 heads, every supported head size, padding rows zero) within float32 rounding; a query row's
@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from engine.native import native_kernels, supported_isas
+from engine.kernels.native import native_kernels, supported_isas
 
 K = native_kernels()
 pytestmark = [pytest.mark.invariance,

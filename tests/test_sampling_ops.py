@@ -1,4 +1,4 @@
-"""engine/csrc/sampling_ops.cpp: the sampler's passes over the vocabulary on CPU, top-k and
+"""engine/kernels/csrc/sampling_ops.cpp: the sampler's passes over the vocabulary on CPU, top-k and
 logsumexp.
 
 top-k must be exact: the same candidates and values as torch, in a fixed order (larger
@@ -11,7 +11,7 @@ exercise the partial last vector.
 import pytest
 import torch
 
-from engine.native import native_kernels
+from engine.kernels.native import native_kernels
 from engine.sampling import token_logprobs
 
 K = native_kernels()

@@ -19,7 +19,7 @@ import torch
 from engine import SamplingParams, load_engine
 from engine.builtin import SMOLLM2_INSTALL, smollm2_path
 from engine.engine import teacher_forced_logits
-from engine.native import native_kernels
+from engine.kernels.native import native_kernels
 
 pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py
 

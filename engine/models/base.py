@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_cache import KVCache, StepBatch
-from engine.native import NativeKernels, PackedWeight, native_kernels
+from engine.kernels.native import NativeKernels, PackedWeight, native_kernels
 
 
 def reference_numerics(forward):
@@ -146,7 +146,7 @@ class CausalLM(nn.Module):
         """F.linear(x, weight, bias) for every projection of the engine's step: x (..., C),
         weight (N, C), bias (N,) or None -> (..., N) in x's dtype.
 
-        On CPU in float32 or bfloat16 it is the compiled GEMM (engine/csrc/gemm.cpp) with the
+        On CPU in float32 or bfloat16 it is the compiled GEMM (engine/kernels/csrc/gemm.cpp) with the
         weight packed once into its panel layout: each output element is one fused
         multiply-add chain over C in order, so a row's bits do not depend on how many rows
         share the call, on the thread count or on the instruction set (AVX2 and AVX-512 give
@@ -195,7 +195,7 @@ class CausalLM(nn.Module):
         return invariant(x)
 
     def fused_kernels(self, x: torch.Tensor) -> NativeKernels | None:
-        """The compiled library (engine/native.py) for a step's fused operations on x's
+        """The compiled library (engine/kernels/native.py) for a step's fused operations on x's
         device and dtype: CPU float32 outside a @reference_numerics forward, where the library
         could be built; None otherwise (torch's operations)."""
         if self._reference or x.device.type != "cpu" or x.dtype != torch.float32:

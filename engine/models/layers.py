@@ -5,7 +5,7 @@ The numerics follow transformers (models/llama/modeling_llama.py, modeling_rope_
 the same float32 operations in the same order, so that logits agree to float rounding.
 
 In a CPU float32 step each operation has a fused version in the compiled library
-(engine/csrc/layer_ops.cpp, `kernels` below: a `NativeKernels`, or None for torch's ops):
+(engine/kernels/csrc/layer_ops.cpp, `kernels` below: a `NativeKernels`, or None for torch's ops):
 one pass per row instead of 3-10 torch kernels, batch-invariant, within about 1e-7 of torch's.
 The reference forward passes None, so it computes what transformers computes.
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from engine.checkpoint import CheckpointError
 from engine.models.base import CausalLM, invariant_silu
-from engine.native import NativeKernels
+from engine.kernels.native import NativeKernels
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

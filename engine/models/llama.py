@@ -28,7 +28,7 @@ from engine.models.base import CausalLM, ModelInfo, reference_numerics
 from engine.models.hf_config import LlamaConfig, token_ids
 from engine.models.hf_weights import read_json, read_state_dict
 from engine.models.layers import RotaryStep, RotaryTables, add_rms_norm, swiglu
-from engine.native import NativeKernels
+from engine.kernels.native import NativeKernels
 
 # Buffers older checkpoints carry that transformers recomputes (the rotary table).
 _IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)
@@ -138,7 +138,7 @@ class LlamaModel(CausalLM):
     def forward_step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         """One prefill or decode step: tokens (B, T) int64 at batch.positions -> logits (B, V)
         fp32 at batch.last_index of each row ((B, T, V) with batch.all_logits). Keys and values go through `kv.attend`. On CPU
-        in float32 the norms, rotary and SwiGLU gating run fused (engine/csrc/layer_ops.cpp).
+        in float32 the norms, rotary and SwiGLU gating run fused (engine/kernels/csrc/layer_ops.cpp).
         """
         B, T = tokens.shape
         x, delta = self.embedding(tokens, self.embed), None

@@ -1,6 +1,6 @@
 """Decode and prefill attention over the KV arena, with cascade (shared-prefix) decoding.
 
-A decoding row attends to up to two parts of its history (engine/kv_layout.py): the shared
+A decoding row attends to up to two parts of its history (engine/kernels/kv_layout.py): the shared
 prompt and its own run. Each part gives an output o and the log-sum-exp l of its scaled
 scores; the exact attention over both is the log-sum-exp merge
 
@@ -10,8 +10,8 @@ scores; the exact attention over both is the log-sum-exp merge
 is computed once per prompt for the queries of all its samples (one read of its keys).
 
 Implementations:
-- `decode_grouped` (CPU), first choice: the compiled kernel of engine/native.py
-  (engine/csrc/decode_attention.cpp), one call per layer for the whole step. Per group of
+- `decode_grouped` (CPU), first choice: the compiled kernel of engine/kernels/native.py
+  (engine/kernels/csrc/decode_attention.cpp), one call per layer for the whole step. Per group of
   rows sharing a stored prompt it reads each block of prompt keys once for all of them, then
   each row's own keys, with a per-row online softmax (no merge step). A row's result depends
   only on its own query and keys by construction (see the source), so it needs none of the
@@ -48,8 +48,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kv_layout import KVLayout, RunGroup
-from engine.native import NativeKernels, native_kernels
+from engine.kernels.kv_layout import KVLayout, RunGroup
+from engine.kernels.native import NativeKernels, native_kernels
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -249,7 +249,7 @@ def decode_grouped(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, layout: 
 
 
 def native_kernel(dtype: torch.dtype, head_dim: int) -> NativeKernels | None:
-    """The compiled kernels (engine/native.py) when they are available and decode attention
+    """The compiled kernels (engine/kernels/native.py) when they are available and decode attention
     handles this query dtype (float32, over a float32 or bfloat16 cache) and head_dim; None
     otherwise (torch's kernels then)."""
     if dtype != torch.float32:
@@ -399,7 +399,7 @@ def prefill_mask(T: int, window: int | None, device: torch.device) -> torch.Tens
 
 def prefill_native(kernel: NativeKernels, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, layout: KVLayout,
                    window: int | None) -> torch.Tensor:
-    """Prefill attention through the compiled kernel (engine/csrc/prefill_attention.cpp), one
+    """Prefill attention through the compiled kernel (engine/kernels/csrc/prefill_attention.cpp), one
     call for the batch: each prompt token attends to its prompt's keys as the arena holds
     them (just written by the prefill). q: (B, n_head, T, head_dim), any strides whose
     transpose to (B, T, n_head, head_dim) has contiguous heads (the q part of a fused qkv

@@ -70,7 +70,7 @@ class PrefixCalls:
     calls: (start, lo, hi, offset, rows) per call: the rows attend to arena positions
         [start + lo, start + hi) (prompt positions [lo, hi)); their queries are slots
         [offset, offset + rows) of the gathered block (rows a multiple of 4, see
-        engine/attention.py).
+        engine/kernels/attention.py).
     gather: (sum of rows,) int64, per slot of the block the flattened query row it takes,
         row * g + j (query head j of the group), or B * g for a zero dummy.
     scatter: (B * g,) int64, per flattened query row its slot in the block, or the sum of
@@ -284,7 +284,7 @@ class KVLayout:
     # ------------------------------------------------------------------ compiled kernel
     def native_segments(self, window: int | None, num_positions: int
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This step's runs for the compiled decode kernel (engine/native.py), CPU int64:
+        """This step's runs for the compiled decode kernel (engine/kernels/native.py), CPU int64:
         seg (B, 4) per row (prompt start, prompt length, own start, own length) in arena
         positions: the keys [lo, hi) of key_range split at prompt_len, the prompt part in the
         stored prompt's run (prefix sharing) or in the row's own copy; group_ptr (G + 1,) and
