@@ -1,4 +1,4 @@
-"""The KV cache: one arena of key/value positions per layer, and the attention that reads it.
+"""The KV cache: one arena of key/value positions per layer, and the per-sequence model state.
 
 Storage per layer is (num_positions, n_kv_head, head_dim), flash-attention's and nanochat's
 (T, H, D) order: one decode step's keys for a row are one contiguous run, written with a
@@ -11,17 +11,17 @@ Models call `attend(layer, q, k, v, batch, window)` and never index the cache th
 `StepBatch` describes one forward (prefill or decode) and carries the `KVLayout` that says
 where each row's KV lives. A StepBatch without a layout uses the static-slot layout (row r's
 sequence at positions slots[r] * max_seq_len + p), the cache's default shape of `num_slots`
-sequences of `max_seq_len` positions.
+sequences of `max_seq_len` positions. `attend` stores the step's keys and values and runs the
+attention chosen for the cache's device when it was made (engine/kernels/attention_backend.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from engine.kernels.attention import (decode_batched, decode_grouped, native_kernel, prefill_mask, prefill_native,
-                              prefill_rows)
+from engine.kernels.attention import prefill_mask
+from engine.kernels.attention_backend import attention_backend
 from engine.kernels.kv_layout import KVLayout
 
 
@@ -81,8 +81,9 @@ class KVCache:
             width) tensors in `self.state` (nanochat's smear keeps the previous token's
             embedding there), in `state_dtype` (default: dtype; the activations' dtype).
         batch_invariant: on CPU, attention whose result for a row is bit-identical whatever
-            else is in the step (engine/kernels/attention.py); GPUs ignore it. Decode attention on
-            CPU is `decode_grouped`, elsewhere `decode_batched` (`batched_decode` forces it).
+            else is in the step; GPUs ignore it. The attention implementation is chosen once
+            for the device (`self.attention`: engine/kernels/attention_backend.py); on CPU
+            `batched_decode` switches decode to the GPU path.
         num_positions: positions per layer (default num_slots * max_seq_len: a full-length
             slot per sequence, the static layout).
 
@@ -104,9 +105,7 @@ class KVCache:
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.batch_invariant = batch_invariant
-        # Decode attention through decode_batched (what GPUs run) even on CPU: tests set it to
-        # exercise the GPU path without a GPU.
-        self.batched_decode = False
+        self.attention = attention_backend(device, batch_invariant)  # chosen once, for the device
 
     @staticmethod
     def bytes_per_position(n_layer: int, n_kv_head: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -119,6 +118,16 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
     # ------------------------------------------------------------------ attention
+    @property
+    def batched_decode(self) -> bool:
+        """Decode through decode_batched (what GPUs run); set True on a CPU cache, tests run
+        the GPU path without a GPU (engine/kernels/attention_backend.py)."""
+        return self.attention.batched_decode
+
+    @batched_decode.setter
+    def batched_decode(self, value: bool) -> None:
+        self.attention.batched_decode = value
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                batch: StepBatch, window: int | None = None) -> torch.Tensor:
         """Store this step's keys/values for `layer` and attend over each row's history.
@@ -131,33 +140,13 @@ class KVCache:
         """
         layout = batch.layout if batch.layout is not None else self._static_layout(batch)
         kc, vc = self.k[layer], self.v[layer]
-        B, H, T, D = k.shape
-        invariant = self.batch_invariant and q.device.type == "cpu"
         if batch.prefill:
+            B, H, T, D = k.shape
             dst, src = layout.prefill_write(T)
             kc.index_copy_(0, dst, k.transpose(1, 2).reshape(B * T, H, D).index_select(0, src).to(kc.dtype))
             vc.index_copy_(0, dst, v.transpose(1, 2).reshape(B * T, H, D).index_select(0, src).to(vc.dtype))
-            kernel = native_kernel(q.dtype, D) if q.device.type == "cpu" and kc.is_contiguous() else None
-            if kernel is not None:  # one call for the batch, from the arena just written
-                return prefill_native(kernel, q, kc, vc, layout, window)
-            if k.dtype != kc.dtype:  # float32 activations over a bfloat16 cache: the prefill
-                # attends to the keys and values the cache holds, as every later step does
-                k, v = k.to(kc.dtype).to(k.dtype), v.to(kc.dtype).to(v.dtype)
-            if invariant:
-                return prefill_rows(q, k, v, layout.lengths, window)
-            # A prefill starts at position 0, so its own keys are the whole history: attend
-            # to them directly, with the same SDPA call a cache-free forward makes.
-            gqa = q.shape[1] != H
-            m = batch.mask(window)
-            if m is None:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=gqa)
-        if self.batched_decode or q.device.type != "cpu":
-            idx = layout.write_index()
-            kc.index_copy_(0, idx, k[:, :, 0].to(kc.dtype))
-            vc.index_copy_(0, idx, v[:, :, 0].to(vc.dtype))
-            return decode_batched(kc, vc, q, layout, window)
-        return decode_grouped(kc, vc, q, layout, window, invariant=self.batch_invariant, new_kv=(k, v))
+            return self.attention.prefill(q, k, v, kc, vc, layout, window, batch.mask)
+        return self.attention.decode(q, k, v, kc, vc, layout, window)
 
     def _static_layout(self, batch: StepBatch) -> KVLayout:
         slots = batch.slots.tolist()

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import engine.kernels.attention as A
-from engine.kernels.attention import decode_batched, decode_grouped, merge_attention, native_kernel
+from engine.kernels.attention import decode_grouped, merge_attention, native_kernel
+from engine.kernels.batched_attention import decode_batched
 from engine.kernels.kv_layout import KVLayout
 
 pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py

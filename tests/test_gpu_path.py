@@ -1,7 +1,7 @@
 """The GPU code path, exercised on CPU (no GPU is lent to this project).
 
-GPUs run the batched attention path (engine/kernels/attention.py: decode_batched) in bfloat16; on
-CPU `KVCache.batched_decode` selects it. On tiny-random (nanochat architecture: sliding
+GPUs run the batched attention path (engine/kernels/batched_attention.py: decode_batched) in
+bfloat16; on CPU `KVCache.batched_decode` selects it. On tiny-random (nanochat architecture: sliding
 windows, per-sequence smear state, GQA): bfloat16 greedy tokens equal float32's up to
 near-ties, in both attention paths and both prefix-sharing modes; the batched path in float32
 gives the CPU path's tokens; and `dtype: auto` picks bfloat16 only on GPUs with native
@@ -67,10 +67,10 @@ def test_bfloat16_tokens_equal_float32_up_to_near_ties(engines, batched, prefix_
 def test_batched_path_is_used_and_close_to_the_invariant_one(engines, prefix_sharing):
     """KVCache.batched_decode runs decode_batched (the GPU path): in float32 the same tokens
     as the CPU path, logprobs within 1e-4."""
-    import engine.kv_cache as kv_cache
+    import engine.kernels.attention_backend as backend
 
     calls = []
-    original = kv_cache.decode_batched
+    original = backend.decode_batched
 
     def spy(*a, **k):
         calls.append(1)
@@ -79,11 +79,11 @@ def test_batched_path_is_used_and_close_to_the_invariant_one(engines, prefix_sha
     eng = engines["float32"]
     p = SamplingParams(num_samples=3, max_tokens=8, top_k=20, stop_token_ids=[])
     inv = _engine(eng, prefix_sharing=prefix_sharing).generate(PROMPTS, p)
-    kv_cache.decode_batched = spy
+    backend.decode_batched = spy
     try:
         bat = _engine(eng, batched=True, max_num_seqs=4, prefix_sharing=prefix_sharing).generate(PROMPTS, p)
     finally:
-        kv_cache.decode_batched = original
+        backend.decode_batched = original
     assert calls
     for a, b in zip(inv, bat):
         for x, y in zip(a, b):
