@@ -1,4 +1,4 @@
-"""Time engine.gguf.read_gguf against transformers' GGUF loader on SmolLM2-135M-Instruct (Q4_1).
+"""Time engine.loading.gguf.read_gguf against transformers' GGUF loader on SmolLM2-135M-Instruct (Q4_1).
 
 Both dequantize the same file to float32 state dicts that are equal tensor for tensor
 (tests/test_gguf.py). In one process: read_gguf `--repeat` times, transformers'
@@ -44,7 +44,7 @@ def peak_rss_mib() -> float:
 def peak_rss_child(path: Path, threads: int) -> None:
     """Run in a subprocess: print the peak RSS after importing, then after read_gguf (MiB)."""
     torch.set_num_threads(threads)
-    from engine.gguf import read_gguf
+    from engine.loading.gguf import read_gguf
 
     before = peak_rss_mib()
     ck = read_gguf(path)
@@ -68,7 +68,7 @@ def main() -> None:
         peak_rss_child(path, args.threads)
         return
     torch.set_num_threads(args.threads)
-    from engine.gguf import read_gguf
+    from engine.loading.gguf import read_gguf
 
     times = []
     for _ in range(args.repeat):

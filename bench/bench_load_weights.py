@@ -34,7 +34,7 @@ def engine_level(repeat: int) -> None:
     import torch
 
     from engine import SamplingParams, load_engine
-    from engine.builtin import resolve_builtin
+    from engine.loading.builtin import resolve_builtin
 
     torch.set_num_threads(1)
     path = str(resolve_builtin("smollm2"))

@@ -496,7 +496,7 @@ def main() -> None:
     print(describe())
 
     from engine import load_engine
-    from engine.builtin import smollm2_path
+    from engine.loading.builtin import smollm2_path
 
     # batchgen's tokenizer makes every system's token ids, and its engine names the stop ids
     eng = load_engine("smollm2", device="cpu", dtype="float32")

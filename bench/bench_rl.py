@@ -67,7 +67,7 @@ def main() -> None:
     print(describe())
 
     from engine import SamplingParams, load_engine
-    from engine.builtin import smollm2_path
+    from engine.loading.builtin import smollm2_path
 
     train, test = args.data / "gsm8k" / "train.jsonl", args.data / "gsm8k" / "test.jsonl"
     if not train.exists() or not test.exists():

@@ -51,7 +51,7 @@ def main() -> None:
     print(describe())
 
     from engine import SamplingParams, load_engine
-    from engine.builtin import smollm2_path
+    from engine.loading.builtin import smollm2_path
 
     questions = [json.loads(line)["question"] for line in QUESTIONS.open()][: args.prompts]
     eng = load_engine("smollm2", device="cpu", dtype=args.dtype)

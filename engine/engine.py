@@ -349,7 +349,7 @@ class Engine:
     def load_weights(self, path: str | Path, *, step: int | None = None) -> dict:
         """Replace the model's weights with checkpoint `path`'s, in place (an RL loop's reload).
 
-        The checkpoint must hold the same architecture and shapes (engine/weights.py says
+        The checkpoint must hold the same architecture and shapes (engine/loading/weight_swap.py says
         what is compared); its tokenizer files are not read, so a trainer's directory with
         only config.json and weights will do, and the engine keeps its tokenizer. Nothing is
         reallocated: the parameters keep their storage, the KV cache is the same tensors.
@@ -358,7 +358,7 @@ class Engine:
         in host RAM. step: for a nanochat directory (default: its highest step).
         Returns {"path", "step", "description"}. Raises RuntimeError while requests are
         unfinished, FileNotFoundError / CheckpointError from the loaders, and
-        engine.weights.WeightsMismatch naming what differs; on any of these the engine keeps
+        engine.loading.weight_swap.WeightsMismatch naming what differs; on any of these the engine keeps
         its weights.
         """
         self._check_idle("load_weights")
@@ -367,8 +367,8 @@ class Engine:
     def stage_weights(self, path: str | Path, *, step: int | None = None):
         """The first half of `load_weights`: load and check checkpoint `path`, change nothing.
         Only reads the engine, so it may run on another thread while the engine steps.
-        Returns an engine.weights.StagedWeights for `apply_weights`; raises as load_weights."""
-        from engine.weights import stage_weights
+        Returns an engine.loading.weight_swap.StagedWeights for `apply_weights`; raises as load_weights."""
+        from engine.loading.weight_swap import stage_weights
 
         return stage_weights(self.model, path, dtype=self.dtype, step=step)
 
@@ -376,7 +376,7 @@ class Engine:
         """The second half of `load_weights`: copy staged weights into the model in place.
         Returns {"path", "step", "description"}. Raises RuntimeError while requests are
         unfinished (their cached keys and values came from the old weights)."""
-        from engine.weights import apply_weights
+        from engine.loading.weight_swap import apply_weights
 
         self._check_idle("apply_weights")
         apply_weights(self.model, staged)
@@ -468,15 +468,15 @@ def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str =
                 step: int | None = None, max_num_seqs: int = 256, kv_cache_bytes: int | None = None,
                 max_seq_len: int | None = None, max_prefill_tokens: int = 8192,
                 num_threads: int | None = None, batch_invariant: bool = True, prefix_sharing: bool = True) -> Engine:
-    """Load a checkpoint (engine/checkpoint.py: "smollm2", "tiny-random", HF Llama family or GPT-2,
+    """Load a checkpoint (engine/loading/checkpoint.py: "smollm2", "tiny-random", HF Llama family or GPT-2,
     GGUF, nanochat) into an Engine.
 
     device: "auto" | "cpu" | "cuda[:n]"; dtype: "auto" | "float32" | "bfloat16".
     num_threads: CPU threads for torch in this process (a worker's share of the cores);
         None leaves torch's default.
-    Raises FileNotFoundError / CheckpointError for bad checkpoints (see engine/checkpoint.py).
+    Raises FileNotFoundError / CheckpointError for bad checkpoints (see engine/loading/checkpoint.py).
     """
-    from engine.checkpoint import load_checkpoint
+    from engine.loading.checkpoint import load_checkpoint
 
     if num_threads:
         torch.set_num_threads(max(1, int(num_threads)))

@@ -370,7 +370,7 @@ def fingerprint_of(data: dict[str, Any]) -> str:
 def check_model_path(spec: JobSpec) -> None:
     """Raise SpecError naming model.path (or model.tokenizer) when it does not exist on this
     machine (a built-in name resolves to its file first)."""
-    from engine.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
+    from engine.loading.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
 
     mp = spec.model.path
     if mp == "demo":

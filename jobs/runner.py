@@ -256,7 +256,7 @@ def show_examples(spec: Any, plan: Any, out: Any, n: int = 2, width: int = 600) 
     """A couple of generated answers (sample 0 of the first prompts of the first unit) next to
     their prompts, so a person sees what the model wrote. Nothing for the untrained
     "tiny-random" model (its text is noise) or when the first unit holds only errors."""
-    from engine.builtin import TINY_RANDOM
+    from engine.loading.builtin import TINY_RANDOM
     from jobs.dataset import read_rows
 
     if spec.model.path == TINY_RANDOM or not plan.units or spec.input.format == "openai_batch":

@@ -387,7 +387,7 @@ def model_identity(path: str, tokenizer: str | None = None) -> dict[str, Any]:
     """What identifies a checkpoint across copies: its file names and sizes (not mtimes, not
     the directory it sits in). "tiny-random" is itself, "smollm2" its installed file; the
     tokenizer override is included likewise."""
-    from engine.builtin import TINY_RANDOM, resolve_builtin
+    from engine.loading.builtin import TINY_RANDOM, resolve_builtin
 
     if path == TINY_RANDOM:
         ident: dict[str, Any] = {"path": TINY_RANDOM}

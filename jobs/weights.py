@@ -74,7 +74,7 @@ class HashCache:
 def content_identity(path: str, cache: HashCache | None = None) -> dict[str, str] | str:
     """{relative name: sha256} of a checkpoint path's files (built-in names resolved to their
     files); "tiny-random" for the built-in untrained model, which has none."""
-    from engine.builtin import TINY_RANDOM, resolve_builtin
+    from engine.loading.builtin import TINY_RANDOM, resolve_builtin
 
     if path == TINY_RANDOM:
         return TINY_RANDOM

@@ -72,7 +72,7 @@ def smollm2_hf_model():
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from engine.builtin import SMOLLM2_INSTALL, smollm2_path
+    from engine.loading.builtin import SMOLLM2_INSTALL, smollm2_path
 
     try:
         path = smollm2_path()

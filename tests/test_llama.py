@@ -25,9 +25,10 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from engine import SamplingParams, load_engine  # noqa: E402
-from engine.checkpoint import CheckpointError, detect_format  # noqa: E402
+from engine.loading.checkpoint import detect_format  # noqa: E402
+from engine.loading.errors import CheckpointError  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.models.hf_config import LlamaConfig  # noqa: E402
+from engine.loading.hf_config import LlamaConfig  # noqa: E402
 from engine.models.layers import RopeScaling  # noqa: E402
 from engine.models import base  # noqa: E402
 from engine.models.llama import build_llama, load_llama_checkpoint  # noqa: E402

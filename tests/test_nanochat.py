@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint import CheckpointError
+from engine.loading.errors import CheckpointError
 from engine.kv_cache import KVCache, StepBatch
 from engine.models.nanochat import build_tiny_random_model, load_nanochat_checkpoint
 

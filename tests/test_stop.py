@@ -18,7 +18,7 @@ from toy import ByteTokenizer, ScriptedLM, ToyLM
 
 @pytest.fixture(scope="module")
 def tok():
-    from engine.builtin import resolve_builtin
+    from engine.loading.builtin import resolve_builtin
     from engine.tokenizer import Tokenizer
 
     return Tokenizer.load(str(resolve_builtin("smollm2")))

@@ -260,7 +260,7 @@ class CausalLM(nn.Module):
         """The settings outside the tensors that decide what the model computes (norm eps,
         rope, windows, activation, ...), as plain values. With the class, `info` and the
         state dict's names, shapes and dtypes, they decide whether another checkpoint's
-        weights can replace this model's in place (engine/weights.py). Architectures
+        weights can replace this model's in place (engine/loading/weight_swap.py). Architectures
         override it; the default is nothing beyond those."""
         return {}
 

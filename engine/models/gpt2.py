@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.checkpoint import CheckpointError, check_keys
+from engine.loading.errors import CheckpointError, check_keys
 from engine.kv_cache import KVCache, StepBatch
 from engine.models.base import (CausalLM, ModelInfo, invariant_gelu_tanh, invariant_silu,
                                 reference_numerics)
-from engine.models.hf_weights import read_json, read_state_dict
+from engine.loading.hf_weights import read_json, read_state_dict
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.checkpoint import CheckpointError
+from engine.loading.errors import CheckpointError
 from engine.models.base import CausalLM, invariant_silu
 from engine.kernels.native import NativeKernels
 

@@ -7,7 +7,7 @@ Architecture (Touvron et al. 2023, "LLaMA"): token embedding; per layer
     x += down_proj(silu(gate_proj(h)) * up_proj(h)),                            h = rms_norm(x)
 then a final RMSNorm and the head (tied to the embedding or not). What varies by family
 (biases, Qwen3's q/k norms, sliding windows, head_dim, rope scaling) is read from config.json
-by engine/models/hf_config.py. Grouped-query attention is kv.attend's / SDPA's enable_gqa.
+by engine/loading/hf_config.py. Grouped-query attention is kv.attend's / SDPA's enable_gqa.
 
 Weights: transformers' names (`model.embed_tokens.weight`, `model.layers.N.self_attn.q_proj.weight`,
 ..., `model.norm.weight`, `lm_head.weight`). q/k/v are fused into one projection and
@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.checkpoint import CheckpointError, check_keys
+from engine.loading.errors import CheckpointError, check_keys
 from engine.kv_cache import KVCache, StepBatch
 from engine.models.base import CausalLM, ModelInfo, reference_numerics
-from engine.models.hf_config import LlamaConfig, token_ids
-from engine.models.hf_weights import read_json, read_state_dict
+from engine.loading.hf_config import LlamaConfig, token_ids
+from engine.loading.hf_weights import read_json, read_state_dict
 from engine.models.layers import RotaryStep, RotaryTables, add_rms_norm, swiglu
 from engine.kernels.native import NativeKernels
 

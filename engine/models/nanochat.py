@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.checkpoint import CheckpointError, check_keys
+from engine.loading.errors import CheckpointError, check_keys
 from engine.kv_cache import KVCache, StepBatch
 from engine.models.base import CausalLM, ModelInfo, invariant_sigmoid, reference_numerics
 

@@ -5,7 +5,7 @@
 
 Why in place: the engine keeps its model object, its KV cache and everything sized from
 them; the parameters keep their storage (a copy_ into each), so nothing is reallocated on
-the device. The new checkpoint is read with the ordinary loaders (engine/checkpoint.py
+the device. The new checkpoint is read with the ordinary loaders (engine/loading/checkpoint.py
 `load_model`) into a staging model on the CPU, in the engine's dtype, and copied from there:
 the device never holds two copies of the weights (the host holds the staging copy until
 `apply_weights` is done). The loaders' casts and concatenations give the same values on
@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from engine.checkpoint import CheckpointError, load_model, nanochat_step
+from engine.loading.checkpoint import load_model, nanochat_step
+from engine.loading.errors import CheckpointError
 from engine.models.base import CausalLM
 
 MAX_LISTED = 8  # differences of one kind named in a WeightsMismatch message

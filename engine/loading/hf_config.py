@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.checkpoint import CheckpointError
+from engine.loading.errors import CheckpointError
 from engine.models.layers import RopeScaling
 
 # model_type -> the CausalLM class transformers builds for it

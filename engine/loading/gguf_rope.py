@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.checkpoint import CheckpointError
+from engine.loading.errors import CheckpointError
 
 # What llama.cpp's converter assumes when a llama3 rope_scaling omits them (Llama 3.1's and
 # 3.2's values).

