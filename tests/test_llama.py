@@ -28,10 +28,9 @@ from engine import SamplingParams, load_engine  # noqa: E402
 from engine.loading.checkpoint import detect_format  # noqa: E402
 from engine.loading.errors import CheckpointError  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.loading.hf_config import LlamaConfig  # noqa: E402
-from engine.models.layers import RopeScaling  # noqa: E402
+from engine.loading.hf_config import parse_llama_config, parse_rope_scaling  # noqa: E402
 from engine.models import base  # noqa: E402
-from engine.models.llama import build_llama, load_llama_checkpoint  # noqa: E402
+from engine.loading.llama import build_llama, load_llama_checkpoint  # noqa: E402
 from engine.kernels.native import bfloat16_is_faster, native_kernels  # noqa: E402
 
 pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py
@@ -339,7 +338,7 @@ def test_rope_tables_equal_transformers():
             else:
                 want, want_scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, CPU)
             for config in (cfg.to_dict(), _spelled_4x(cfg.to_dict())):
-                rope = RopeScaling.from_config(config, "config.json")
+                rope = parse_rope_scaling(config, "config.json")
                 got, scale = rope.inv_freq(head_dim, cfg.max_position_embeddings)
                 assert rope.rope_type == rope_type
                 assert torch.equal(got, want), (rp, head_dim)
@@ -363,7 +362,7 @@ def test_windows_follow_transformers():
     base = {**SHAPE, "num_hidden_layers": 4}
 
     def windows(**kw):
-        return LlamaConfig.from_dict({**base, **kw}, "config.json").windows
+        return parse_llama_config({**base, **kw}, "config.json").windows
 
     assert windows(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2) == \
         (None, None, 7, 7)
@@ -378,21 +377,21 @@ def test_windows_follow_transformers():
         cfg = getattr(transformers, f"{model_type.capitalize()}Config")(
             **base, use_sliding_window=True, sliding_window=W, max_window_layers=1)
         want = tuple(W - 1 if t == "sliding_attention" else None for t in cfg.layer_types)
-        assert LlamaConfig.from_dict(cfg.to_dict(), "config.json").windows == want == (None, 7, 7, 7)
+        assert parse_llama_config(cfg.to_dict(), "config.json").windows == want == (None, 7, 7, 7)
 
 
 def test_config_defaults_follow_transformers():
     """Keys a config.json omits take the defaults of transformers' config class for that
     model type (Qwen3's head_dim 128 and 32 KV heads, Llama's KV heads = heads, eos_token_id)."""
-    c = LlamaConfig.from_dict({"model_type": "qwen3", "hidden_size": 256, "num_attention_heads": 32,
-                               "num_hidden_layers": 1, "vocab_size": 100, "intermediate_size": 64}, "config.json")
+    c = parse_llama_config({"model_type": "qwen3", "hidden_size": 256, "num_attention_heads": 32,
+                            "num_hidden_layers": 1, "vocab_size": 100, "intermediate_size": 64}, "config.json")
     assert (c.head_dim, c.num_kv_heads, c.max_position_embeddings, c.rms_norm_eps) == (128, 32, 32768, 1e-6)
     assert c.qk_norm and not c.qkv_bias and not c.tie_word_embeddings
-    c = LlamaConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
-                               "num_hidden_layers": 1, "vocab_size": 100, "intermediate_size": 64}, "config.json")
+    c = parse_llama_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+                            "num_hidden_layers": 1, "vocab_size": 100, "intermediate_size": 64}, "config.json")
     assert (c.model_type, c.head_dim, c.num_kv_heads, c.eos_token_ids, c.rope.rope_type) == \
         ("llama", 16, 4, (2,), "default")
-    c = LlamaConfig.from_dict({"model_type": "qwen2", "eos_token_id": [5, 6, 5], **SHAPE}, "config.json")
+    c = parse_llama_config({"model_type": "qwen2", "eos_token_id": [5, 6, 5], **SHAPE}, "config.json")
     assert c.qkv_bias and not c.o_bias and c.eos_token_ids == (5, 6)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from engine.loading.errors import CheckpointError
 from engine.kv_cache import KVCache, StepBatch
-from engine.models.nanochat import build_tiny_random_model, load_nanochat_checkpoint
+from engine.loading.nanochat import build_tiny_random_model, load_nanochat_checkpoint
 
 pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py
 

@@ -14,7 +14,7 @@ Formats (detected from the files, never from the name):
   or pytorch_model.bin, tokenizer from vocab.json + merges.txt beside them.
 - Hugging Face Llama family ("llama"): config.json whose model_type / architectures is
   LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM, with
-  model.safetensors (single or sharded) or pytorch_model.bin (engine/models/llama.py).
+  model.safetensors (single or sharded) or pytorch_model.bin (engine/loading/llama.py).
   Any other architecture in a config.json is refused with an error naming it.
 - nanochat: a directory with model_<step>.pt + meta_<step>.json (highest step unless one is
   given), tokenizer.pkl in the directory, or in <dir>/../../tokenizer/ (nanochat's layout).
@@ -193,7 +193,7 @@ def nanochat_step(path: str | Path, step: int | None = None) -> int | None:
     Raises as load_checkpoint for a nanochat directory without that step."""
     if detect_format(path) != "nanochat":
         return None
-    from engine.models.nanochat import find_files
+    from engine.loading.nanochat import find_files
 
     model_file, _ = find_files(Path(path), step)
     return int(re.fullmatch(r"model_(\d+)\.pt", model_file.name).group(1))
@@ -212,12 +212,12 @@ def _load_model(fmt: str, path: str | Path, dev: torch.device, dt: torch.dtype, 
     if dt == torch.bfloat16 and dev.type == "cpu" and native_kernels() is not None:
         dt = torch.float32
     if fmt == TINY_RANDOM:
-        from engine.models.nanochat import build_tiny_random_model
+        from engine.loading.nanochat import build_tiny_random_model
 
         model = build_tiny_random_model(vocab_size, dev, dt)
     elif fmt == "gguf":
         from engine.loading.gguf import read_gguf
-        from engine.models.llama import build_llama
+        from engine.loading.llama import build_llama
 
         ckpt = read_gguf(path, dtype=dt)
         model = build_llama(ckpt.config, ckpt.weights, dev, dt, where=str(path))
@@ -225,15 +225,15 @@ def _load_model(fmt: str, path: str | Path, dev: torch.device, dt: torch.dtype, 
         ckpt.weights.clear()  # the model holds its own (fused) copies
         reader = ckpt.reader
     elif fmt == "gpt2":
-        from engine.models.gpt2 import load_gpt2_checkpoint
+        from engine.loading.gpt2 import load_gpt2_checkpoint
 
         model = load_gpt2_checkpoint(Path(path), dev, dt)
     elif fmt == "llama":
-        from engine.models.llama import load_llama_checkpoint
+        from engine.loading.llama import load_llama_checkpoint
 
         model = load_llama_checkpoint(Path(path), dev, dt)
     else:
-        from engine.models.nanochat import load_nanochat_checkpoint
+        from engine.loading.nanochat import load_nanochat_checkpoint
 
         model = load_nanochat_checkpoint(Path(path), dev, dt, step=step)
     if final_dt != dt:

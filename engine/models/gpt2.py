@@ -1,39 +1,32 @@
-"""GPT-2 family (gpt2, gpt2-medium/large/xl, distilgpt2, ...) from a Hugging Face checkpoint.
-
-A checkpoint directory holds config.json (model_type "gpt2") and model.safetensors or
-pytorch_model.bin (or a sharded *.index.json of either), with GPT2LMHeadModel key names:
-`transformer.wte/wpe`, `transformer.h.N.{ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc,
-mlp.c_proj}`, `transformer.ln_f`, optional `lm_head.weight` (tied to wte). Bare GPT2Model
-checkpoints (no "transformer." prefix) load too.
+"""GPT-2 family (gpt2, gpt2-medium/large/xl, distilgpt2, ...): the forward pass.
 
 Architecture: learned absolute positions, pre-LayerNorm blocks, fused qkv projection,
 gelu (tanh approximation for "gelu_new"), tied lm_head, attention scale 1/sqrt(head_dim)
 (scale_attn_by_inverse_layer_idx / scale_attn_weights=False are supported by pre-scaling q).
 
-HF's Conv1D stores weights as (in, out); they are transposed once at load into nn.Linear's
-(out, in) so every projection is one `linear` call (F.linear, or oneDNN on CPU: models/base.py).
+Weights are in nn.Linear's (out, in) layout (engine/loading/gpt2.py reads a Hugging Face
+checkpoint and transposes its Conv1D (in, out) weights once), so every projection is one
+`linear` call (F.linear, or oneDNN on CPU: engine/models/base.py).
 """
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.loading.errors import CheckpointError, check_keys
 from engine.kv_cache import KVCache, StepBatch
 from engine.models.base import (CausalLM, ModelInfo, invariant_gelu_tanh, invariant_silu,
                                 reference_numerics)
-from engine.loading.hf_weights import read_json, read_state_dict
+
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
 # activation_function -> (torch's kernel, its length-invariant form for CPU steps: base.py)
-_ACTIVATIONS = {
+ACTIVATIONS = {
     "gelu_new": (_gelu_tanh, invariant_gelu_tanh),
     "gelu_pytorch_tanh": (_gelu_tanh, invariant_gelu_tanh),
     "gelu_fast": (_gelu_tanh, invariant_gelu_tanh),
@@ -42,8 +35,6 @@ _ACTIVATIONS = {
     "silu": (F.silu, invariant_silu),
     "swish": (F.silu, invariant_silu),
 }
-# Non-persistent causal-mask buffers older checkpoints (transformers < 4.x) still carry.
-_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 _LAYER_KEYS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
                "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
                "mlp.c_proj.weight", "mlp.c_proj.bias")
@@ -69,7 +60,9 @@ class GPT2Block(nn.Module):
 class GPT2(CausalLM):
     """GPT-2 language model implementing `CausalLM` (see engine/models/base.py).
 
-    Built by `load_gpt2_checkpoint`; weights are frozen parameters in `dtype`, logits fp32.
+    cfg: config.json's contents (validated by engine/loading/gpt2.py); weights: the
+    state dict without the "transformer." prefix, linear weights (out, in), on the device in
+    the compute dtype. Built by `load_gpt2_checkpoint`; logits are float32.
     """
 
     def __init__(self, cfg: dict, weights: dict[str, torch.Tensor], description: str = ""):
@@ -78,7 +71,7 @@ class GPT2(CausalLM):
         self.head_dim = self.n_embd // self.n_head
         self.vocab_size = cfg["vocab_size"]
         self.eps = float(cfg.get("layer_norm_epsilon", 1e-5))
-        self.act = _ACTIVATIONS[cfg.get("activation_function", "gelu_new")]
+        self.act = ACTIVATIONS[cfg.get("activation_function", "gelu_new")]
         self.wte = _frozen(weights["wte.weight"])
         self.wpe = _frozen(weights["wpe.weight"])
         self.blocks = nn.ModuleList(
@@ -169,87 +162,3 @@ class GPT2(CausalLM):
         if batch.all_logits:
             return self._logits(x)
         return self._logits(x[:, -1] if rows is not None else x[:, 0])
-
-
-# ---------------------------------------------------------------------- loading
-def _read_config(directory: Path) -> dict:
-    path = directory / "config.json"
-    cfg = read_json(path)
-    mt = cfg.get("model_type", "gpt2")
-    if mt != "gpt2":
-        raise CheckpointError(f"{path}: model_type {mt!r} is not supported by the GPT-2 loader (expected 'gpt2')")
-    cfg.setdefault("n_positions", cfg.get("n_ctx", 1024))
-    for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-        if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
-            raise CheckpointError(f"{path}: {key} must be a positive integer, got {cfg.get(key)!r}")
-    if cfg["n_embd"] % cfg["n_head"]:
-        raise CheckpointError(f"{path}: n_embd {cfg['n_embd']} is not a multiple of n_head {cfg['n_head']}")
-    act = cfg.get("activation_function", "gelu_new")
-    if act not in _ACTIVATIONS:
-        raise CheckpointError(f"{path}: activation_function {act!r} is not supported "
-                              f"(supported: {', '.join(sorted(_ACTIVATIONS))})")
-    if cfg.get("add_cross_attention"):
-        raise CheckpointError(f"{path}: add_cross_attention (encoder-decoder GPT-2) is not supported")
-    # reorder_and_upcast_attn only changes the precision of the score computation (fp32
-    # accumulation), which SDPA already does on CPU/GPU, so it is accepted as is.
-    return cfg
-
-
-def load_gpt2_checkpoint(directory: Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """Load a Hugging Face GPT-2 checkpoint directory as a `GPT2` model (eval mode).
-
-    directory: holds config.json and model.safetensors / pytorch_model.bin (or shards).
-    device, dtype: where the weights live and the compute dtype; logits are always fp32.
-    Raises FileNotFoundError for missing files, CheckpointError naming the file for an
-    unsupported config, unknown or missing keys, or a tensor of the wrong shape.
-    """
-    directory = Path(directory)
-    cfg = _read_config(directory)
-    raw, where = read_state_dict(directory)
-    C, L, V, P = cfg["n_embd"], cfg["n_layer"], cfg["vocab_size"], cfg["n_positions"]
-    inner = cfg.get("n_inner") or 4 * C
-
-    sd: dict[str, torch.Tensor] = {}
-    for key, t in raw.items():
-        if key.endswith(_IGNORED_SUFFIXES):
-            continue
-        name = key[len("transformer."):] if key.startswith("transformer.") else key
-        sd[name] = t
-    expected: dict[str, tuple[int, ...] | None] = {"wte.weight": None, "wpe.weight": (P, C),
-                                                   "ln_f.weight": (C,), "ln_f.bias": (C,)}
-    layer_shapes = {"ln_1.weight": (C,), "ln_1.bias": (C,), "attn.c_attn.weight": (C, 3 * C),
-                    "attn.c_attn.bias": (3 * C,), "attn.c_proj.weight": (C, C), "attn.c_proj.bias": (C,),
-                    "ln_2.weight": (C,), "ln_2.bias": (C,), "mlp.c_fc.weight": (C, inner),
-                    "mlp.c_fc.bias": (inner,), "mlp.c_proj.weight": (inner, C), "mlp.c_proj.bias": (C,)}
-    for i in range(L):
-        expected.update({f"h.{i}.{k}": s for k, s in layer_shapes.items()})
-    check_keys(sd, expected, where, f"for a GPT-2 with n_layer={L} (config.json in {directory})",
-               optional={"lm_head.weight"})
-    wte = sd["wte.weight"]
-    if wte.ndim != 2 or wte.shape[1] != C or wte.shape[0] < V:
-        raise CheckpointError(f"{where}: wte.weight has shape {tuple(wte.shape)}, expected ({V}, {C}) "
-                              f"(vocab_size {V} from config.json)")
-    for k, shape in expected.items():
-        if shape is not None and tuple(sd[k].shape) != shape:
-            raise CheckpointError(f"{where}: {k} has shape {tuple(sd[k].shape)}, expected {shape}")
-
-    weights: dict[str, torch.Tensor] = {}
-    for k, t in sd.items():
-        if k == "lm_head.weight":
-            continue
-        if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
-            t = t.t()  # Conv1D (in, out) -> Linear (out, in)
-        weights[k] = t.to(device=device, dtype=dtype).contiguous()
-    head = sd.get("lm_head.weight")
-    if not cfg.get("tie_word_embeddings", True):
-        if head is None:
-            raise CheckpointError(f"{where}: tie_word_embeddings is false but lm_head.weight is missing")
-        if head.ndim != 2 or head.shape[1] != C or head.shape[0] < V:
-            raise CheckpointError(f"{where}: lm_head.weight has shape {tuple(head.shape)}, expected ({V}, {C})")
-        weights["lm_head.weight"] = head.to(device=device, dtype=dtype).contiguous()
-    del raw, sd
-
-    n_params = sum(t.numel() for t in weights.values())
-    desc = (f"GPT-2 {L} layers, {cfg['n_head']} heads, {C} wide, {n_params / 1e6:.1f}M params, "
-            f"context {P}, from {directory}")
-    return GPT2(cfg, weights, description=desc).eval()

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.loading.errors import CheckpointError
 from engine.models.base import CausalLM, invariant_silu
 from engine.kernels.native import NativeKernels
 
@@ -72,61 +71,6 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
-
-    @classmethod
-    def from_config(cls, config: dict, where: str) -> "RopeScaling":
-        """Read a config.json's rotary settings in either spelling: transformers 4.x
-        (`rope_theta` plus an optional `rope_scaling` dict whose type is `rope_type` or `type`)
-        or 5.x (`rope_parameters`, holding rope_theta too). As transformers does, `rope_scaling`
-        wins over `rope_parameters`, a rope_theta inside the dict over the top-level one, and a
-        top-level `original_max_position_embeddings` over the dict's; llama3 and yarn default
-        it to max_position_embeddings.
-
-        Raises CheckpointError naming `where` for an unknown rope_type (dynamic, longrope, ...),
-        a missing required parameter, per-layer-type rope parameters, or
-        partial_rotary_factor != 1.
-        """
-        raw = config.get("rope_scaling") or config.get("rope_parameters") or {}
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{where}: rope_scaling / rope_parameters must be an object, got {raw!r}")
-        if any(isinstance(v, dict) for v in raw.values()):
-            raise CheckpointError(f"{where}: per-layer-type rope parameters ({sorted(raw)}) are not supported")
-        p = dict(raw)
-        rope_type = p.get("rope_type", p.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise CheckpointError(f"{where}: rope_type {rope_type!r} is not supported (supported: "
-                                  f"{', '.join(ROPE_TYPES)})")
-        partial = p.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-        if partial is not None and partial != 1.0:
-            raise CheckpointError(f"{where}: partial_rotary_factor {partial} is not supported (only 1.0)")
-        theta = p.get("rope_theta", config.get("rope_theta", 10000.0))
-        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 1:
-            raise CheckpointError(f"{where}: rope_theta must be a number > 1, got {theta!r}")
-        orig = None
-        if rope_type in ("llama3", "yarn"):
-            orig = config.get("original_max_position_embeddings",
-                              p.get("original_max_position_embeddings", config.get("max_position_embeddings")))
-        required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-                    "yarn": ()}.get(rope_type, ())
-        missing = [k for k in required if p.get(k) is None]
-        if missing:
-            raise CheckpointError(f"{where}: rope_type {rope_type!r} needs {missing} in rope_scaling / rope_parameters")
-        if rope_type != "default":
-            for k in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow",
-                      "mscale", "mscale_all_dim"):
-                v = p.get(k)
-                if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
-                    raise CheckpointError(f"{where}: rope {k} must be a number, got {v!r}")
-            if orig is not None and (not isinstance(orig, int) or orig <= 0):
-                raise CheckpointError(f"{where}: original_max_position_embeddings must be a positive integer, "
-                                      f"got {orig!r}")
-        if rope_type == "default":
-            return cls("default", float(theta))
-        return cls(rope_type, float(theta), factor=p.get("factor"), original_max_position_embeddings=orig,
-                   low_freq_factor=p.get("low_freq_factor"), high_freq_factor=p.get("high_freq_factor"),
-                   attention_factor=p.get("attention_factor"), beta_fast=p.get("beta_fast"),
-                   beta_slow=p.get("beta_slow"), mscale=p.get("mscale"), mscale_all_dim=p.get("mscale_all_dim"),
-                   truncate=bool(p.get("truncate", True)))
 
     def inv_freq(self, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
         """(inverse frequencies (head_dim/2,) float32 on CPU, attention scaling), where the

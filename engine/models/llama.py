@@ -1,37 +1,67 @@
 """One decoder for the Llama family: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
-Qwen3ForCausalLM (transformers' models/llama, mistral, qwen2, qwen3), from a Hugging Face
-checkpoint directory or from tensors another reader (GGUF) has named the same way.
+Qwen3ForCausalLM (transformers' models/llama, mistral, qwen2, qwen3): the forward pass. It is
+built from a Hugging Face checkpoint directory or from tensors another reader (GGUF) has named
+the same way (engine/loading/llama.py).
 
 Architecture (Touvron et al. 2023, "LLaMA"): token embedding; per layer
     x += o_proj(attention(rotary(q_proj(h)), rotary(k_proj(h)), v_proj(h))),  h = rms_norm(x)
     x += down_proj(silu(gate_proj(h)) * up_proj(h)),                            h = rms_norm(x)
 then a final RMSNorm and the head (tied to the embedding or not). What varies by family
 (biases, Qwen3's q/k norms, sliding windows, head_dim, rope scaling) is read from config.json
-by engine/loading/hf_config.py. Grouped-query attention is kv.attend's / SDPA's enable_gqa.
-
-Weights: transformers' names (`model.embed_tokens.weight`, `model.layers.N.self_attn.q_proj.weight`,
-..., `model.norm.weight`, `lm_head.weight`). q/k/v are fused into one projection and
-gate/up into another at load (one matmul each in a step).
+by engine/loading/hf_config.py into a `LlamaConfig`. Grouped-query attention is kv.attend's /
+SDPA's enable_gqa. q/k/v are fused into one projection and gate/up into another at load (one
+matmul each in a step).
 """
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.loading.errors import CheckpointError, check_keys
+from engine.kernels.native import NativeKernels
 from engine.kv_cache import KVCache, StepBatch
 from engine.models.base import CausalLM, ModelInfo, reference_numerics
-from engine.loading.hf_config import LlamaConfig, token_ids
-from engine.loading.hf_weights import read_json, read_state_dict
-from engine.models.layers import RotaryStep, RotaryTables, add_rms_norm, swiglu
-from engine.kernels.native import NativeKernels
+from engine.models.layers import RopeScaling, RotaryStep, RotaryTables, add_rms_norm, swiglu
 
-# Buffers older checkpoints carry that transformers recomputes (the rotary table).
-_IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    """One Llama-family decoder's shape and features (engine/loading/hf_config.py reads it from
+    config.json; its module docstring says what each architecture adds).
+
+    model_type: "llama", "mistral", "qwen2" or "qwen3"; architecture its transformers class.
+    hidden_size, intermediate_size, vocab_size (rows of the embedding and the head).
+    num_heads, num_kv_heads, head_dim: attention shape (grouped-query when kv < heads).
+    rms_norm_eps; rope: rotary parameters; max_position_embeddings: the context window.
+    qkv_bias, o_bias, mlp_bias: which projections carry a bias. qk_norm: Qwen3's per-head norms.
+    tie_word_embeddings: the head is the token embedding.
+    windows: per layer, the engine's left window (a query at i sees keys i - w .. i; None =
+        full context). transformers' sliding_window W lets a query see W keys, so w = W - 1.
+    eos_token_ids: the config's eos_token_id as a tuple (() when none).
+    """
+
+    model_type: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeScaling
+    max_position_embeddings: int
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    windows: tuple[int | None, ...]
+    eos_token_ids: tuple[int, ...]
 
 
 def _frozen(t: torch.Tensor | None) -> nn.Parameter | None:
@@ -56,8 +86,8 @@ class _Layer(nn.Module):
 class LlamaModel(CausalLM):
     """A Llama-family decoder implementing `CausalLM` (engine/models/base.py).
 
-    Built by `build_llama`: config from hf_config.LlamaConfig, weights (already fused, on
-    the device, in the compute dtype) as `_Layer` parameters; logits are float32.
+    Built by `build_llama` (engine/loading/llama.py): config a `LlamaConfig`, weights (already
+    fused, on the device, in the compute dtype) as `_Layer` parameters; logits are float32.
     """
 
     def __init__(self, cfg: LlamaConfig, embed: torch.Tensor, lm_head: torch.Tensor | None, norm: torch.Tensor,
@@ -77,7 +107,7 @@ class LlamaModel(CausalLM):
                               description=description, stop_token_ids=stop_token_ids)
 
     def architecture(self) -> dict:
-        """The parsed config (hf_config.LlamaConfig) as a dict: sizes, rope, norms, biases, windows."""
+        """The parsed config (`LlamaConfig`) as a dict: sizes, rope, norms, biases, windows."""
         return dataclasses.asdict(self.cfg)
 
     # ------------------------------------------------------------------ pieces
@@ -158,109 +188,3 @@ class LlamaModel(CausalLM):
         if batch.all_logits:
             return self._logits(x, delta, kernels)
         return self._logits(x[:, 0], delta[:, 0], kernels)
-
-
-# ---------------------------------------------------------------------- building and loading
-def _expected_shapes(cfg: LlamaConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """transformers' parameter names -> shapes for this config, and the optional names."""
-    C, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    Q, KV = cfg.num_heads * D, cfg.num_kv_heads * D
-    shapes = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,)}
-    optional = set()
-    if cfg.tie_word_embeddings:
-        optional.add("lm_head.weight")  # transformers ties it to the embedding, whatever is stored
-    else:
-        shapes["lm_head.weight"] = (V, C)
-    for n in range(cfg.num_layers):
-        p = f"model.layers.{n}."
-        layer = {"input_layernorm.weight": (C,), "post_attention_layernorm.weight": (C,),
-                 "self_attn.q_proj.weight": (Q, C), "self_attn.k_proj.weight": (KV, C),
-                 "self_attn.v_proj.weight": (KV, C), "self_attn.o_proj.weight": (C, Q),
-                 "mlp.gate_proj.weight": (I, C), "mlp.up_proj.weight": (I, C), "mlp.down_proj.weight": (C, I)}
-        if cfg.qkv_bias:
-            layer.update({"self_attn.q_proj.bias": (Q,), "self_attn.k_proj.bias": (KV,), "self_attn.v_proj.bias": (KV,)})
-        if cfg.o_bias:
-            layer["self_attn.o_proj.bias"] = (C,)
-        if cfg.mlp_bias:
-            layer.update({"mlp.gate_proj.bias": (I,), "mlp.up_proj.bias": (I,), "mlp.down_proj.bias": (C,)})
-        if cfg.qk_norm:
-            layer.update({"self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,)})
-        shapes.update({p + k: s for k, s in layer.items()})
-    return shapes, optional
-
-
-def build_llama(config: dict, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                where: str, generation_config: dict | None = None) -> CausalLM:
-    """A Llama-family model from a parsed config.json and transformers-named tensors.
-
-    config: config.json's contents (architectures / model_type, sizes, rope, ...).
-    weights: name -> tensor (any float dtype, any device), names as transformers' state dict.
-    device, dtype: where the weights live and the compute dtype; logits are always float32.
-    where: names the source (file or directory) in error messages.
-    generation_config: generation_config.json's contents, whose eos_token_id, when given,
-        wins over config.json's as the model's stop tokens (ModelInfo.stop_token_ids).
-    Raises CheckpointError naming `where` for an unsupported architecture or config feature,
-    missing or unknown tensors, or a tensor of the wrong shape.
-    """
-    cfg = LlamaConfig.from_dict(config, where)
-    stops = cfg.eos_token_ids
-    if generation_config and generation_config.get("eos_token_id") is not None:
-        stops = token_ids(generation_config["eos_token_id"], where, "generation_config eos_token_id")
-    weights = {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
-    shapes, optional = _expected_shapes(cfg)
-    check_keys(weights, shapes, where, f"for a {cfg.architecture} with {cfg.num_layers} layers", optional=optional)
-    for k, shape in shapes.items():
-        if tuple(weights[k].shape) != shape:
-            raise CheckpointError(f"{where}: {k} has shape {tuple(weights[k].shape)}, expected {shape} "
-                                  f"(from the config)")
-
-    def get(name: str) -> torch.Tensor | None:
-        t = weights.get(name)
-        return None if t is None else t.to(device=device, dtype=dtype).contiguous()
-
-    def cat(*names: str) -> torch.Tensor | None:
-        parts = [weights.get(n) for n in names]
-        if parts[0] is None:
-            return None
-        return torch.cat([t.to(device=device, dtype=dtype) for t in parts]).contiguous()
-
-    layers = []
-    for n in range(cfg.num_layers):
-        a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
-        layers.append({
-            "input_norm": get(f"model.layers.{n}.input_layernorm.weight"),
-            "post_norm": get(f"model.layers.{n}.post_attention_layernorm.weight"),
-            "qkv": cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-            "qkv_bias": cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
-            "o_proj": get(a + "o_proj.weight"), "o_bias": get(a + "o_proj.bias"),
-            "q_norm": get(a + "q_norm.weight"), "k_norm": get(a + "k_norm.weight"),
-            "gate_up": cat(m + "gate_proj.weight", m + "up_proj.weight"),
-            "gate_up_bias": cat(m + "gate_proj.bias", m + "up_proj.bias"),
-            "down": get(m + "down_proj.weight"), "down_bias": get(m + "down_proj.bias"),
-        })
-    embed = get("model.embed_tokens.weight")
-    head = None if cfg.tie_word_embeddings else get("lm_head.weight")
-    n_params = sum(t.numel() for k, t in weights.items() if k in shapes)
-    windows = sorted({w + 1 for w in cfg.windows if w is not None})
-    desc = (f"{cfg.architecture} {cfg.num_layers} layers, {cfg.num_heads} heads ({cfg.num_kv_heads} KV) x "
-            f"{cfg.head_dim}, {cfg.hidden_size} wide, {n_params / 1e6:.1f}M params, context "
-            f"{cfg.max_position_embeddings}, rope {cfg.rope.rope_type}"
-            f"{f', sliding window {windows}' if windows else ''}, from {where}")
-    return LlamaModel(cfg, embed, head, get("model.norm.weight"), layers, stops, desc).eval()
-
-
-def load_llama_checkpoint(directory: Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """Load a Llama-family Hugging Face checkpoint directory (eval mode).
-
-    directory: config.json, optional generation_config.json, and model.safetensors (or
-    sharded with model.safetensors.index.json, or pytorch_model.bin).
-    Raises FileNotFoundError for missing files, CheckpointError naming the file for an
-    unsupported architecture or feature, missing / unknown tensors or wrong shapes.
-    """
-    directory = Path(directory)
-    config_path = directory / "config.json"
-    config = read_json(config_path)
-    LlamaConfig.from_dict(config, str(config_path))  # config errors name config.json, before reading weights
-    generation = read_json(directory / "generation_config.json", required=False)
-    weights, where = read_state_dict(directory)
-    return build_llama(config, weights, device, dtype, where, generation_config=generation)
