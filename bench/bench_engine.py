@@ -52,7 +52,7 @@ def main() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from engine import SamplingParams, load_engine
-    from engine.tokenizer import Tokenizer
+    from engine.tokenizers.tiktoken_tokenizer import Tokenizer
 
     ranks = args.data / "tokenizers" / "gpt2.tiktoken"
     questions = args.data / "gsm8k" / "test.jsonl"

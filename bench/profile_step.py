@@ -54,7 +54,7 @@ def main() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from engine import SamplingParams, load_engine
-    from engine.tokenizer import Tokenizer
+    from engine.tokenizers.tiktoken_tokenizer import Tokenizer
 
     questions = [json.loads(line)["question"] for line in (args.data / "gsm8k" / "test.jsonl").open()][:32]
     opts = dict(device="cpu", dtype=args.dtype, batch_invariant=bool(args.batch_invariant),

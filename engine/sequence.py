@@ -8,7 +8,7 @@ sees "Error: <why>" as the output, and every call is recorded as a ToolCall.
 
 A sample ends on a stop token (kept as its last token, with mask 1 and its logprob: the
 model chose to stop, and a trainer must score that choice), on a stop string completed in
-its text (engine/stop_strings.py; every token kept), or at max_tokens / the context window.
+its text (engine/tokenizers/stop_strings.py; every token kept), or at max_tokens / the context window.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.params import Sample, SamplingParams, ToolCall
-from engine.stop_strings import StopStringMatcher, token_bytes
+from engine.tokenizers.stop_strings import StopStringMatcher, token_bytes
 from engine.tools import calculator
 
 

@@ -62,7 +62,7 @@ import pyarrow.fs as pafs
 
 from cluster.task import UnitRequest, WorkUnit
 from engine.params import SamplingParams, check_sampling_value
-from engine.stop_strings import token_bytes
+from engine.tokenizers.stop_strings import token_bytes
 from jobs.errors import InputError, JobError, OutputError
 
 CHAT_URL = "/v1/chat/completions"

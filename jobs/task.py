@@ -33,7 +33,7 @@ from typing import Any
 import pyarrow as pa
 
 from cluster.task import UnitRequest, UnitResult, WorkUnit
-from engine.stop_strings import completion_text
+from engine.tokenizers.stop_strings import completion_text
 from jobs import uri
 from jobs.dataset import JobPlan, read_rows_counted
 from jobs.output import (META_COUNTS, META_FINGERPRINT, META_UNIT, META_VERSION, OUTPUT_SCHEMA, batchgen_version,

@@ -312,7 +312,7 @@ def test_chat_problems_with_the_real_tokenizer(tmp_path, bad_messages, fragment)
     format refuses becomes an error row carrying render_chat's message; a well-formed one renders
     in nanochat's layout (starts with <|bos|>, ends with <|assistant_start|>); a text prompt gets
     <|bos|> prepended."""
-    tokmod = pytest.importorskip("engine.tokenizer")
+    tokmod = pytest.importorskip("engine.tokenizers.tiktoken_tokenizer")
     tok = tokmod.Tokenizer.demo()
     task, plan = _row_task(tmp_path, "chat", CHAT, bad_messages)
     good, bad, _ = task.read_unit(plan.units[0], tok)

@@ -1,4 +1,4 @@
-"""engine.chat_template and HFTokenizer.render_chat: a model's Jinja chat template rendered and
+"""engine.tokenizers.chat_template and HFTokenizer.render_chat: a model's Jinja chat template rendered and
 tokenized exactly as transformers' apply_chat_template(messages, add_generation_prompt=True,
 tokenize=True), on the real templates of Llama 3.2, Qwen2.5, SmolLM2 and Mistral (tests/hf_cases.py)
 and on templates that exercise each feature of transformers' Jinja environment.
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 import hf_cases as C
-from engine.chat_template import ChatTemplateError, compile_template, render_chat_template
-from engine.hf_tokenizer import HFTokenizer
+from engine.tokenizers.chat_template import ChatTemplateError, compile_template, render_chat_template
+from engine.tokenizers.hf_tokenizer import HFTokenizer
 
 pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""engine.hf_tokenizer: HFTokenizer from Hugging Face directories and GGUF files, compared with
+"""engine.tokenizers.hf_tokenizer: HFTokenizer from Hugging Face directories and GGUF files, compared with
 transformers (AutoTokenizer.from_pretrained on the same files) id for id.
 
 The tokenizers are real formats built without the hub (tests/hf_cases.py): SmolLM2's (from its
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import hf_cases as C
-from engine.hf_tokenizer import HFTokenizer
-from engine.tokenizer import Tokenizer, _byte_to_unicode
+from engine.tokenizers.hf_tokenizer import HFTokenizer
+from engine.tokenizers.tiktoken_tokenizer import Tokenizer, _byte_to_unicode
 
 pytest.importorskip("transformers")
 

@@ -148,7 +148,7 @@ def test_smollm2_chat_and_completions(smollm2, tmp_path):
     same rendered prompt; the stop token <|im_end|> ends the chat answer (stop_reason its
     text, kept in the dataset's tokens, not in the content or the logprobs); a completion
     stops on a string; a bad line is a 400 between them."""
-    from engine.stop_strings import completion_text
+    from engine.tokenizers.stop_strings import completion_text
     from jobs.openai_batch import write_responses
     from jobs.output import OutputDir
     from jobs.spec import JobSpec

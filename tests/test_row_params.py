@@ -126,7 +126,7 @@ def test_mixed_rows_in_one_unit_equal_each_request_alone(ray_local, tmp_path):
 
 
 def _compare_alone(eng, spec, by_id):
-    from engine.stop_strings import completion_text
+    from engine.tokenizers.stop_strings import completion_text
 
     base = spec.sampling_params()
     for i, (_, value) in enumerate(ROWS):

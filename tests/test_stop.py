@@ -12,14 +12,14 @@ import torch
 
 from engine.engine import Engine
 from engine.params import SamplingParams
-from engine.stop_strings import StopStringMatcher, completion_text
+from engine.tokenizers.stop_strings import StopStringMatcher, completion_text
 from toy import ByteTokenizer, ScriptedLM, ToyLM
 
 
 @pytest.fixture(scope="module")
 def tok():
     from engine.loading.builtin import resolve_builtin
-    from engine.tokenizer import Tokenizer
+    from engine.tokenizers.tiktoken_tokenizer import Tokenizer
 
     return Tokenizer.load(str(resolve_builtin("smollm2")))
 

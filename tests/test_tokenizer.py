@@ -11,7 +11,7 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from engine.tokenizer import NANOCHAT_SPECIALS, Tokenizer
+from engine.tokenizers.tiktoken_tokenizer import NANOCHAT_SPECIALS, Tokenizer
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 GPT2_RANKS = SHARED / "data" / "tokenizers" / "gpt2.tiktoken"
@@ -364,7 +364,7 @@ def test_demo_tokenizer():
 def test_token_bytes_of_an_id_past_the_vocabulary():
     """A model's vocabulary may be padded past its tokenizer's: such an id has no bytes
     (ValueError from the tokenizer, b"" for stop-string matching), it does not raise KeyError."""
-    from engine.stop_strings import token_bytes
+    from engine.tokenizers.stop_strings import token_bytes
 
     tok = Tokenizer.demo()
     assert tok.decode_token_bytes(9906) == b"Hello"

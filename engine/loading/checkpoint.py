@@ -9,7 +9,7 @@ Built-in names (engine/loading/builtin.py):
 Formats (detected from the files, never from the name):
 - GGUF ("gguf"): a llama.cpp `.gguf` file of the llama, qwen2 or qwen3 architecture; weights
   dequantized at load (engine/loading/gguf.py), the tokenizer and chat template from its
-  tokenizer.ggml.* metadata (engine/gguf_tokenizer.py).
+  tokenizer.ggml.* metadata (engine/tokenizers/gguf_tokenizer.py).
 - Hugging Face GPT-2: a directory with config.json (model_type gpt2) and model.safetensors
   or pytorch_model.bin, tokenizer from vocab.json + merges.txt beside them.
 - Hugging Face Llama family ("llama"): config.json whose model_type / architectures is
@@ -38,7 +38,7 @@ from engine.loading.errors import CheckpointError
 from engine.loading.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
 from engine.models.base import CausalLM
 from engine.kernels.native import bfloat16_is_faster, native_kernels
-from engine.tokenizer import Tokenizer
+from engine.tokenizers.tiktoken_tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "auto", dtype
         tok = Tokenizer.load(tokenizer) if tokenizer is not None else Tokenizer.demo()
         model, _ = _load_model(fmt, path, dev, dt, step, tok.vocab_size)
     elif fmt == "gguf":
-        from engine.hf_tokenizer import HFTokenizer
+        from engine.tokenizers.hf_tokenizer import HFTokenizer
 
         model, reader = _load_model(fmt, path, dev, dt, step, None)
         try:

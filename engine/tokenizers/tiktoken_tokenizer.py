@@ -7,7 +7,7 @@ Loaders (all return a `Tokenizer`):
 - `Tokenizer.from_pickle(path)`: nanochat's tokenizer.pkl (a pickled tiktoken.Encoding).
 - `Tokenizer.demo()`: offline cl100k ranks + nanochat's special tokens (for the demo model).
 - `Tokenizer.load(path)`: picks one of the above from what `path` holds, or returns an
-  `engine.hf_tokenizer.HFTokenizer` (same interface, over Hugging Face's `tokenizers`) for a
+  `engine.tokenizers.hf_tokenizer.HFTokenizer` (same interface, over Hugging Face's `tokenizers`) for a
   tokenizer.json directory or a .gguf file.
 - `Tokenizer.find_nanochat(checkpoint_dir)`: nanochat's tokenizer beside or above a checkpoint.
 
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import tiktoken
 
 if TYPE_CHECKING:
-    from engine.hf_tokenizer import HFTokenizer
+    from engine.tokenizers.hf_tokenizer import HFTokenizer
 
 # GPT-2's split pattern as tiktoken writes it (equivalent to the original release's
 # r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+", faster).
@@ -313,7 +313,7 @@ class Tokenizer:
           file with merges.txt beside it, likewise;
         - a directory with tokenizer.pkl, or a .pkl file: nanochat (tiktoken);
         - a .tiktoken ranks file (tiktoken);
-        - a directory with tokenizer.json, or a tokenizer.json file: an engine.hf_tokenizer.HFTokenizer
+        - a directory with tokenizer.json, or a tokenizer.json file: an engine.tokenizers.hf_tokenizer.HFTokenizer
           (tokenizer.json + tokenizer_config.json + chat template, as transformers reads them);
         - a .gguf file: the HFTokenizer its tokenizer.ggml.* metadata describes.
 
@@ -331,17 +331,17 @@ class Tokenizer:
             if (p / "tokenizer.pkl").is_file():
                 return cls.from_pickle(p / "tokenizer.pkl")
             if has_hf:
-                from engine.hf_tokenizer import HFTokenizer
+                from engine.tokenizers.hf_tokenizer import HFTokenizer
 
                 return HFTokenizer.from_dir(p)
             raise ValueError(f"tokenizer directory {str(p)!r} has neither vocab.json + merges.txt (GPT-2), "
                              f"tokenizer.pkl (nanochat) nor tokenizer.json (Hugging Face)")
         if p.suffix == ".gguf":
-            from engine.hf_tokenizer import HFTokenizer
+            from engine.tokenizers.hf_tokenizer import HFTokenizer
 
             return HFTokenizer.from_gguf(p)
         if p.name == "tokenizer.json":
-            from engine.hf_tokenizer import HFTokenizer
+            from engine.tokenizers.hf_tokenizer import HFTokenizer
 
             return HFTokenizer.from_dir(p.parent)
         if p.suffix == ".pkl":

@@ -2,7 +2,7 @@
 
 `HFTokenizer` has the interface of `engine.tokenizer.Tokenizer` (encode, decode, special tokens,
 stop tokens, render_chat, pickling) over the `tokenizers` library, and renders the model's own
-Jinja chat template (engine/chat_template.py). It is built by:
+Jinja chat template (engine/tokenizers/chat_template.py). It is built by:
 
 - `HFTokenizer.from_dir(path)`: a Hugging Face directory with tokenizer.json, plus
   tokenizer_config.json (special tokens as strings or AddedToken dicts, added_tokens_decoder,
@@ -10,7 +10,7 @@ Jinja chat template (engine/chat_template.py). It is built by:
   clean_up_tokenization_spaces), special_tokens_map.json (older directories), and
   chat_template.jinja / additional_chat_templates/*.jinja, which win over the config's template.
 - `HFTokenizer.from_gguf(path or gguf.GGUFReader)`: the `tokenizer.ggml.*` metadata of a GGUF
-  file (engine/gguf_tokenizer.py).
+  file (engine/tokenizers/gguf_tokenizer.py).
 
 Behaviour follows transformers 5.x (`AutoTokenizer.from_pretrained(dir)`, the reference):
 - `encode(text)` is `tokenizer.encode(text, add_special_tokens=False)`: no BOS, and text that
@@ -41,8 +41,8 @@ from typing import Any
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
-from engine.chat_template import ChatTemplateError, render_chat_template
-from engine.tokenizer import _UNICODE_TO_BYTE  # GPT-2's byte-level alphabet: character -> byte
+from engine.tokenizers.chat_template import ChatTemplateError, render_chat_template
+from engine.tokenizers.tiktoken_tokenizer import _UNICODE_TO_BYTE  # GPT-2's byte-level alphabet: character -> byte
 
 # transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES), in order.
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -127,16 +127,16 @@ class HFTokenizer:
         Raises FileNotFoundError when tokenizer.json is missing, ValueError naming the file and
         key for malformed JSON or token entries.
         """
-        from engine.hf_tokenizer_dir import read_tokenizer_dir
+        from engine.tokenizers.hf_tokenizer_dir import read_tokenizer_dir
 
         return read_tokenizer_dir(Path(path), cls)
 
     @classmethod
     def from_gguf(cls, source: Any) -> "HFTokenizer":
         """The tokenizer a GGUF file describes; `source` is a path or an open gguf.GGUFReader
-        (so a model loader can share one reader). See engine/gguf_tokenizer.py for what is
+        (so a model loader can share one reader). See engine/tokenizers/gguf_tokenizer.py for what is
         supported; anything else raises ValueError naming the key and value."""
-        from engine.gguf_tokenizer import build_gguf_tokenizer
+        from engine.tokenizers.gguf_tokenizer import build_gguf_tokenizer
 
         return build_gguf_tokenizer(source, cls)
 

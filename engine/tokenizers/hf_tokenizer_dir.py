@@ -27,7 +27,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
-from engine.hf_tokenizer import NAMED_SPECIAL_TOKENS, added_token
+from engine.tokenizers.hf_tokenizer import NAMED_SPECIAL_TOKENS, added_token
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"

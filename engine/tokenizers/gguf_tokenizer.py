@@ -43,7 +43,7 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
-from engine.tokenizer import _byte_to_unicode
+from engine.tokenizers.tiktoken_tokenizer import _byte_to_unicode
 
 # llama.cpp token types (llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
