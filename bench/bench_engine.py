@@ -52,13 +52,13 @@ def main() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from engine import SamplingParams, load_engine
-    from engine.tokenizers.tiktoken_tokenizer import Tokenizer
+    from engine.tokenizers.tiktoken_tokenizer import TiktokenTokenizer
 
     ranks = args.data / "tokenizers" / "gpt2.tiktoken"
     questions = args.data / "gsm8k" / "test.jsonl"
     if not ranks.exists() or not questions.exists():
         sys.exit(f"needs ../shared/data beside the checkout, or --data ({ranks}, {questions})")
-    tok = Tokenizer.from_tiktoken_file(ranks)
+    tok = TiktokenTokenizer.from_tiktoken_file(ranks)
     prompts = [tok.encode(json.loads(line)["question"]) for line in questions.open()][: args.prompts]
 
     torch.manual_seed(0)

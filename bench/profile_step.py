@@ -54,7 +54,7 @@ def main() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from engine import SamplingParams, load_engine
-    from engine.tokenizers.tiktoken_tokenizer import Tokenizer
+    from engine.tokenizers.tiktoken_tokenizer import TiktokenTokenizer
 
     questions = [json.loads(line)["question"] for line in (args.data / "gsm8k" / "test.jsonl").open()][:32]
     opts = dict(device="cpu", dtype=args.dtype, batch_invariant=bool(args.batch_invariant),
@@ -64,7 +64,7 @@ def main() -> None:
         prompts = [eng.tokenizer.render_chat([{"role": "user", "content": q}]) for q in questions]
     else:
         ranks = args.data / "tokenizers" / "gpt2.tiktoken"
-        tok = Tokenizer.from_tiktoken_file(ranks)
+        tok = TiktokenTokenizer.from_tiktoken_file(ranks)
         prompts = [tok.encode(q) for q in questions]
         torch.manual_seed(0)
         tmp = tempfile.mkdtemp(prefix="profile-gpt2-")

@@ -9,7 +9,8 @@ Single-process and framework-free: no Ray, no Parquet (those live in cluster/ an
 """
 from engine.params import RequestOutput, Sample, SamplingParams, ToolCall, error_output
 
-__all__ = ["Engine", "load_engine", "SamplingParams", "Sample", "ToolCall", "RequestOutput", "error_output"]
+__all__ = ["Engine", "load_engine", "SamplingParams", "Sample", "ToolCall", "RequestOutput", "error_output",
+           "Tokenizer"]
 
 
 def __getattr__(name: str):
@@ -19,4 +20,8 @@ def __getattr__(name: str):
         from engine import engine as _engine
 
         return getattr(_engine, name)
+    if name == "Tokenizer":  # the interface (engine/tokenizers/base.py): Tokenizer.load(path)
+        from engine.tokenizers.base import Tokenizer
+
+        return Tokenizer
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

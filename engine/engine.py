@@ -50,7 +50,7 @@ class Engine:
     """A model, its tokenizer and a KV cache, serving requests on token ids.
 
     Args:
-        model: a CausalLM (engine/models). tokenizer: engine.tokenizer.Tokenizer.
+        model: a CausalLM (engine/models). tokenizer: engine.tokenizers.base.Tokenizer.
         max_num_seqs: most samples decoding at once (the decode batch), before memory bounds it.
         kv_cache_bytes: KV cache budget in bytes (default: 90% of free GPU memory, or a
             quarter of host RAM on CPU, where pages are only committed when written).

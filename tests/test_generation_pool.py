@@ -86,7 +86,7 @@ def test_call_parameters_and_bad_calls(setup):
     """params: a dict of sampling keys over the config's equals the same SamplingParams;
     token-id and chat prompts; a bad key, mixed prompt kinds or duplicate ids fail before any work."""
     from engine import SamplingParams
-    from engine.tokenizers.tiktoken_tokenizer import Tokenizer
+    from engine.tokenizers.base import Tokenizer
     from jobs.errors import InputError, SpecError
 
     ck, _, _, pool = setup

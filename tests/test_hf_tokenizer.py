@@ -18,7 +18,9 @@ import pytest
 
 import hf_cases as C
 from engine.tokenizers.hf_tokenizer import HFTokenizer
-from engine.tokenizers.tiktoken_tokenizer import Tokenizer, _byte_to_unicode
+from engine.tokenizers.base import Tokenizer
+from engine.tokenizers.byte_level import byte_to_unicode
+from engine.tokenizers.tiktoken_tokenizer import TiktokenTokenizer
 
 pytest.importorskip("transformers")
 
@@ -261,15 +263,15 @@ def test_tokenizer_load_recognises_the_formats(root, tmp_path):
     # a GPT-2-style pair of files beside tokenizer.json: the directory is a Hugging Face one
     g = tmp_path / "gpt2ish"
     shutil.copytree(d, g)
-    vocab = {c: b for b, c in _byte_to_unicode().items()}
+    vocab = {c: b for b, c in byte_to_unicode().items()}
     (g / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
     (g / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
     assert isinstance(Tokenizer.load(g), HFTokenizer)
     (g / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    assert type(Tokenizer.load(g)) is Tokenizer
+    assert type(Tokenizer.load(g)) is TiktokenTokenizer
     (g / "tokenizer.json").unlink()
     (g / "config.json").unlink()
-    assert type(Tokenizer.load(g)) is Tokenizer
+    assert type(Tokenizer.load(g)) is TiktokenTokenizer
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ValueError, match="neither vocab.json.*nor tokenizer.json"):
@@ -375,7 +377,7 @@ def test_gguf_written_by_llama_cpp_conventions_matches_transformers(name, root, 
 
 def tiny_gguf(path: Path, **overrides) -> Path:
     """A 260-token byte-level GGUF (bytes, one merge, two control tokens)."""
-    tokens = [_byte_to_unicode()[b] for b in range(256)] + ["he", "hel", "<|start|>", "<|end|>"]
+    tokens = [byte_to_unicode()[b] for b in range(256)] + ["he", "hel", "<|start|>", "<|end|>"]
     kwargs = dict(model="gpt2", tokens=tokens, types=[1] * 258 + [3, 3], merges=["h e", "he l"], pre="gpt-2",
                   ids={"bos": 258, "eos": 259})
     kwargs.update(overrides)

@@ -19,7 +19,7 @@ from toy import ByteTokenizer, ScriptedLM, ToyLM
 @pytest.fixture(scope="module")
 def tok():
     from engine.loading.builtin import resolve_builtin
-    from engine.tokenizers.tiktoken_tokenizer import Tokenizer
+    from engine.tokenizers.base import Tokenizer
 
     return Tokenizer.load(str(resolve_builtin("smollm2")))
 

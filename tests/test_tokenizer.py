@@ -1,4 +1,5 @@
-"""engine.tokenizer: GPT-2 (data-gym files and .tiktoken), nanochat pickle, demo, chat rendering."""
+"""engine.tokenizers: the tiktoken tokenizers (GPT-2 data-gym files and .tiktoken, nanochat pickle, demo),
+nanochat's chat rendering and Tokenizer.load."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,9 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from engine.tokenizers.tiktoken_tokenizer import NANOCHAT_SPECIALS, Tokenizer
+from engine.tokenizers.base import Tokenizer
+from engine.tokenizers.nanochat_chat import NANOCHAT_SPECIALS
+from engine.tokenizers.tiktoken_tokenizer import TiktokenTokenizer
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 GPT2_RANKS = SHARED / "data" / "tokenizers" / "gpt2.tiktoken"
@@ -24,7 +27,7 @@ NANOCHAT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,
 
 # ---------------------------------------------------------------------- helpers
 def byte_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable char table, written independently of engine.tokenizer."""
+    """GPT-2's byte -> printable char table, written independently of engine.tokenizers.byte_level."""
     bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
     cs = bs[:]
     for b in range(256):
@@ -99,7 +102,7 @@ def nanochat_encoding(name: str = "rustbpe") -> tiktoken.Encoding:
 
 @pytest.fixture(scope="module")
 def chat_tok() -> Tokenizer:
-    return Tokenizer(nanochat_encoding())
+    return TiktokenTokenizer(nanochat_encoding())
 
 
 # ---------------------------------------------------------------------- GPT-2
@@ -107,8 +110,8 @@ def chat_tok() -> Tokenizer:
 def test_gpt2_tiktoken_and_files_match_reference_on_gsm8k(gpt2_files, gpt2_ranks, gsm8k_texts):
     ref = tiktoken.Encoding("gpt2-ref", pat_str=r50k_pat_str, mergeable_ranks=gpt2_ranks,
                             special_tokens={"<|endoftext|>": 50256})
-    a = Tokenizer.from_tiktoken_file(GPT2_RANKS)
-    b = Tokenizer.from_gpt2_files(gpt2_files / "vocab.json", gpt2_files / "merges.txt")
+    a = TiktokenTokenizer.from_tiktoken_file(GPT2_RANKS)
+    b = TiktokenTokenizer.from_gpt2_files(gpt2_files / "vocab.json", gpt2_files / "merges.txt")
     n_tokens = 0
     for text in gsm8k_texts:
         want = ref.encode_ordinary(text)
@@ -127,7 +130,7 @@ def test_gpt2_tiktoken_and_files_match_reference_on_gsm8k(gpt2_files, gpt2_ranks
 
 @needs_shared
 def test_gpt2_specials_are_plain_text_and_decode_never_raises():
-    tok = Tokenizer.from_tiktoken_file(GPT2_RANKS)
+    tok = TiktokenTokenizer.from_tiktoken_file(GPT2_RANKS)
     ids = tok.encode("a<|endoftext|>b")
     assert 50256 not in ids and tok.decode(ids) == "a<|endoftext|>b"
     assert tok.decode([15496, 50256]) == "Hello<|endoftext|>"
@@ -165,7 +168,7 @@ def test_gpt2_files_without_shared_data(tmp_path):
     for t in (b" t", b"he", b" the", b"in", b" a"):
         ranks[t] = len(ranks)
     write_gpt2_files(tmp_path, ranks, len(ranks))
-    tok = Tokenizer.from_gpt2_files(tmp_path / "vocab.json", tmp_path / "merges.txt")
+    tok = TiktokenTokenizer.from_gpt2_files(tmp_path / "vocab.json", tmp_path / "merges.txt")
     assert tok.encode(" the thin") == [ranks[b" the"], ranks[b" t"], ord("h"), ranks[b"in"]]
     assert tok.vocab_size == 262 and tok.bos_token_id == 261
 
@@ -180,22 +183,22 @@ def test_gpt2_files_errors(tmp_path):
     bu = byte_unicode()
     base = {bu[b]: b for b in range(256)}
     with pytest.raises(FileNotFoundError, match="vocab.json"):
-        Tokenizer.from_gpt2_files(tmp_path / "vocab.json", tmp_path / "merges.txt")
+        TiktokenTokenizer.from_gpt2_files(tmp_path / "vocab.json", tmp_path / "merges.txt")
     v, m = _write(tmp_path, {k: i for k, i in base.items() if i != 65}, [])
     with pytest.raises(ValueError, match="byte 65"):
-        Tokenizer.from_gpt2_files(v, m)
+        TiktokenTokenizer.from_gpt2_files(v, m)
     v, m = _write(tmp_path, base, ["h e"])
     with pytest.raises(ValueError, match=r"merges.txt:2: merge result 'he' is not in"):
-        Tokenizer.from_gpt2_files(v, m)
+        TiktokenTokenizer.from_gpt2_files(v, m)
     v, m = _write(tmp_path, {**base, "he": 257, "ll": 256}, ["h e", "l l"])
     with pytest.raises(ValueError, match="merges.txt:3.*tiktoken needs merge priority"):
-        Tokenizer.from_gpt2_files(v, m)
+        TiktokenTokenizer.from_gpt2_files(v, m)
     v, m = _write(tmp_path, {**base, "he": 256}, ["h e x"])
     with pytest.raises(ValueError, match="merges.txt:2: expected 'left right'"):
-        Tokenizer.from_gpt2_files(v, m)
+        TiktokenTokenizer.from_gpt2_files(v, m)
     (tmp_path / "vocab.json").write_text("{not json")
     with pytest.raises(ValueError, match="vocab.json: not valid JSON"):
-        Tokenizer.from_gpt2_files(v, m)
+        TiktokenTokenizer.from_gpt2_files(v, m)
 
 
 def test_tiktoken_file_errors_and_explicit_pattern(tmp_path):
@@ -203,17 +206,17 @@ def test_tiktoken_file_errors_and_explicit_pattern(tmp_path):
     import base64
     f.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
     with pytest.raises(ValueError, match="pass pattern="):
-        Tokenizer.from_tiktoken_file(f)
-    tok = Tokenizer.from_tiktoken_file(f, pattern=NANOCHAT_PATTERN, special_tokens={"<|bos|>": 256})
+        TiktokenTokenizer.from_tiktoken_file(f)
+    tok = TiktokenTokenizer.from_tiktoken_file(f, pattern=NANOCHAT_PATTERN, special_tokens={"<|bos|>": 256})
     assert tok.encode("hi") == [104, 105] and tok.bos_token_id == 256 and tok.vocab_size == 257
     with pytest.raises(ValueError, match="collide"):
-        Tokenizer.from_tiktoken_file(f, pattern=NANOCHAT_PATTERN, special_tokens={"<|bos|>": 5})
+        TiktokenTokenizer.from_tiktoken_file(f, pattern=NANOCHAT_PATTERN, special_tokens={"<|bos|>": 5})
     bad = tmp_path / "bad.tiktoken"
     bad.write_text("IQ== 0\nnot-base64!! x\n")
     with pytest.raises(ValueError, match=r"bad.tiktoken:2"):
-        Tokenizer.from_tiktoken_file(bad, pattern=NANOCHAT_PATTERN)
+        TiktokenTokenizer.from_tiktoken_file(bad, pattern=NANOCHAT_PATTERN)
     with pytest.raises(FileNotFoundError, match="nope.tiktoken"):
-        Tokenizer.from_tiktoken_file(tmp_path / "nope.tiktoken")
+        TiktokenTokenizer.from_tiktoken_file(tmp_path / "nope.tiktoken")
 
 
 def test_load_dispatch_errors(tmp_path):
@@ -273,13 +276,13 @@ def test_pickle_must_be_an_encoding(tmp_path):
     p = tmp_path / "tokenizer.pkl"
     p.write_bytes(pickle.dumps(_Evil()))
     with pytest.raises(ValueError, match="not a pickled tiktoken.Encoding"):
-        Tokenizer.from_pickle(p)
+        TiktokenTokenizer.from_pickle(p)
     p.write_bytes(pickle.dumps({"a": 1}))
     with pytest.raises(ValueError, match="holds a dict"):
-        Tokenizer.from_pickle(p)
+        TiktokenTokenizer.from_pickle(p)
     p.write_bytes(b"garbage")
     with pytest.raises(ValueError, match="tokenizer.pkl"):
-        Tokenizer.from_pickle(p)
+        TiktokenTokenizer.from_pickle(p)
 
 
 # ---------------------------------------------------------------------- chat

@@ -1,7 +1,7 @@
 """Small stand-ins for engine tests: a tiny random transformer and a byte-level tokenizer.
 
 They implement the same contracts as the real models and tokenizers (engine/models/base.py,
-engine/tokenizers/tiktoken_tokenizer.py), small enough that engine tests run in milliseconds.
+engine/tokenizers/base.py), small enough that engine tests run in milliseconds.
 """
 from __future__ import annotations
 

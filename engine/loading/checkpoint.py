@@ -38,7 +38,7 @@ from engine.loading.errors import CheckpointError
 from engine.loading.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
 from engine.models.base import CausalLM
 from engine.kernels.native import bfloat16_is_faster, native_kernels
-from engine.tokenizers.tiktoken_tokenizer import Tokenizer
+from engine.tokenizers.base import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
-from engine.tokenizers.tiktoken_tokenizer import _byte_to_unicode
+from engine.tokenizers.byte_level import byte_to_unicode
 
 # llama.cpp token types (llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -160,8 +160,8 @@ def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[s
 
 
 def _byte_level_backend(meta: _Metadata, tokens: list[str]) -> tuple[Backend, bool]:
-    alphabet = set(_byte_to_unicode().values())
-    table = _byte_to_unicode()
+    alphabet = set(byte_to_unicode().values())
+    table = byte_to_unicode()
     vocab = {t if set(t) <= alphabet else "".join(table[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
     merges = _merges(meta)
     if merges is None:
@@ -217,7 +217,7 @@ def build_gguf_tokenizer(source: Any, cls: type) -> Any:
         raise ValueError(f"{where}: {what} is not supported (supported: 'gpt2' byte-level BPE, 'llama' "
                          f"SentencePiece BPE)")
 
-    alphabet = set(_byte_to_unicode().values()) if model == "gpt2" else None
+    alphabet = set(byte_to_unicode().values()) if model == "gpt2" else None
     control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types)
                if k == TOKEN_CONTROL and (alphabet is None or set(t) <= alphabet)]
     backend.add_special_tokens(control)

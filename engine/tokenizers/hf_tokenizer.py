@@ -1,8 +1,8 @@
 """Text <-> token ids for Hugging Face tokenizers (`tokenizer.json`) and GGUF files' tokenizers.
 
-`HFTokenizer` has the interface of `engine.tokenizer.Tokenizer` (encode, decode, special tokens,
-stop tokens, render_chat, pickling) over the `tokenizers` library, and renders the model's own
-Jinja chat template (engine/tokenizers/chat_template.py). It is built by:
+`HFTokenizer` implements the `Tokenizer` interface (engine/tokenizers/base.py: encode, decode,
+special tokens, stop tokens, render_chat, pickling) over the `tokenizers` library, and renders
+the model's own Jinja chat template (engine/tokenizers/chat_template.py). It is built by:
 
 - `HFTokenizer.from_dir(path)`: a Hugging Face directory with tokenizer.json, plus
   tokenizer_config.json (special tokens as strings or AddedToken dicts, added_tokens_decoder,
@@ -14,8 +14,8 @@ Jinja chat template (engine/tokenizers/chat_template.py). It is built by:
 
 Behaviour follows transformers 5.x (`AutoTokenizer.from_pretrained(dir)`, the reference):
 - `encode(text)` is `tokenizer.encode(text, add_special_tokens=False)`: no BOS, and text that
-  spells an added token ("<|im_end|>") encodes to that token, as in transformers. (The tiktoken
-  `Tokenizer` encodes such text as plain text instead; it follows nanochat.)
+  spells an added token ("<|im_end|>") encodes to that token, as in transformers. (The
+  `TiktokenTokenizer` encodes such text as plain text instead; it follows nanochat.)
 - `decode(ids)` is `tokenizer.decode(ids)`: special tokens kept, invalid UTF-8 as U+FFFD, the
   "clean_up_tokenization_spaces" rewrite only where transformers applies it (not for BPE).
 - `prepend_bos` is True when `tokenizer.encode(text)` (add_special_tokens=True) starts with the
@@ -38,15 +38,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
+from engine.tokenizers.byte_level import UNICODE_TO_BYTE
 from engine.tokenizers.chat_template import ChatTemplateError, render_chat_template
-from engine.tokenizers.tiktoken_tokenizer import _UNICODE_TO_BYTE  # GPT-2's byte-level alphabet: character -> byte
 
-# transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES), in order.
-NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-_ADDED_TOKEN_FIELDS = ("single_word", "lstrip", "rstrip", "normalized", "special")
 # decode(): transformers' clean_up_tokenization (applied only to non-BPE models that ask for it)
 _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
@@ -55,8 +51,8 @@ _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), ("
 class HFTokenizer:
     """A `tokenizers.Tokenizer` plus the model's special tokens and chat template.
 
-    Build one with `from_dir` or `from_gguf` (or `engine.tokenizer.Tokenizer.load`). Immutable
-    after construction; pickles by value (Ray ships it to workers).
+    Build one with `from_dir` or `from_gguf` (or `engine.tokenizers.base.Tokenizer.load`).
+    Immutable after construction; pickles by value (Ray ships it to workers).
 
     Args:
         backend: the tokenizers.Tokenizer, with every added/special token already in it.
@@ -230,7 +226,7 @@ class HFTokenizer:
         if token in self._added_ids:
             return text.encode("utf-8")
         if self._byte_level:
-            table = _UNICODE_TO_BYTE
+            table = UNICODE_TO_BYTE
             if all(c in table for c in text):
                 return bytes(table[c] for c in text)
         return text.replace("\u2581", " ").encode("utf-8")
@@ -259,17 +255,4 @@ def _restore(backend_json: str, special_tokens_map: dict, chat_template: Any, cl
                        chat_template=chat_template, clean_up_tokenization_spaces=cleanup, name=name)
 
 
-def added_token(value: str | Mapping[str, Any], *, special: bool | None = None) -> AddedToken:
-    """A tokenizers.AddedToken from a string or an AddedToken dict ({"content": ..., "lstrip": ...});
-    `special` overrides the dict's flag. A string gives a special, unnormalized token."""
-    if isinstance(value, str):
-        return AddedToken(value, special=True if special is None else special, normalized=False)
-    fields = {k: bool(value[k]) for k in _ADDED_TOKEN_FIELDS if k in value}
-    if special is not None:
-        fields["special"] = special
-    if "normalized" not in fields:
-        fields["normalized"] = not fields.get("special", False)
-    return AddedToken(value["content"], **fields)
-
-
-__all__ = ["HFTokenizer", "NAMED_SPECIAL_TOKENS", "ChatTemplateError", "added_token"]
+__all__ = ["HFTokenizer", "ChatTemplateError"]

@@ -22,18 +22,21 @@ the text encodes to them, as in transformers.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
-
-from engine.tokenizers.hf_tokenizer import NAMED_SPECIAL_TOKENS, added_token
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
+# transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES), in order.
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_ADDED_TOKEN_FIELDS = ("single_word", "lstrip", "rstrip", "normalized", "special")
 
 
 def _read_json(path: Path) -> dict:
@@ -73,6 +76,19 @@ def _chat_templates(directory: Path, config: dict, config_path: Path) -> str | d
                                        and isinstance(t.get("template"), str) for t in value):
         return {t["name"]: t["template"] for t in value}
     raise ValueError(f"{config_path}: chat_template must be a string or a list of {{'name', 'template'}} objects")
+
+
+def added_token(value: str | Mapping[str, Any], *, special: bool | None = None) -> AddedToken:
+    """A tokenizers.AddedToken from a string or an AddedToken dict ({"content": ..., "lstrip": ...});
+    `special` overrides the dict's flag. A string gives a special, unnormalized token."""
+    if isinstance(value, str):
+        return AddedToken(value, special=True if special is None else special, normalized=False)
+    fields = {k: bool(value[k]) for k in _ADDED_TOKEN_FIELDS if k in value}
+    if special is not None:
+        fields["special"] = special
+    if "normalized" not in fields:
+        fields["normalized"] = not fields.get("special", False)
+    return AddedToken(value["content"], **fields)
 
 
 def read_tokenizer_dir(directory: Path, cls: type) -> Any:
@@ -147,4 +163,5 @@ def read_tokenizer_dir(directory: Path, cls: type) -> Any:
                name=str(directory))
 
 
-__all__ = ["read_tokenizer_dir", "TOKENIZER_JSON", "TOKENIZER_CONFIG", "CHAT_TEMPLATE_FILE"]
+__all__ = ["read_tokenizer_dir", "added_token", "NAMED_SPECIAL_TOKENS", "TOKENIZER_JSON", "TOKENIZER_CONFIG",
+           "CHAT_TEMPLATE_FILE"]

