@@ -17,33 +17,21 @@ Each `step()`:
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Sequence as Seq
 
 import torch
 
 from engine.decode_batch import DecodeBatch
-from engine.kv_cache import KVCache, StepBatch
+from engine.kv_cache import KVCache, StepBatch, default_kv_bytes
 from engine.kernels.kv_layout import KVLayout
 from engine.models.base import CausalLM
 from engine.params import RequestOutput, Sample, SamplingParams, error_output
-from engine.sampling import request_key, row_kinds, sample_with_logprobs, token_logprobs
-from engine.scheduler import Admission, Scheduler
+from engine.sampling import request_key, row_kinds, sample_step
+from engine.scheduler import Admission, Scheduler, prefill_batches
 from engine.sequence import Request, Sequence, ToolTokens
 
-BLOCK_SIZE = 16  # KV positions per allocation unit (engine/block_manager.py)
-
-
-def _default_kv_bytes(device: torch.device) -> int:
-    """KV budget when none is given: 90% of free GPU memory, or a quarter of host RAM."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.9)
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-    except (ValueError, OSError, AttributeError):
-        return 4 << 30
+BLOCK_SIZE = 16  # KV positions per allocation unit (engine/run_allocator.py)
 
 
 class Engine:
@@ -87,7 +75,7 @@ class Engine:
         self.block_bytes = bs * pos_bytes
         need = Scheduler.min_blocks(self.max_seq_len, bs, prefix_sharing)
         useful = max(need, max_num_seqs * (2 * -(-self.max_seq_len // bs) + 1))
-        budget = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_bytes(self.device)
+        budget = kv_cache_bytes if kv_cache_bytes is not None else default_kv_bytes(self.device)
         num_blocks = min(useful, budget // self.block_bytes)
         if num_blocks < need:
             raise ValueError(f"KV cache budget of {budget} bytes cannot hold one sequence of {self.max_seq_len} "
@@ -197,27 +185,6 @@ class Engine:
                 done.append(out)
         return done
 
-    @staticmethod
-    def _by_length(groups: list[Admission], max_padding: float = 0.1) -> list[list[Admission]]:
-        """Split one step's prefills into batches of similar prompt lengths, so right-padding
-        wastes at most about `max_padding` of the batch's tokens. Every padded token costs a
-        full row of every projection; a batch of a few hundred rows already runs the GEMMs
-        near their best rate, so 10% beats 25% and 5% (measured on bench_smollm2's 32 prompts
-        of 56-140 tokens: 5.0, 5.7 and 5.1 s for the prefill)."""
-        chunks: list[list[Admission]] = []
-        cur: list[Admission] = []
-        real = 0
-        for g in sorted(groups, key=lambda g: len(g.request.prompt_tokens)):
-            n = len(g.request.prompt_tokens)
-            if cur and n * (len(cur) + 1) > (1 + max_padding) * (real + n):
-                chunks.append(cur)
-                cur, real = [], 0
-            cur.append(g)
-            real += n
-        if cur:
-            chunks.append(cur)
-        return chunks
-
     def _prefill(self, group: list[Admission]) -> torch.Tensor:
         """Prefill the prompts of `group` into their stored runs; (len(group), V) last logits."""
         lengths = [len(a.request.prompt_tokens) for a in group]
@@ -238,7 +205,7 @@ class Engine:
     def _admit(self, admissions: list[Admission]) -> None:
         """Prefill new prompts, start every admitted sample and draw its first token."""
         first: dict[int, torch.Tensor] = {}
-        for chunk in self._by_length([a for a in admissions if a.prefill]):
+        for chunk in prefill_batches([a for a in admissions if a.prefill]):
             logits = self._prefill(chunk)
             for i, a in enumerate(chunk):
                 first[id(a.request)] = logits[i]
@@ -298,8 +265,8 @@ class Engine:
         keys = torch.tensor([s.key for s in seqs], dtype=torch.long)
         pos = torch.tensor([s.position + 1 for s in seqs], dtype=torch.long)
         dev = self.device
-        toks, lps = _sample(logits, temp.to(dev), top_k.to(dev), top_p.to(dev), min_p.to(dev), keys.to(dev),
-                            pos.to(dev), kinds, [p.logprobs_mode == "processed" for p in ps])
+        toks, lps = sample_step(logits, temp.to(dev), top_k.to(dev), top_p.to(dev), min_p.to(dev), keys.to(dev),
+                                pos.to(dev), kinds, [p.logprobs_mode == "processed" for p in ps])
         host = torch.stack([toks.double(), lps.double()]).tolist()
         for seq, t, lp in zip(seqs, host[0], host[1]):
             seq.append(int(t), lp, self.tools, self.tokenizer, self.max_seq_len)
@@ -312,8 +279,8 @@ class Engine:
             self._batch = DecodeBatch(active, self.device)
         db = self._batch
         logits = self.model.forward_step(db.tokens[:, None], db.step_batch(), self.kv)
-        toks, lps = _sample(logits, db.temperature, db.top_k, db.top_p, db.min_p, db.keys, db.positions + 1,
-                            db.kinds, db.processed)
+        toks, lps = sample_step(logits, db.temperature, db.top_k, db.top_p, db.min_p, db.keys, db.positions + 1,
+                                db.kinds, db.processed)
         host = torch.stack([toks.double(), lps.double()]).tolist()  # the step's one device-to-host copy
         forced: list[tuple[int, int]] = []
         changed = False
@@ -419,24 +386,6 @@ class Engine:
                     others.append(out)
         self._ready.extend(others)  # streaming requests that finished meanwhile stay for their owner
         return results  # type: ignore[return-value]
-
-
-def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-            min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, kinds: list[tuple],
-            processed: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens ((B,) int64) and each row's logprob ((B,) float32) in its request's
-    logprobs_mode: processed (under the distribution sampled from) where `processed[i]`, raw
-    (log_softmax of the logits) elsewhere. Overwrites `logits`. See engine/sampling.py."""
-    any_p = any(processed)
-    toks, proc = sample_with_logprobs(logits, temperature, top_k, top_p, min_p, keys, positions,
-                                      processed=any_p, kinds=kinds)
-    if any_p and all(processed):
-        return toks, proc
-    raw = token_logprobs(logits, toks, inplace=True)  # last: it overwrites the logits
-    if not any_p:
-        return toks, raw
-    mask = torch.tensor(processed, device=logits.device)
-    return toks, torch.where(mask, proc, raw)
 
 
 @torch.no_grad()

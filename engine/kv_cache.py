@@ -4,7 +4,7 @@ Storage per layer is (num_positions, n_kv_head, head_dim), flash-attention's and
 (T, H, D) order: one decode step's keys for a row are one contiguous run, written with a
 single index_copy_, and any run of positions is a (H, T, D) view of the arena without a copy.
 Who owns which positions is the scheduler's business (engine/scheduler.py, with
-engine/block_manager.py): a prompt's KV is one run written once at prefill and read by all
+engine/run_allocator.py): a prompt's KV is one run written once at prefill and read by all
 its samples; each sample's generated KV is one run of its own (engine/kernels/kv_layout.py).
 
 Models call `attend(layer, q, k, v, batch, window)` and never index the cache themselves:
@@ -16,6 +16,7 @@ attention chosen for the cache's device when it was made (engine/kernels/attenti
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -185,3 +186,14 @@ class KVCache:
         L = self.max_seq_len
         self.copy_positions((src[:, None] * L + off).flatten(), (dst[:, None] * L + off).flatten())
         self.copy_state(src, dst)
+
+
+def default_kv_bytes(device: torch.device) -> int:
+    """KV budget when none is given: 90% of free GPU memory, or a quarter of host RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30

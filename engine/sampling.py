@@ -347,3 +347,21 @@ def _row_sums(x: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == 1 and x.device.type == "cpu":
         return x.repeat(2, 1).sum(dim=-1)[:1]
     return x.sum(dim=-1)
+
+
+def sample_step(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, kinds: list[tuple],
+                processed: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One engine step's sampling: tokens ((B,) int64) and each row's logprob ((B,) float32) in
+    its request's logprobs_mode: processed (under the distribution sampled from) where `processed[i]`, raw
+    (log_softmax of the logits) elsewhere. Overwrites `logits`."""
+    any_p = any(processed)
+    toks, proc = sample_with_logprobs(logits, temperature, top_k, top_p, min_p, keys, positions,
+                                      processed=any_p, kinds=kinds)
+    if any_p and all(processed):
+        return toks, proc
+    raw = token_logprobs(logits, toks, inplace=True)  # last: it overwrites the logits
+    if not any_p:
+        return toks, raw
+    mask = torch.tensor(processed, device=logits.device)
+    return toks, torch.where(mask, proc, raw)

@@ -1,7 +1,7 @@
 """Who gets KV memory and decoding slots, and when (continuous batching, memory by need).
 
 The KV arena (engine/kv_cache.py) is handed out in contiguous runs of blocks
-(engine/block_manager.py):
+(engine/run_allocator.py):
 - a prompt's run, written once by its prefill. With prefix sharing (the default) every
   sample of the prompt reads it; it is freed when the prompt's last sample finishes.
   Without prefix sharing each sample copies it into its own run, and it is freed as soon
@@ -25,7 +25,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_manager import BlockAllocator
+from engine.run_allocator import RunAllocator
 from engine.sequence import Request
 
 
@@ -61,7 +61,7 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix_sharing = prefix_sharing
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = RunAllocator(num_blocks)
         self.free: list[int] = list(range(num_slots))
         heapq.heapify(self.free)
         self.waiting: deque[Request] = deque()
@@ -165,3 +165,24 @@ class Scheduler:
                 self.release_prompt(req)
                 n += 1
         return n
+
+
+def prefill_batches(groups: list[Admission], max_padding: float = 0.1) -> list[list[Admission]]:
+    """Split one step's prefills into batches of similar prompt lengths, so right-padding
+    wastes at most about `max_padding` of the batch's tokens. Every padded token costs a
+    full row of every projection; a batch of a few hundred rows already runs the GEMMs
+    near their best rate, so 10% beats 25% and 5% (measured on bench_smollm2's 32 prompts
+    of 56-140 tokens: 5.0, 5.7 and 5.1 s for the prefill)."""
+    chunks: list[list[Admission]] = []
+    cur: list[Admission] = []
+    real = 0
+    for g in sorted(groups, key=lambda g: len(g.request.prompt_tokens)):
+        n = len(g.request.prompt_tokens)
+        if cur and n * (len(cur) + 1) > (1 + max_padding) * (real + n):
+            chunks.append(cur)
+            cur, real = [], 0
+        cur.append(g)
+        real += n
+    if cur:
+        chunks.append(cur)
+    return chunks

@@ -1,4 +1,4 @@
-"""Which KV-cache blocks are free: a first-fit allocator of contiguous block ranges.
+"""Which KV-cache blocks are free: a first-fit allocator of contiguous runs of blocks.
 
 The KV cache (engine/kv_cache.py) is one arena of `num_blocks x block_size` positions per
 layer. Every allocation here is one contiguous run of blocks, so that attention reads a
@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 
 
-class BlockAllocator:
+class RunAllocator:
     """First-fit allocator of contiguous runs of blocks in [0, num_blocks).
 
     Raises ValueError for a bad request (non-positive size, a run that is not allocated).
@@ -27,7 +27,7 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
-            raise ValueError(f"BlockAllocator needs at least one block, got {num_blocks}")
+            raise ValueError(f"RunAllocator needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self._starts: list[int] = [0]  # free ranges, sorted by start, never adjacent
         self._lengths: list[int] = [num_blocks]

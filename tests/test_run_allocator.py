@@ -1,15 +1,15 @@
-"""engine.block_manager.BlockAllocator against a plain bitmap of the same blocks."""
+"""engine.run_allocator.RunAllocator against a plain bitmap of the same blocks."""
 import random
 
 import pytest
 
-from engine.block_manager import BlockAllocator
+from engine.run_allocator import RunAllocator
 
 
 def test_first_fit_from_either_end_and_coalescing():
     """Runs come from the low end (or the high end on request); freed runs merge with their
     neighbours, so a fully freed arena is one range again."""
-    a = BlockAllocator(20)
+    a = RunAllocator(20)
     assert [a.allocate(4), a.allocate(4), a.allocate(3, from_end=True)] == [0, 4, 17]
     assert a.free_ranges() == [(8, 9)] and a.num_free == 9
     a.free(0, 4)
@@ -22,7 +22,7 @@ def test_first_fit_from_either_end_and_coalescing():
 
 
 def test_bad_frees_are_refused():
-    a = BlockAllocator(8)
+    a = RunAllocator(8)
     s = a.allocate(3)
     a.free(s, 3)
     with pytest.raises(ValueError, match="freed twice"):
@@ -40,7 +40,7 @@ def test_random_operations_match_a_bitmap(seed):
     when no free range of that length exists."""
     rng = random.Random(seed)
     N = 300
-    a = BlockAllocator(N)
+    a = RunAllocator(N)
     used = [False] * N
     live: list[tuple[int, int]] = []
     for _ in range(4000):
