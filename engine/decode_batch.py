@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import StepBatch
 from engine.kernels.kv_layout import KVLayout
+from engine.kv_cache import StepBatch
 from engine.sampling import row_kinds
 from engine.sequence import Sequence
 

@@ -23,8 +23,8 @@ from typing import Sequence as Seq
 import torch
 
 from engine.decode_batch import DecodeBatch
-from engine.kv_cache import KVCache, StepBatch, default_kv_bytes
 from engine.kernels.kv_layout import KVLayout
+from engine.kv_cache import KVCache, StepBatch, default_kv_bytes
 from engine.models.base import CausalLM
 from engine.params import RequestOutput, Sample, SamplingParams, error_output
 from engine.sampling import request_key, row_kinds, sample_step
@@ -316,8 +316,8 @@ class Engine:
     def load_weights(self, path: str | Path, *, step: int | None = None) -> dict:
         """Replace the model's weights with checkpoint `path`'s, in place (an RL loop's reload).
 
-        The checkpoint must hold the same architecture and shapes (engine/loading/weight_swap.py says
-        what is compared); its tokenizer files are not read, so a trainer's directory with
+        The checkpoint must hold the same architecture and shapes (engine/loading/weight_swap.py
+        says what is compared); its tokenizer files are not read, so a trainer's directory with
         only config.json and weights will do, and the engine keeps its tokenizer. Nothing is
         reallocated: the parameters keep their storage, the KV cache is the same tensors.
         Afterwards the engine generates what `load_engine(path)` would (on CPU in float32:
@@ -325,8 +325,8 @@ class Engine:
         in host RAM. step: for a nanochat directory (default: its highest step).
         Returns {"path", "step", "description"}. Raises RuntimeError while requests are
         unfinished, FileNotFoundError / CheckpointError from the loaders, and
-        engine.loading.weight_swap.WeightsMismatch naming what differs; on any of these the engine keeps
-        its weights.
+        engine.loading.weight_swap.WeightsMismatch naming what differs; on any of these the
+        engine keeps its weights.
         """
         self._check_idle("load_weights")
         return self.apply_weights(self.stage_weights(path, step=step))
@@ -334,7 +334,8 @@ class Engine:
     def stage_weights(self, path: str | Path, *, step: int | None = None):
         """The first half of `load_weights`: load and check checkpoint `path`, change nothing.
         Only reads the engine, so it may run on another thread while the engine steps.
-        Returns an engine.loading.weight_swap.StagedWeights for `apply_weights`; raises as load_weights."""
+        Returns an engine.loading.weight_swap.StagedWeights for `apply_weights`; raises as
+        load_weights."""
         from engine.loading.weight_swap import stage_weights
 
         return stage_weights(self.model, path, dtype=self.dtype, step=step)
@@ -417,13 +418,14 @@ def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str =
                 step: int | None = None, max_num_seqs: int = 256, kv_cache_bytes: int | None = None,
                 max_seq_len: int | None = None, max_prefill_tokens: int = 8192,
                 num_threads: int | None = None, batch_invariant: bool = True, prefix_sharing: bool = True) -> Engine:
-    """Load a checkpoint (engine/loading/checkpoint.py: "smollm2", "tiny-random", HF Llama family or GPT-2,
-    GGUF, nanochat) into an Engine.
+    """Load a checkpoint (engine/loading/checkpoint.py: "smollm2", "tiny-random", HF Llama family
+    or GPT-2, GGUF, nanochat) into an Engine.
 
     device: "auto" | "cpu" | "cuda[:n]"; dtype: "auto" | "float32" | "bfloat16".
     num_threads: CPU threads for torch in this process (a worker's share of the cores);
         None leaves torch's default.
-    Raises FileNotFoundError / CheckpointError for bad checkpoints (see engine/loading/checkpoint.py).
+    Raises FileNotFoundError / CheckpointError for bad checkpoints (see
+    engine/loading/checkpoint.py).
     """
     from engine.loading.checkpoint import load_checkpoint
 

@@ -31,7 +31,8 @@ class SamplingParams:
             its logprob), as verl, TRL and vLLM expect, so a trainer can score the choice to stop.
         stop: stop strings (None or a tuple of non-empty strings; a single string is one stop
             string). A sample ends at the token that completes one of them in its decoded text;
-            its tokens are all kept, the text ends before the stop string (engine/tokenizers/stop_strings.py).
+            its tokens are all kept, the text ends before the stop string
+            (engine/tokenizers/stop_strings.py).
         logprobs_mode: "raw" (log_softmax of the model's raw logits, temperature 1, no
             truncation: what a trainer recomputes from the weights) or "processed" (the
             log-probability under the distribution the token was drawn from, after temperature,

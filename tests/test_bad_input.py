@@ -308,10 +308,10 @@ NANOCHAT_ORDER_CASES = [
 
 @pytest.mark.parametrize("bad_messages, fragment", NANOCHAT_ORDER_CASES)
 def test_chat_problems_with_the_real_tokenizer(tmp_path, bad_messages, fragment):
-    """With the nanochat-format tokenizer (engine.tokenizers.base.Tokenizer.demo()): a conversation its
-    format refuses becomes an error row carrying render_chat's message; a well-formed one renders
-    in nanochat's layout (starts with <|bos|>, ends with <|assistant_start|>); a text prompt gets
-    <|bos|> prepended."""
+    """With the nanochat-format tokenizer (engine.tokenizers.base.Tokenizer.demo()): a
+    conversation its format refuses becomes an error row carrying render_chat's message; a
+    well-formed one renders in nanochat's layout (starts with <|bos|>, ends with
+    <|assistant_start|>); a text prompt gets <|bos|> prepended."""
     tokmod = pytest.importorskip("engine.tokenizers.base")
     tok = tokmod.Tokenizer.demo()
     task, plan = _row_task(tmp_path, "chat", CHAT, bad_messages)

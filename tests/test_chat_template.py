@@ -1,7 +1,8 @@
-"""engine.tokenizers.chat_template and HFTokenizer.render_chat: a model's Jinja chat template rendered and
-tokenized exactly as transformers' apply_chat_template(messages, add_generation_prompt=True,
-tokenize=True), on the real templates of Llama 3.2, Qwen2.5, SmolLM2 and Mistral (tests/hf_cases.py)
-and on templates that exercise each feature of transformers' Jinja environment.
+"""engine.tokenizers.chat_template and HFTokenizer.render_chat: a model's Jinja chat template
+rendered and tokenized exactly as transformers' apply_chat_template(messages,
+add_generation_prompt=True, tokenize=True), on the real templates of Llama 3.2, Qwen2.5,
+SmolLM2 and Mistral (tests/hf_cases.py) and on templates that exercise each feature of
+transformers' Jinja environment.
 """
 from __future__ import annotations
 

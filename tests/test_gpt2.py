@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from engine.loading.errors import CheckpointError  # noqa: E402
 from engine.kv_cache import KVCache, StepBatch  # noqa: E402
+from engine.loading.errors import CheckpointError  # noqa: E402
 from engine.loading.gpt2 import load_gpt2_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py

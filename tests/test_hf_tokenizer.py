@@ -1,5 +1,5 @@
-"""engine.tokenizers.hf_tokenizer: HFTokenizer from Hugging Face directories and GGUF files, compared with
-transformers (AutoTokenizer.from_pretrained on the same files) id for id.
+"""engine.tokenizers.hf_tokenizer: HFTokenizer from Hugging Face directories and GGUF files,
+compared with transformers (AutoTokenizer.from_pretrained on the same files) id for id.
 
 The tokenizers are real formats built without the hub (tests/hf_cases.py): SmolLM2's (from its
 GGUF, saved by transformers), and Llama 3-, Qwen2.5- and Mistral-style BPE trained on GSM8K.
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 import hf_cases as C
-from engine.tokenizers.hf_tokenizer import HFTokenizer
 from engine.tokenizers.base import Tokenizer
 from engine.tokenizers.byte_level import byte_to_unicode
+from engine.tokenizers.hf_tokenizer import HFTokenizer
 from engine.tokenizers.tiktoken_tokenizer import TiktokenTokenizer
 
 pytest.importorskip("transformers")

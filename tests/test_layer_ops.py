@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.layers import apply_rotary, rms_norm
 from engine.kernels.native import native_kernels, supported_isas
+from engine.models.layers import apply_rotary, rms_norm
 
 K = native_kernels()
 pytestmark = [pytest.mark.invariance, pytest.mark.skipif(K is None, reason="the compiled kernels are unavailable here")]

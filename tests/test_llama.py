@@ -25,13 +25,13 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from engine import SamplingParams, load_engine  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.kernels.native import bfloat16_is_faster, native_kernels  # noqa: E402
 from engine.loading.checkpoint import detect_format  # noqa: E402
 from engine.loading.errors import CheckpointError  # noqa: E402
-from engine.engine import Engine  # noqa: E402
 from engine.loading.hf_config import parse_llama_config, parse_rope_scaling  # noqa: E402
-from engine.models import base  # noqa: E402
 from engine.loading.llama import build_llama, load_llama_checkpoint  # noqa: E402
-from engine.kernels.native import bfloat16_is_faster, native_kernels  # noqa: E402
+from engine.models import base  # noqa: E402
 
 pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py
 

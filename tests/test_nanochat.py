@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loading.errors import CheckpointError
 from engine.kv_cache import KVCache, StepBatch
+from engine.loading.errors import CheckpointError
 from engine.loading.nanochat import build_tiny_random_model, load_nanochat_checkpoint
 
 pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from engine import SamplingParams, load_engine
-from engine.loading.builtin import SMOLLM2_INSTALL, smollm2_path
 from engine.engine import teacher_forced_logits
 from engine.kernels.native import native_kernels
+from engine.loading.builtin import SMOLLM2_INSTALL, smollm2_path
 
 pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py
 

@@ -1,5 +1,5 @@
-"""engine.tokenizers: the tiktoken tokenizers (GPT-2 data-gym files and .tiktoken, nanochat pickle, demo),
-nanochat's chat rendering and Tokenizer.load."""
+"""engine.tokenizers: the tiktoken tokenizers (GPT-2 data-gym files and .tiktoken, nanochat
+pickle, demo), nanochat's chat rendering and Tokenizer.load."""
 from __future__ import annotations
 
 import json

@@ -12,6 +12,6 @@
 - gguf.py, gguf_config.py, gguf_rope.py: llama.cpp GGUF files (tensors, metadata, llama3 rope).
 - weight_swap.py: another checkpoint's weights into a loaded model, in place.
 
-Imports models/, tokenizers/ and kernels/; never the step loop (engine.engine, the scheduler,
-the KV cache), which imports it lazily to load.
+Imports models/, tokenizers/ and kernels/; never the step loop (engine.engine, which imports
+loading/ lazily to load a checkpoint, the scheduler, sequences, sampling).
 """

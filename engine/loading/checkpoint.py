@@ -11,13 +11,15 @@ Formats (detected from the files, never from the name):
   dequantized at load (engine/loading/gguf.py), the tokenizer and chat template from its
   tokenizer.ggml.* metadata (engine/tokenizers/gguf_tokenizer.py).
 - Hugging Face GPT-2: a directory with config.json (model_type gpt2) and model.safetensors
-  or pytorch_model.bin, tokenizer from vocab.json + merges.txt beside them.
+  or pytorch_model.bin (engine/loading/gpt2.py), tokenizer from vocab.json + merges.txt
+  beside them.
 - Hugging Face Llama family ("llama"): config.json whose model_type / architectures is
   LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM, with
   model.safetensors (single or sharded) or pytorch_model.bin (engine/loading/llama.py).
   Any other architecture in a config.json is refused with an error naming it.
 - nanochat: a directory with model_<step>.pt + meta_<step>.json (highest step unless one is
-  given), tokenizer.pkl in the directory, or in <dir>/../../tokenizer/ (nanochat's layout).
+  given; engine/loading/nanochat.py), tokenizer.pkl in the directory, or in
+  <dir>/../../tokenizer/ (nanochat's layout).
 An explicit tokenizer path (anything `Tokenizer.load` reads: a tokenizer.pkl, a .tiktoken
 ranks file, a directory with vocab.json + merges.txt or tokenizer.json, a .gguf file)
 overrides the one found beside the checkpoint.
@@ -34,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from engine.loading.errors import CheckpointError
-from engine.loading.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
-from engine.models.base import CausalLM
 from engine.kernels.native import bfloat16_is_faster, native_kernels
+from engine.loading.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
+from engine.loading.errors import CheckpointError
+from engine.models.base import CausalLM
 from engine.tokenizers.base import Tokenizer
 
 log = logging.getLogger(__name__)

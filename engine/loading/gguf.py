@@ -2,9 +2,10 @@
 
 `read_gguf(path)` opens a GGUF file (the format of ggml-org/ggml docs/gguf.md) with ggml-org's
 `gguf` package, turns its metadata into the config.json dict transformers would have for the
-architecture (engine/loading/gguf_config.py), and dequantizes every tensor, one at a time from the memory-mapped file, into a
-state dict with transformers' parameter names. Supported `general.architecture` values:
-`llama` (Llama 1-3, Mistral, SmolLM/SmolLM2, TinyLlama), `qwen2` (Qwen2/2.5) and `qwen3` (dense).
+architecture (engine/loading/gguf_config.py), and dequantizes every tensor, one at a time from
+the memory-mapped file, into a state dict with transformers' parameter names. Supported
+`general.architecture` values: `llama` (Llama 1-3, Mistral, SmolLM/SmolLM2, TinyLlama), `qwen2`
+(Qwen2/2.5) and `qwen3` (dense).
 
 What llama.cpp's converter (convert_hf_to_gguf.py) changed is undone here:
 - names: `blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`, through the `gguf`

@@ -116,10 +116,10 @@ def parse_llama_config(config: dict, where: str) -> LlamaConfig:
 def parse_rope_scaling(config: dict, where: str) -> RopeScaling:
     """A config.json's rotary settings as a `RopeScaling` (engine/models/layers.py), read in
     either spelling: transformers 4.x (`rope_theta` plus an optional `rope_scaling` dict whose
-    type is `rope_type` or `type`) or 5.x (`rope_parameters`, holding rope_theta too). As transformers does, `rope_scaling`
-    wins over `rope_parameters`, a rope_theta inside the dict over the top-level one, and a
-    top-level `original_max_position_embeddings` over the dict's; llama3 and yarn default
-    it to max_position_embeddings.
+    type is `rope_type` or `type`) or 5.x (`rope_parameters`, holding rope_theta too). As
+    transformers does, `rope_scaling` wins over `rope_parameters`, a rope_theta inside the dict
+    over the top-level one, and a top-level `original_max_position_embeddings` over the dict's;
+    llama3 and yarn default it to max_position_embeddings.
 
     Raises CheckpointError naming `where` for an unknown rope_type (dynamic, longrope, ...),
     a missing required parameter, per-layer-type rope parameters, or

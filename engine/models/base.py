@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kv_cache import KVCache, StepBatch
 from engine.kernels.native import NativeKernels, PackedWeight, native_kernels
+from engine.kv_cache import KVCache, StepBatch
 
 
 def reference_numerics(forward):

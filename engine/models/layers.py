@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.models.base import CausalLM, invariant_silu
 from engine.kernels.native import NativeKernels
+from engine.models.base import CausalLM, invariant_silu
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
