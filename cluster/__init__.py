@@ -1,7 +1,7 @@
 """Ray actors and scheduling for batchgen: work units in, committed unit files out.
 
 cluster/ knows Ray and the engine's API, not the output schema or the model internals:
-a job hands it a `UnitTask` (cluster/task.py) that reads and writes units.
+a job hands it a `UnitTask` (cluster/unit.py) that reads and writes units.
 
     from cluster import GenerationPool     # workers kept alive across calls (cluster/generation_pool.py)
 

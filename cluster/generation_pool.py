@@ -6,10 +6,10 @@
         pool.load_weights("ckpt/step-200")          # every worker, in place
         table = pool.generate(prompts)               # now from step-200's weights
 
-A pool is a UnitDispatcher (cluster/pool.py: the same GenerationWorker actors, deadlines,
+A pool is a UnitDispatcher (cluster/dispatcher.py: the same GenerationWorker actors, deadlines,
 retries and worker replacement as a job) started once and fed with the units of each call.
 The prompts travel inside their units and the rows come back through Ray, never through
-files. What the prompts and rows are is the task's business (cluster.task.PromptTask); for
+files. What the prompts and rows are is the task's business (cluster.unit.PromptTask); for
 a job config that is jobs.pool_task.PoolTask, which reads and writes them exactly as a job
 does, so a call's rows equal, bit for bit, what `run_job` writes for the same prompts, ids,
 parameters and checkpoint.
@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Mapping
 
-from cluster.pool import UnitDispatcher
-from cluster.task import PromptTask
+from cluster.dispatcher import UnitDispatcher
+from cluster.unit import PromptTask
 
 
 class GenerationPool:
@@ -41,7 +41,7 @@ class GenerationPool:
     max_unit_attempts and unit_timeout_s. The workers start, and their engines load, in the
     constructor.
     Raises SpecError / InputError for a bad config (naming the key) and
-    cluster.pool.UnitFailed when workers cannot start.
+    cluster.dispatcher.UnitFailed when workers cannot start.
     """
 
     def __init__(self, config: Any = None, overrides: Iterable[str] | Mapping[str, Any] = (), *,
@@ -70,7 +70,7 @@ class GenerationPool:
         input columns; params an engine SamplingParams or a dict of `sampling` keys over
         the config's; prompt_ids one id per prompt, default "0", "1", ...).
         Raises ValueError (SpecError, InputError) for input the task refuses, before any
-        work, and cluster.pool.UnitFailed when the call cannot finish (a unit failing
+        work, and cluster.dispatcher.UnitFailed when the call cannot finish (a unit failing
         max_unit_attempts times, no worker able to start); the workers stay up.
         """
         if not hasattr(prompts, "__len__"):
@@ -91,7 +91,7 @@ class GenerationPool:
         job on the new checkpoint, bit for bit; workers replaced later load it too.
         step: for a nanochat directory (default: its highest step now).
         Returns each worker's state ({"worker", "pid", "weights", "kv_cache_ptr", ...}).
-        Raises cluster.pool.WeightsRefused naming the worker and what does not fit (every
+        Raises cluster.dispatcher.WeightsRefused naming the worker and what does not fit (every
         worker keeps its weights) and UnitFailed when no worker runs."""
         return self.dispatcher.load_weights(str(checkpoint_path), step=step)
 

@@ -24,7 +24,7 @@ weights were swapped).
 
 An exception raised by the engine fails every unit the worker holds (their `run_unit`
 raises `EngineLoopError`) and breaks the worker: it drops its engine and refuses new units,
-and the driver replaces the whole process (cluster/pool.py). An engine is never rebuilt in
+and the driver replaces the whole process (cluster/dispatcher.py). An engine is never rebuilt in
 the same process, where the failed one may still hold its KV cache and device memory.
 
 Ray is imported only by `make_actor_class`: this module's logic runs (and is unit-tested)
@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.task import UnitResult, UnitTask, WorkUnit
+from cluster.unit import UnitResult, UnitTask, WorkUnit
 
 
 class EngineLoopError(RuntimeError):

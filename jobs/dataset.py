@@ -47,7 +47,7 @@ import pyarrow.fs as pafs
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from cluster.task import WorkUnit
+from cluster.unit import WorkUnit
 from jobs import uri
 from jobs.errors import InputError, SpecError
 from jobs.ids import find_duplicate

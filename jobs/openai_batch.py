@@ -60,7 +60,7 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from cluster.task import UnitRequest, WorkUnit
+from cluster.unit import UnitRequest, WorkUnit
 from engine.params import SamplingParams, check_sampling_value
 from engine.stop_strings import token_bytes
 from jobs.errors import InputError, JobError, OutputError

@@ -1,4 +1,4 @@
-"""PoolTask: a job's prompt and row rules for a GenerationPool call (cluster.task.PromptTask).
+"""PoolTask: a job's prompt and row rules for a GenerationPool call (cluster.unit.PromptTask).
 
 A call's prompts are cut into units that carry them (WorkUnit.payload, a `PromptBatch`);
 a worker turns them into requests and its outputs into rows with JobTask's own code
@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping
 
 import pyarrow as pa
 
-from cluster.task import UnitRequest, UnitResult, WorkUnit
+from cluster.unit import UnitRequest, UnitResult, WorkUnit
 from jobs.dataset import JobPlan, check_input_schema
 from jobs.errors import InputError
 from jobs.output import output_schema

@@ -17,7 +17,7 @@ Order of work (every check that can refuse the job happens before Ray starts):
    with the GPUs Ray detects (shut down at the end); "auto", "host:port" or "ray://..."
    joins a cluster (left running). A Ray instance already initialised in this process is
    reused as is.
-6. cluster.pool.UnitDispatcher with a tqdm bar over rows (unit deadlines from
+6. cluster.dispatcher.UnitDispatcher with a tqdm bar over rows (unit deadlines from
    cluster.unit_timeout_s; the lease checked every loop); UnitFailed becomes JobFailed (exit 1);
 7. summary (from the output directory, so it covers every run of a resumed job) printed
    and written to _SUCCESS; the lease is released.
@@ -158,7 +158,7 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
     run (default jobs.task.JobTask; tests inject faults through it).
     echo=False: no summary and examples on stdout (the Python API, jobs.api.run_job).
     """
-    from cluster.pool import UnitDispatcher, UnitFailed
+    from cluster.dispatcher import UnitDispatcher, UnitFailed
     from jobs.dataset import plan_job
     from jobs.lease import OutputLease
     from jobs.output import OutputDir

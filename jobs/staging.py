@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cluster.task import WorkUnit
+from cluster.unit import WorkUnit
 from jobs import uri
 from jobs.dataset import InputFile, JobPlan, open_input
 from jobs.output import OutputDir

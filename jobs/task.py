@@ -1,4 +1,4 @@
-"""JobTask: how a worker reads a unit's prompts and commits its rows (cluster.task.UnitTask).
+"""JobTask: how a worker reads a unit's prompts and commits its rows (cluster.unit.UnitTask).
 
 A JobTask is pickled to every worker, so it holds plain data only: the engine arguments,
 the sampling parameters, the input format and columns, the output path, the fingerprint.
@@ -32,7 +32,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from cluster.task import UnitRequest, UnitResult, WorkUnit
+from cluster.unit import UnitRequest, UnitResult, WorkUnit
 from engine.stop_strings import completion_text
 from jobs import uri
 from jobs.dataset import JobPlan, read_rows_counted
@@ -83,7 +83,7 @@ def check_messages(messages: Any) -> str | None:
 
 
 class JobTask:
-    """The UnitTask of a batchgen job (see module docstring and cluster/task.py).
+    """The UnitTask of a batchgen job (see module docstring and cluster/unit.py).
 
     JobTask(spec, plan, output_path=None, staged=None): output_path defaults to
     spec.output.path; relative paths are made absolute here, on the driver. staged: {staged

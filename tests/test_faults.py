@@ -19,7 +19,7 @@ import yaml
 
 ray = pytest.importorskip("ray")
 
-from cluster.pool import UnitFailed, run_units  # noqa: E402
+from cluster.dispatcher import UnitFailed, run_units  # noqa: E402
 from jobs.task import JobTask  # noqa: E402
 from jobs.output import TMP_RE  # noqa: E402
 from conftest import descendants, kill_driver_once, sigkill  # noqa: E402
@@ -233,7 +233,7 @@ def test_stopped_worker_is_replaced_and_its_units_run_again(ray_local, inputs, r
     cluster.unit_timeout_s (no other worker can take a second copy), it shows no progress
     when pinged, so it is replaced and its units run again on the fresh worker; the dataset
     equals the uninterrupted run. (Second copies on a live worker: test_cluster.)"""
-    from cluster.pool import UnitDispatcher
+    from cluster.dispatcher import UnitDispatcher
 
     spec = job_spec(inputs, tmp_path / "out", max_unit_attempts=6)
     plan, out = prepared(spec)
@@ -296,7 +296,7 @@ class EngineFailsOnce(JobTask):
 
 
 def test_worker_whose_engine_raises_is_replaced(ray_local, inputs, reference, tmp_path):
-    from cluster.pool import UnitDispatcher
+    from cluster.dispatcher import UnitDispatcher
 
     spec = job_spec(inputs, tmp_path / "out", max_unit_attempts=3)
     plan, out = prepared(spec)

@@ -14,7 +14,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from conftest import stop_shared_ray  # noqa: E402
 
-from cluster.pool import run_units  # noqa: E402
+from cluster.dispatcher import run_units  # noqa: E402
 from jobs.task import JobTask  # noqa: E402
 from test_cluster import ROOT, assert_same_dataset, read_dataset, write_inputs  # noqa: E402
 from test_faults import job_spec, prepared  # noqa: E402

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-if TYPE_CHECKING:  # annotations only: importing cluster.task must not load the engine
+if TYPE_CHECKING:  # annotations only: importing cluster.unit must not load the engine
     from engine.params import RequestOutput, SamplingParams
 
 

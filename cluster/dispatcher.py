@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Iterable
 
-from cluster.task import UnitResult, UnitTask, WorkUnit
+from cluster.unit import UnitResult, UnitTask, WorkUnit
 
 log = logging.getLogger("batchgen.pool")
 
