@@ -41,7 +41,7 @@ class GenerationPool:
     max_unit_attempts and unit_timeout_s. The workers start, and their engines load, in the
     constructor.
     Raises SpecError / InputError for a bad config (naming the key) and
-    cluster.dispatcher.UnitFailed when workers cannot start.
+    cluster.unit.UnitFailed when workers cannot start.
     """
 
     def __init__(self, config: Any = None, overrides: Iterable[str] | Mapping[str, Any] = (), *,
@@ -70,7 +70,7 @@ class GenerationPool:
         input columns; params an engine SamplingParams or a dict of `sampling` keys over
         the config's; prompt_ids one id per prompt, default "0", "1", ...).
         Raises ValueError (SpecError, InputError) for input the task refuses, before any
-        work, and cluster.dispatcher.UnitFailed when the call cannot finish (a unit failing
+        work, and cluster.unit.UnitFailed when the call cannot finish (a unit failing
         max_unit_attempts times, no worker able to start); the workers stay up.
         """
         if not hasattr(prompts, "__len__"):
@@ -91,7 +91,7 @@ class GenerationPool:
         job on the new checkpoint, bit for bit; workers replaced later load it too.
         step: for a nanochat directory (default: its highest step now).
         Returns each worker's state ({"worker", "pid", "weights", "kv_cache_ptr", ...}).
-        Raises cluster.dispatcher.WeightsRefused naming the worker and what does not fit (every
+        Raises cluster.weight_sync.WeightsRefused naming the worker and what does not fit (every
         worker keeps its weights) and UnitFailed when no worker runs."""
         return self.dispatcher.load_weights(str(checkpoint_path), step=step)
 

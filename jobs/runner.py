@@ -158,7 +158,8 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
     run (default jobs.task.JobTask; tests inject faults through it).
     echo=False: no summary and examples on stdout (the Python API, jobs.api.run_job).
     """
-    from cluster.dispatcher import UnitDispatcher, UnitFailed
+    from cluster.dispatcher import UnitDispatcher
+    from cluster.unit import UnitFailed
     from jobs.dataset import plan_job
     from jobs.lease import OutputLease
     from jobs.output import OutputDir

@@ -324,7 +324,7 @@ class JobSpec(_Section):
         """model.dtype with aliases resolved; "auto" stays "auto": each worker's engine picks
         bfloat16 where it is native and faster (a GPU of compute capability 8.0 and up, a CPU
         with AVX-512 BF16) and float32 elsewhere, and the workers of one run must agree
-        (cluster/dispatcher.py refuses a worker that resolved another)."""
+        (cluster/health.py refuses a worker that resolved another)."""
         return DTYPE_NAMES[self.model.dtype]
 
     def engine_kwargs(self) -> dict[str, Any]:

@@ -18,8 +18,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster.dispatcher import UnitFailed, run_units  # noqa: E402
-from cluster.unit import UnitRequest, UnitResult, WorkUnit  # noqa: E402
+from cluster.dispatcher import run_units  # noqa: E402
+from cluster.unit import UnitFailed, UnitRequest, UnitResult, WorkUnit  # noqa: E402
 from cluster.worker import GenerationWorker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

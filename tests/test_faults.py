@@ -19,7 +19,8 @@ import yaml
 
 ray = pytest.importorskip("ray")
 
-from cluster.dispatcher import UnitFailed, run_units  # noqa: E402
+from cluster.dispatcher import run_units  # noqa: E402
+from cluster.unit import UnitFailed  # noqa: E402
 from jobs.task import JobTask  # noqa: E402
 from jobs.output import TMP_RE  # noqa: E402
 from conftest import descendants, kill_driver_once, sigkill  # noqa: E402

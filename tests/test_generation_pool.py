@@ -121,7 +121,7 @@ def test_load_weights_in_place_then_equals_a_job_on_the_new_checkpoint(setup):
 
 
 def test_mismatched_checkpoints_are_refused_and_the_weights_kept(setup):
-    from cluster.dispatcher import WeightsRefused
+    from cluster.weight_sync import WeightsRefused
 
     ck, _, _, pool = setup
     before = pool.generate(_table())
