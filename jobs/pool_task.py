@@ -240,38 +240,4 @@ def _check_unique(ids: list[Any]) -> None:
         seen[str(v)] = i
 
 
-@dataclass(slots=True)
-class PoolSetup:
-    """What a GenerationPool built from a job config runs: the task, the most prompts per
-    unit, UnitDispatcher arguments, and whether this call started Ray (close shuts it down)."""
-
-    task: PoolTask
-    unit_rows: int
-    dispatcher_options: dict[str, Any]
-    ray_started: bool
-
-
-def pool_setup(config: Any, overrides: Iterable[str] | Mapping[str, Any] = (), *,
-               model: str | None = None) -> PoolSetup:
-    """Validate a job config for a GenerationPool and connect Ray as a job would (a local
-    instance when cluster.address is null). Raises SpecError naming the key (bad config,
-    a model path or tokenizer that does not exist, more GPUs than a local machine has)."""
-    from jobs.api import load_job_spec
-    from jobs.dataset import check_model_path
-    from jobs.runner import check_local_gpus, connect_ray
-
-    spec = load_job_spec({} if config is None else config, overrides)
-    if model is not None:
-        spec = load_job_spec(spec, {"model.path": str(model)})
-    check_model_path(spec)
-    check_local_gpus(spec)
-    task = PoolTask(spec)
-    c = spec.cluster
-    options = dict(num_workers=int(c.num_workers), num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker,
-                   max_unit_attempts=int(c.max_unit_attempts), unit_timeout_s=c.unit_timeout_s,
-                   may_add_nodes=c.address is not None)
-    return PoolSetup(task=task, unit_rows=int(c.unit_rows), dispatcher_options=options,
-                     ray_started=connect_ray(spec))
-
-
-__all__ = ["PoolTask", "PromptBatch", "PoolCall", "PoolSetup", "pool_setup"]
+__all__ = ["PoolTask", "PromptBatch", "PoolCall"]
