@@ -93,7 +93,7 @@ def run_job(config: str | Path | Mapping[str, Any] | Any, overrides: Iterable[st
     """
     import pyarrow.dataset as pads
 
-    from jobs.output import OutputDir, part_name
+    from jobs.outputs.output_dir import OutputDir, part_name
     from jobs.runner import run_job as run
 
     spec = load_job_spec(config, overrides)

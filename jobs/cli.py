@@ -223,7 +223,7 @@ def run_batch(input_path: str, output: str, *, model: str | None = None, config:
               progress: bool | None = None) -> int:
     """`batchgen run-batch`: the job of batch_spec (resumed if it ran before), then the
     response JSONL `output` written from its dataset. Returns 0; raises the job's errors."""
-    from jobs.openai_batch import write_responses
+    from jobs.inputs.openai_batch import write_responses
     from jobs.runner import run_job
 
     spec = batch_spec(input_path, output, model=model, config=config, output_dir=output_dir, overrides=overrides)
@@ -290,7 +290,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return int(run_job(spec, overwrite=args.overwrite) or 0)
     if args.command == "plan":
-        from jobs.plan_report import describe_plan
+        from jobs.plan.report import describe_plan
         from jobs.spec import load_spec
 
         text, code = describe_plan(load_spec(args.config, args.set))
@@ -308,13 +308,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         return int(submit_job(args.config, address=args.address, overrides=list(args.set),
                               overwrite=args.overwrite) or 0)
     if args.command == "status":
-        from jobs.output import OutputDir
+        from jobs.outputs.output_dir import OutputDir
 
         st = OutputDir(args.output).status()
         print(json.dumps(st, indent=1, default=str) if args.json else format_status(st))
         return 0
     if args.command == "verify":
-        from jobs.output import OutputDir
+        from jobs.outputs.output_dir import OutputDir
 
         od = OutputDir(args.output)
         problems = od.verify()

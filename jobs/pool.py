@@ -45,7 +45,7 @@ def pool_setup(config: Any, overrides: Iterable[str] | Mapping[str, Any] = (), *
     instance when cluster.address is null). Raises SpecError naming the key (bad config,
     a model path or tokenizer that does not exist, more GPUs than a local machine has)."""
     from jobs.api import load_job_spec
-    from jobs.dataset import check_model_path
+    from jobs.inputs.parquet import check_model_path
     from jobs.runner import check_local_gpus, connect_ray
 
     spec = load_job_spec({} if config is None else config, overrides)

@@ -32,9 +32,9 @@ from typing import Any, Iterable, Mapping
 import pyarrow as pa
 
 from cluster.unit import UnitRequest, UnitResult, WorkUnit
-from jobs.dataset import JobPlan, check_input_schema
+from jobs.inputs.parquet import JobPlan, check_input_schema
 from jobs.errors import InputError
-from jobs.output import output_schema
+from jobs.outputs.output_dir import output_schema
 from jobs.spec import DEFAULT_COLUMNS, JobSpec
 from jobs.task import JobTask
 

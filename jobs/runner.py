@@ -8,11 +8,11 @@ Order of work (every check that can refuse the job happens before Ray starts):
 1. plan_job: input files, schemas, units, fingerprint with the checkpoint's content hashes
    (cached in the output directory) (SpecError / InputError, exit 2); a local run asking
    for more GPUs than the machine has is refused (SpecError, exit 2);
-2. the output lease (jobs/lease.py): another live driver on the same output stops this
+2. the output lease (jobs/outputs/lease.py): another live driver on the same output stops this
    one (OutputError, exit 2) before it touches anything;
 3. OutputDir.prepare: new / resume / overwrite, fingerprint check (OutputError, exit 2);
 4. skip committed units (resume), remove temp files of interrupted writes, stage input
-   files whose row groups are too large for their units (jobs/staging.py);
+   files whose row groups are too large for their units (jobs/inputs/staging.py);
 5. connect Ray: cluster.address None starts a private local instance sized for the workers
    with the GPUs Ray detects (shut down at the end); "auto", "host:port" or "ray://..."
    joins a cluster (left running). A Ray instance already initialised in this process is
@@ -139,7 +139,7 @@ class _Progress:
 
 def load_hash_cache(out: Any) -> Any:
     """The checkpoint hash cache stored in the output directory (empty if absent/unreadable)."""
-    from jobs.weights import CACHE_FILE, HashCache
+    from jobs.plan.fingerprint import CACHE_FILE, HashCache
 
     try:
         return HashCache.loads(out.read_text(CACHE_FILE))
@@ -160,12 +160,12 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
     """
     from cluster.dispatcher import UnitDispatcher
     from cluster.unit import UnitFailed
-    from jobs.dataset import plan_job
-    from jobs.lease import OutputLease
-    from jobs.output import OutputDir
-    from jobs.staging import stage_inputs
+    from jobs.inputs.parquet import plan_job
+    from jobs.outputs.lease import OutputLease
+    from jobs.outputs.output_dir import OutputDir
+    from jobs.inputs.staging import stage_inputs
     from jobs.task import JobTask
-    from jobs.weights import CACHE_FILE
+    from jobs.plan.fingerprint import CACHE_FILE
 
     t0 = time.time()
     out = OutputDir(spec.output.path)
@@ -258,7 +258,7 @@ def show_examples(spec: Any, plan: Any, out: Any, n: int = 2, width: int = 600) 
     their prompts, so a person sees what the model wrote. Nothing for the untrained
     "tiny-random" model (its text is noise) or when the first unit holds only errors."""
     from engine.builtin import TINY_RANDOM
-    from jobs.dataset import read_rows
+    from jobs.inputs.parquet import read_rows
 
     if spec.model.path == TINY_RANDOM or not plan.units or spec.input.format == "openai_batch":
         return ""

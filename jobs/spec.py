@@ -36,10 +36,10 @@ it across machine kinds.
 
 `input.column` defaults to "prompt" for the text and tokens formats and "messages" for chat.
 
-`input.sampling_column` names a struct column whose fields (any of jobs.row_params.ROW_FIELDS)
-override `sampling` for that row (jobs/row_params.py).
+`input.sampling_column` names a struct column whose fields (any of jobs.inputs.row_params.ROW_FIELDS)
+override `sampling` for that row (jobs/inputs/row_params.py).
 
-`input.format: openai_batch` reads an OpenAI Batch JSONL file (jobs/openai_batch.py): each
+`input.format: openai_batch` reads an OpenAI Batch JSONL file (jobs/inputs/openai_batch.py): each
 line's body sets its own sampling parameters over `sampling`, whose num_samples and top_k
 default to OpenAI's (1 and off) for this format when the config does not set them.
 
@@ -61,7 +61,7 @@ from jobs.errors import SpecError
 if TYPE_CHECKING:
     from engine.params import SamplingParams
 
-# Output columns a passthrough column may not shadow (kept in sync with jobs.output.OUTPUT_SCHEMA).
+# Output columns a passthrough column may not shadow (kept in sync with jobs.outputs.output_dir.OUTPUT_SCHEMA).
 RESERVED_COLUMNS = ("prompt_id", "sample_index", "prompt_tokens", "tokens", "mask", "logprobs", "text",
                     "finish_reason", "stop_reason", "tool_calls", "num_prompt_tokens", "num_tokens", "seed",
                     "error")
@@ -187,7 +187,7 @@ class InputSpec(_Section):
 
 class OutputSpec(_Section):
     """Where the dataset goes. lease_timeout_s: a driver holds a lease on the output
-    (jobs/lease.py); another driver may take it over once it has had no heartbeat this long."""
+    (jobs/outputs/lease.py); another driver may take it over once it has had no heartbeat this long."""
 
     path: NonEmptyStr = "out/demo"
     lease_timeout_s: Any = 120
@@ -343,9 +343,9 @@ class JobSpec(_Section):
         return self.model_dump(mode="json", exclude={"source"})
 
     def fingerprint_dict(self) -> dict[str, Any]:
-        """The part of the spec that decides the generated rows (jobs.dataset adds the input files).
+        """The part of the spec that decides the generated rows (jobs.inputs.parquet adds the input files).
 
-        Included: model identity (see model_identity; jobs.dataset adds the files' content
+        Included: model identity (see model_identity; jobs.inputs.parquet adds the files' content
         hashes), the resolved dtype and device kind (cpu / cuda: kernels differ), max_seq_len,
         batch_invariant (without it a near-tie may resolve differently in another batch),
         sampling, tools, input format/column/id_column/passthrough/sampling_column, unit_rows.
@@ -463,7 +463,7 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
 
     path: the YAML file. overrides: "section.key=value" strings (the CLI's --set), applied
     in order after reading. Nothing is checked on disk except the file itself (inputs are
-    checked by jobs.dataset.plan_job). Raises SpecError (exit code 2) for a missing or
+    checked by jobs.inputs.parquet.plan_job). Raises SpecError (exit code 2) for a missing or
     unreadable file, invalid YAML (with line and column), an unknown key or a bad value;
     the message names the file and the dotted key.
     """

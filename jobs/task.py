@@ -17,9 +17,9 @@ exception; the error names the file, the row and the column):
 - tokens: the ids as-is; null/empty lists, null elements, negative ids and ids >=
   tokenizer.vocab_size are errors.
 - id_column (if set): a null id is an error row (its prompt_id falls back to "<file>:<row>").
-- sampling_column (if set): the row's struct overrides the job's sampling (jobs/row_params.py);
+- sampling_column (if set): the row's struct overrides the job's sampling (jobs/inputs/row_params.py);
   a bad value is an error row naming the field.
-- openai_batch: each JSONL line is parsed, checked and tokenized by jobs/openai_batch.py.
+- openai_batch: each JSONL line is parsed, checked and tokenized by jobs/inputs/openai_batch.py.
 
 Output text: the sample's tokens decoded, without the stop token that ended it and cut
 before the stop string that ended it (engine.stop_strings.completion_text); `stop_reason`
@@ -35,10 +35,10 @@ import pyarrow as pa
 from cluster.unit import UnitRequest, UnitResult, WorkUnit
 from engine.stop_strings import completion_text
 from jobs import uri
-from jobs.dataset import JobPlan, read_rows_counted
-from jobs.output import (META_COUNTS, META_FINGERPRINT, META_UNIT, META_VERSION, OUTPUT_SCHEMA, batchgen_version,
+from jobs.inputs.parquet import JobPlan, read_rows_counted
+from jobs.outputs.output_dir import (META_COUNTS, META_FINGERPRINT, META_UNIT, META_VERSION, OUTPUT_SCHEMA, batchgen_version,
                          canonical_output, output_schema, write_part)
-from jobs.row_params import row_params
+from jobs.inputs.row_params import row_params
 from jobs.spec import JobSpec
 
 def text_bos(tokenizer: Any) -> int | None:
@@ -88,7 +88,7 @@ class JobTask:
     JobTask(spec, plan, output_path=None, staged=None): output_path defaults to
     spec.output.path; relative paths are made absolute here, on the driver. staged: {staged
     copy's source: the input file's name} for units that read a re-chunked copy
-    (jobs/staging.py).
+    (jobs/inputs/staging.py).
     """
 
     def __init__(self, spec: JobSpec, plan: JobPlan, output_path: str | None = None,
@@ -125,7 +125,7 @@ class JobTask:
         rules). Bad rows become requests with prompt_tokens None and an error naming the file,
         row (0-based, within the file) and column. Raises only if the file cannot be read."""
         if self.format == "openai_batch":
-            from jobs.openai_batch import read_unit
+            from jobs.inputs.openai_batch import read_unit
 
             return read_unit(self, unit, tokenizer)
         name = self.file_names.get(unit.source, unit.source)
@@ -220,7 +220,7 @@ class JobTask:
     def write_unit(self, unit: WorkUnit, requests: list[UnitRequest], outputs: list[Any],
                    tokenizer: Any = None) -> UnitResult:
         """Commit the unit: one row per sample in (prompt, sample_index) order, written
-        atomically as part-<index>.parquet (see jobs.output.write_part).
+        atomically as part-<index>.parquet (see jobs.outputs.output_dir.write_part).
 
         outputs[i] is the engine.params.RequestOutput of requests[i] (error_output for a bad
         row). `tokenizer` decodes each sample's tokens into the `text` column and its stop
@@ -289,7 +289,7 @@ class JobTask:
                 for c in self.passthrough:
                     cols[c].append(req.passthrough.get(c))
                 if self.format == "openai_batch":
-                    from jobs.openai_batch import sample_columns
+                    from jobs.inputs.openai_batch import sample_columns
 
                     for c, v in sample_columns(req, s, text, tokenizer).items():
                         cols[c].append(v)

@@ -21,9 +21,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.cli import main
-from jobs.dataset import plan_job
+from jobs.inputs.parquet import plan_job
 from jobs.errors import InputError, OutputError, SpecError
-from jobs.output import OutputDir
+from jobs.outputs.output_dir import OutputDir
 from jobs.spec import JobSpec, load_spec
 from jobs.task import JobTask
 

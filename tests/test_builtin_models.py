@@ -10,7 +10,7 @@ import pytest
 
 from engine import builtin
 from engine.checkpoint import CheckpointError, detect_format
-from jobs.dataset import plan_job
+from jobs.inputs.parquet import plan_job
 from jobs.errors import SpecError
 from jobs.spec import JobSpec
 

@@ -76,7 +76,7 @@ def test_prepare_missing_file(tmp_path, capsys):
 def test_prepare_gsm8k_then_plan(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["prepare", str(GSM8K), "out/gsm8k_prompts.parquet", "--column", "question", "--format", "chat"]) == 0
-    from jobs.dataset import plan_job
+    from jobs.inputs.parquet import plan_job
     from jobs.spec import load_spec
 
     spec = load_spec(ROOT / "configs" / "gsm8k.yaml")
@@ -192,8 +192,8 @@ def test_plan_prints_the_plan_without_ray_or_a_model(tmp_path, capsys, monkeypat
 def test_plan_reports_resume_and_refuses_another_jobs_output(tmp_path, capsys):
     import pyarrow as pa
 
-    from jobs.dataset import plan_job
-    from jobs.output import OutputDir, write_part
+    from jobs.inputs.parquet import plan_job
+    from jobs.outputs.output_dir import OutputDir, write_part
     from jobs.spec import load_spec
 
     cfg = _plan_config(tmp_path)

@@ -196,8 +196,8 @@ def fake_units(n_prompts: int, unit_rows: int) -> list[WorkUnit]:
 def test_worker_takes_a_second_unit_while_the_first_is_in_flight(tmp_path):
     """A unit boundary does not drain the engine: unit 1's prompts join the running batch
     while unit 0 still decodes, and both units come out complete and committed."""
-    from jobs.dataset import plan_job
-    from jobs.output import OutputDir
+    from jobs.inputs.parquet import plan_job
+    from jobs.outputs.output_dir import OutputDir
     from jobs.task import JobTask
 
     spec = make_spec(write_inputs(tmp_path / "in"), tmp_path / "out", max_tokens=8)
@@ -410,7 +410,7 @@ def test_no_node_can_host_a_worker(ray_local, tmp_path):
 
 def test_run_job_one_and_two_workers_resume_and_fingerprint(ray_local, tmp_path, capsys):
     from jobs.errors import OutputError
-    from jobs.output import OutputDir
+    from jobs.outputs.output_dir import OutputDir
     from jobs.runner import run_job
 
     inp = write_inputs(tmp_path / "in")

@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray")
 from cluster.dispatcher import run_units  # noqa: E402
 from cluster.unit import UnitFailed  # noqa: E402
 from jobs.task import JobTask  # noqa: E402
-from jobs.output import TMP_RE  # noqa: E402
+from jobs.outputs.output_dir import TMP_RE  # noqa: E402
 from conftest import descendants, kill_driver_once, sigkill  # noqa: E402
 from test_cluster import ROOT, assert_same_dataset, make_spec, read_dataset, write_inputs  # noqa: E402
 
@@ -35,8 +35,8 @@ def job_spec(inp: Path, out: Path, **cluster):
 
 
 def prepared(spec):
-    from jobs.dataset import plan_job
-    from jobs.output import OutputDir
+    from jobs.inputs.parquet import plan_job
+    from jobs.outputs.output_dir import OutputDir
 
     plan = plan_job(spec)
     out = OutputDir(spec.output.path)
@@ -76,7 +76,7 @@ def reference(inputs, tmp_path_factory):
 
 
 def check_exactly_once(out: Path, reference: list[dict]) -> None:
-    from jobs.output import OutputDir
+    from jobs.outputs.output_dir import OutputDir
 
     assert OutputDir(str(out)).verify() == []
     rows = read_dataset(out)
@@ -214,7 +214,7 @@ def test_kill_driver_then_rerun(inputs, reference, tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     kill_driver_once(proc, lambda: bool(list(out.glob("part-*.parquet"))), timeout_s=180)
-    from jobs.output import OutputDir
+    from jobs.outputs.output_dir import OutputDir
 
     committed = OutputDir(str(out)).committed_units()
     assert 1 <= len(committed)

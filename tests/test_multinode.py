@@ -72,7 +72,7 @@ def test_remove_a_node_holding_units(cluster, tmp_path):
     any the worker prefetched) runs again on the other node's worker, and the dataset equals
     the uninterrupted run, every row once."""
     from cluster.worker import GenerationWorker
-    from jobs.output import OutputDir
+    from jobs.outputs.output_dir import OutputDir
 
     c, nodes = cluster
     inp = write_inputs(tmp_path / "in", sizes=(8, 8, 8))

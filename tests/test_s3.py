@@ -81,8 +81,8 @@ def _local_clean_run(out) -> None:
     """The same demo job with local input and output, uninterrupted: every unit in order
     through one GenerationWorker in this process."""
     from cluster.worker import GenerationWorker
-    from jobs.dataset import plan_job
-    from jobs.output import OutputDir
+    from jobs.inputs.parquet import plan_job
+    from jobs.outputs.output_dir import OutputDir
     from jobs.spec import load_spec
     from jobs.task import JobTask
 

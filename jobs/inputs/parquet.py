@@ -16,8 +16,8 @@ the file's path relative to the input root (the directory, the glob's base, or t
 own directory for a single file), so ids survive moving the dataset.
 
 Units: each file is cut along its Parquet row groups into units of at most
-cluster.unit_rows consecutive rows (jobs/units.py: a unit decodes at most 2x its rows; a file
-with row groups larger than 2 x unit_rows is marked for staging, jobs/staging.py). Unit
+cluster.unit_rows consecutive rows (jobs/inputs/row_groups.py: a unit decodes at most 2x its rows; a file
+with row groups larger than 2 x unit_rows is marked for staging, jobs/inputs/staging.py). Unit
 indices count up across files in sorted order, so they are stable for a given input.
 
 Planning reads footers in parallel and checks duplicate ids in bounded memory (jobs/ids.py),
@@ -51,15 +51,15 @@ from cluster.unit import WorkUnit
 from jobs import uri
 from jobs.errors import InputError, SpecError
 from jobs.ids import find_duplicate
-from jobs.output import type_str
-from jobs.row_params import check_sampling_column_type, rows_per_unit
+from jobs.outputs.output_dir import type_str
+from jobs.inputs.row_params import check_sampling_column_type, rows_per_unit
 from jobs.spec import PACKAGE_PREFIX, JobSpec
-from jobs.units import cut_file
-from jobs.weights import HashCache, content_identity
+from jobs.inputs.row_groups import cut_file
+from jobs.plan.fingerprint import HashCache, content_identity
 
 log = logging.getLogger("batchgen")
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 # 2: checkpoint content hashes, resolved device kind and dtype, row-group units; the stop
 # token kept in `tokens`, the stop_reason column, per-row sampling parameters
 FINGERPRINT_VERSION = 2
@@ -75,7 +75,7 @@ class InputFile:
     name: its path relative to the input root (used in prompt ids and the fingerprint);
     size: bytes; num_rows: rows; schema: its Arrow schema;
     row_groups: rows of each Parquet row group; staged: read from a re-chunked copy
-    (jobs/units.py, jobs/staging.py).
+    (jobs/inputs/row_groups.py, jobs/inputs/staging.py).
     """
 
     path: str
@@ -99,7 +99,7 @@ class JobPlan:
     num_prompts used.
     expected_rows: output rows per unit index where a unit's rows are not its prompts x
         sampling.num_samples (per-row num_samples: input.sampling_column, openai_batch).
-    batch: for input.format openai_batch, where each unit's lines are (jobs.openai_batch.BatchPlan).
+    batch: for input.format openai_batch, where each unit's lines are (jobs.inputs.openai_batch.BatchPlan).
     """
 
     units: list[WorkUnit]
@@ -311,7 +311,7 @@ def _read_footer(source: str, name: str) -> tuple[int, pa.Schema, tuple[int, ...
 
 def read_rows_counted(source: str, row_start: int, row_end: int, columns: list[str]) -> tuple[pa.Table, int]:
     """Rows [row_start, row_end) of one input file, only `columns`, and how many rows were
-    decoded to get them (the row groups that overlap the range; see jobs/units.py).
+    decoded to get them (the row groups that overlap the range; see jobs/inputs/row_groups.py).
 
     Raises pyarrow/OS errors for a file that cannot be read (the caller's unit then fails
     and is retried).
@@ -391,14 +391,14 @@ def plan_job(spec: JobSpec, hash_cache: HashCache | None = None) -> JobPlan:
     """Find and validate the job's inputs, cut them into units, and fingerprint the job.
 
     Reads only Parquet footers, in parallel (plus the id column, to reject duplicate ids)
-    and hashes the checkpoint's files (`hash_cache`: see jobs/weights.py; None hashes them
+    and hashes the checkpoint's files (`hash_cache`: see jobs/plan/fingerprint.py; None hashes them
     all). Raises InputError naming the file and column for anything that stops the job,
     SpecError for a model path that does not exist. Zero-row files are allowed (they yield
     no units and a warning in `plan.warnings` and the log).
     """
     check_model_path(spec)
     if spec.input.format == "openai_batch":
-        from jobs.openai_batch import plan_batch
+        from jobs.inputs.openai_batch import plan_batch
 
         return plan_batch(spec)
     root, found = discover(spec.input.path)

@@ -1,7 +1,7 @@
 """Staging: re-chunking input files whose row groups are too large for their units.
 
 A file with a row group of more than 2 x unit_rows rows (pyarrow writes 1,048,576-row
-groups by default) would make each of its units decode that whole group (jobs/units.py).
+groups by default) would make each of its units decode that whole group (jobs/inputs/row_groups.py).
 Before the job runs, the driver rewrites the columns the job reads from such a file into
 `output.path/_batchgen/staged/`, with `unit_rows`-row groups, reading the original once as
 a stream (bounded memory, files in parallel); the units then read the copy. Rows decoded:
@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 
 from cluster.unit import WorkUnit
 from jobs import uri
-from jobs.dataset import InputFile, JobPlan, open_input
-from jobs.output import OutputDir
+from jobs.inputs.parquet import InputFile, JobPlan, open_input
+from jobs.outputs.output_dir import OutputDir
 
 log = logging.getLogger("batchgen")
 

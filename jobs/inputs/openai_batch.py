@@ -290,7 +290,7 @@ def _iter_lines(stream: Any, first_line: int = 1, offset: int = 0, hasher: Any =
 def plan_batch(spec: Any) -> Any:
     """The JobPlan of an openai_batch job: reads the JSONL file once. Raises InputError for a
     file that is missing, not a file, or holds no request line."""
-    from jobs.dataset import FINGERPRINT_VERSION, InputFile, JobPlan, fingerprint_of, resolve
+    from jobs.inputs.parquet import FINGERPRINT_VERSION, InputFile, JobPlan, fingerprint_of, resolve
 
     path = spec.input.path
     fs, p, source = resolve(path)
@@ -356,7 +356,7 @@ def plan_batch(spec: Any) -> Any:
 
 def read_unit(task: Any, unit: WorkUnit, tokenizer: Any) -> list[UnitRequest]:
     """The unit's request lines as UnitRequests (JobTask.read_unit for openai_batch)."""
-    from jobs.dataset import open_input
+    from jobs.inputs.parquet import open_input
     from jobs.task import text_bos
 
     bp: BatchPlan = task.batch
@@ -464,7 +464,7 @@ def write_responses(output_path: str, jsonl_path: str) -> int:
     Raises OutputError when output_path is not an openai_batch job's output or has units
     missing (the job has not finished), or the JSONL cannot be written.
     """
-    from jobs.output import OutputDir, resolve_output
+    from jobs.outputs.output_dir import OutputDir, resolve_output
 
     od = OutputDir(output_path)
     m = od.read_manifest()

@@ -31,7 +31,7 @@ from typing import Any
 
 from jobs import uri
 from jobs.errors import JobFailed, OutputError
-from jobs.output import LEASE, OutputDir
+from jobs.outputs.output_dir import LEASE, OutputDir
 
 log = logging.getLogger("batchgen")
 

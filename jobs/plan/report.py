@@ -25,9 +25,9 @@ def describe_plan(spec: Any) -> tuple[str, int]:
     """(the report, exit code): 0, or 2 when `run` would refuse the output directory.
 
     Raises SpecError / InputError (exit code 2) as `run` does."""
-    from jobs.dataset import plan_job
-    from jobs.lease import OutputLease
-    from jobs.output import OutputDir
+    from jobs.inputs.parquet import plan_job
+    from jobs.outputs.lease import OutputLease
+    from jobs.outputs.output_dir import OutputDir
     from jobs.runner import check_local_gpus, load_hash_cache
 
     out = OutputDir(spec.output.path)
@@ -59,7 +59,7 @@ def describe_plan(spec: Any) -> tuple[str, int]:
             done = len(out.committed_units())
             lines.append(f"output:        {out.shown}: resume, {done:,} of {len(plan.units):,} units committed")
         else:
-            from jobs.output import describe_differences
+            from jobs.outputs.output_dir import describe_differences
 
             diffs = describe_differences(manifest.get("fingerprint_data") or {}, plan.fingerprint_data)
             lines.append(f"output:        {out.shown}: holds another job's output (fingerprint "

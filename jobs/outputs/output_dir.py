@@ -6,9 +6,9 @@ with filesystem options after `?`, see jobs/uri.py):
     part-000000.parquet          one file per committed unit, OUTPUT_SCHEMA + passthrough columns
     .tmp-part-000000-<uuid>.parquet   a unit being written (local filesystems only)
     _batchgen/manifest.json      the job: fingerprint, spec, input files, units, expected rows
-    _batchgen/lease.json         the driver running the job (jobs/lease.py)
-    _batchgen/checkpoint-sha256.json  cached checkpoint hashes (jobs/weights.py)
-    _batchgen/staged/            re-chunked copies of input files (jobs/staging.py)
+    _batchgen/lease.json         the driver running the job (jobs/outputs/lease.py)
+    _batchgen/checkpoint-sha256.json  cached checkpoint hashes (jobs/plan/fingerprint.py)
+    _batchgen/staged/            re-chunked copies of input files (jobs/inputs/staging.py)
     _SUCCESS                     JSON summary, written once every unit is committed
 
 Commits: a reader sees a unit file whole or not at all, and the first copy of a unit to

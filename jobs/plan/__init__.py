@@ -1,0 +1,1 @@
+"""Planning a job: its units and its fingerprint, before any work; `batchgen plan`."""
