@@ -25,7 +25,10 @@ from typing import Any, Iterable, Mapping
 
 from cluster.dispatcher import UnitDispatcher
 from cluster.unit import PromptTask
+from jobs.config import load_job_spec
+from jobs.plan.planner import check_local_gpus, check_model_path
 from jobs.pool_task import PoolTask
+from jobs.runner import connect_ray
 
 
 @dataclass(slots=True)
@@ -44,10 +47,6 @@ def pool_setup(config: Any, overrides: Iterable[str] | Mapping[str, Any] = (), *
     """Validate a job config for a GenerationPool and connect Ray as a job would (a local
     instance when cluster.address is null). Raises SpecError naming the key (bad config,
     a model path or tokenizer that does not exist, more GPUs than a local machine has)."""
-    from jobs.api import load_job_spec
-    from jobs.inputs.parquet import check_model_path
-    from jobs.runner import check_local_gpus, connect_ray
-
     spec = load_job_spec({} if config is None else config, overrides)
     if model is not None:
         spec = load_job_spec(spec, {"model.path": str(model)})

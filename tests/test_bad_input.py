@@ -21,10 +21,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.cli import main
-from jobs.inputs.parquet import plan_job
+from jobs.config import load_spec
 from jobs.errors import InputError, OutputError, SpecError
 from jobs.outputs.output_dir import OutputDir
-from jobs.spec import JobSpec, load_spec
+from jobs.plan.planner import plan_job
+from jobs.spec import JobSpec
 from jobs.task import JobTask
 
 CHAT = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))

@@ -10,8 +10,8 @@ import pytest
 
 from engine import builtin
 from engine.checkpoint import CheckpointError, detect_format
-from jobs.inputs.parquet import plan_job
 from jobs.errors import SpecError
+from jobs.plan.planner import plan_job
 from jobs.spec import JobSpec
 
 

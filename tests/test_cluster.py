@@ -196,8 +196,8 @@ def fake_units(n_prompts: int, unit_rows: int) -> list[WorkUnit]:
 def test_worker_takes_a_second_unit_while_the_first_is_in_flight(tmp_path):
     """A unit boundary does not drain the engine: unit 1's prompts join the running batch
     while unit 0 still decodes, and both units come out complete and committed."""
-    from jobs.inputs.parquet import plan_job
     from jobs.outputs.output_dir import OutputDir
+    from jobs.plan.planner import plan_job
     from jobs.task import JobTask
 
     spec = make_spec(write_inputs(tmp_path / "in"), tmp_path / "out", max_tokens=8)

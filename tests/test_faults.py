@@ -21,8 +21,8 @@ ray = pytest.importorskip("ray")
 
 from cluster.dispatcher import run_units  # noqa: E402
 from cluster.unit import UnitFailed  # noqa: E402
+from jobs.outputs.layout import TMP_RE  # noqa: E402
 from jobs.task import JobTask  # noqa: E402
-from jobs.outputs.output_dir import TMP_RE  # noqa: E402
 from conftest import descendants, kill_driver_once, sigkill  # noqa: E402
 from test_cluster import ROOT, assert_same_dataset, make_spec, read_dataset, write_inputs  # noqa: E402
 
@@ -35,8 +35,8 @@ def job_spec(inp: Path, out: Path, **cluster):
 
 
 def prepared(spec):
-    from jobs.inputs.parquet import plan_job
     from jobs.outputs.output_dir import OutputDir
+    from jobs.plan.planner import plan_job
 
     plan = plan_job(spec)
     out = OutputDir(spec.output.path)

@@ -11,8 +11,9 @@ import time
 import pytest
 
 from jobs.errors import JobFailed, OutputError
+from jobs.outputs.layout import LEASE
 from jobs.outputs.lease import OutputLease
-from jobs.outputs.output_dir import LEASE, OutputDir
+from jobs.outputs.output_dir import OutputDir
 
 
 def _out(tmp_path) -> OutputDir:

@@ -72,7 +72,7 @@ def test_row_params_rules():
 def test_sampling_column_is_checked_before_work(tmp_path):
     """A missing column, a column that is not a struct, or a struct field that is not a
     sampling parameter stops the job (InputError) naming the file, column and field."""
-    from jobs.inputs.parquet import plan_job
+    from jobs.plan.planner import plan_job
 
     inp = write_input(tmp_path)
     with pytest.raises(InputError, match="column 'nope' .input.sampling_column. not found"):

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from jobs.config import apply_override, load_spec
 from jobs.errors import SpecError
-from jobs.spec import JobSpec, apply_override, load_spec
+from jobs.spec import JobSpec
 
 
 def write(tmp_path, text: str, name: str = "job.yaml"):

@@ -1,30 +1,14 @@
-"""The output directory: unit files, manifest, success marker, status and verify.
+"""The output directory: its manifest, success marker and status, from the directory alone.
 
-Layout of `output.path` (a local directory or a pyarrow.fs URI such as s3://bucket/run,
-with filesystem options after `?`, see jobs/uri.py):
+    out = OutputDir("out/demo")        # a local directory or a URI (s3://bucket/run?...)
+    out.prepare(plan, spec)            # "new", "resume" or "overwrite"; refuses another job's output
+    out.committed_units(); out.status(); out.verify()
 
-    part-000000.parquet          one file per committed unit, OUTPUT_SCHEMA + passthrough columns
-    .tmp-part-000000-<uuid>.parquet   a unit being written (local filesystems only)
-    _batchgen/manifest.json      the job: fingerprint, spec, input files, units, expected rows
-    _batchgen/lease.json         the driver running the job (jobs/outputs/lease.py)
-    _batchgen/checkpoint-sha256.json  cached checkpoint hashes (jobs/plan/fingerprint.py)
-    _batchgen/staged/            re-chunked copies of input files (jobs/inputs/staging.py)
-    _SUCCESS                     JSON summary, written once every unit is committed
-
-Commits: a reader sees a unit file whole or not at all, and the first copy of a unit to
-commit wins (a unit may run twice: retries, deadlines):
-- local filesystem: written to a temporary name in the same directory, then hard-linked to
-  part-NNNNNN.parquet, which fails if it exists (then the temporary file is dropped); where
-  hard links are not supported, renamed unless the part file exists;
-- object store: the whole file is serialised in memory, then written with one PUT of the
-  final object, which S3 makes visible whole or not at all; skipped if the object exists.
-  (Two copies finishing within the same moment may both PUT: the later one replaces the
-  earlier, whole, with the same rows.)
-Every part file carries the job fingerprint and its unit's index and row range in its
-Parquet key-value metadata (keys "batchgen.*").
-
-`status` and `verify` read footers in parallel and keep memory bounded: `verify` of a
-40,000-file output holds one 64-bit key per prompt (jobs/ids.py), not every row.
+The names in the directory are jobs/outputs/layout.py's; unit files are committed by
+jobs/outputs/commit.py (whole or not at all, first commit wins), and hold
+jobs/outputs/schema.py's columns and metadata. `status` reads footers in parallel (the
+counts in their metadata); `verify` (jobs/outputs/verify.py) checks every file against the
+manifest in bounded memory.
 
 Errors: OutputError (exit code 2) when the directory cannot be created or written, or holds
 another job's output (the message names the keys whose values differ) or unrelated files.
@@ -32,14 +16,10 @@ another job's output (the message names the keys whose values differ) or unrelat
 from __future__ import annotations
 
 import json
-import os
-import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import numpy as np
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -47,142 +27,10 @@ import pyarrow.parquet as pq
 
 from jobs import uri
 from jobs.errors import OutputError
-
-TOOL_CALL_TYPE = pa.struct([
-    pa.field("start", pa.int32()), pa.field("end", pa.int32()), pa.field("expr", pa.string()),
-    pa.field("output", pa.string()), pa.field("error", pa.string()),
-])
-
-OUTPUT_SCHEMA = pa.schema([
-    pa.field("prompt_id", pa.string()),
-    pa.field("sample_index", pa.int32()),
-    pa.field("prompt_tokens", pa.list_(pa.int32())),
-    pa.field("tokens", pa.list_(pa.int32())),
-    pa.field("mask", pa.list_(pa.int8())),
-    pa.field("logprobs", pa.list_(pa.float32())),
-    pa.field("text", pa.string()),
-    pa.field("finish_reason", pa.string()),
-    pa.field("stop_reason", pa.string()),
-    pa.field("tool_calls", pa.list_(TOOL_CALL_TYPE)),
-    pa.field("num_prompt_tokens", pa.int32()),
-    pa.field("num_tokens", pa.int32()),
-    pa.field("seed", pa.int64()),
-    pa.field("error", pa.string()),
-])
-"""Columns of every output row (one row per sample); passthrough columns follow them."""
-
-MANIFEST = "_batchgen/manifest.json"
-LEASE = "_batchgen/lease.json"
-SUCCESS = "_SUCCESS"
-READ_THREADS = 16
-META_FINGERPRINT = b"batchgen.fingerprint"
-META_UNIT = b"batchgen.unit"
-META_COUNTS = b"batchgen.counts"
-META_VERSION = b"batchgen.version"
-PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
-TMP_RE = re.compile(r"^\.tmp-part-(\d{6,})-[0-9a-f]+\.parquet$")
-COUNT_KEYS = ("prompts", "rows", "generated_tokens", "prompt_tokens", "tool_calls", "tool_errors", "error_rows",
-              "input_rows_decoded")
-
-
-def batchgen_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("batchgen")
-    except Exception:  # not installed (running from a checkout)
-        return "0.1.0"
-
-
-def part_name(index: int) -> str:
-    """File name of unit `index`'s committed output."""
-    return f"part-{index:06d}.parquet"
-
-
-def output_schema(passthrough_fields: list[pa.Field] = ()) -> pa.Schema:
-    """OUTPUT_SCHEMA followed by the passthrough columns (with their input types)."""
-    return pa.schema(list(OUTPUT_SCHEMA) + list(passthrough_fields))
-
-
-def resolve_output(path: str) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path inside it) for an output path; relative local paths resolve against
-    the current working directory. Raises OutputError for a URI pyarrow cannot open."""
-    try:
-        return uri.filesystem_for(path)
-    except (pa.ArrowException, ValueError, OSError) as e:
-        raise OutputError(f"output.path {uri.redact(path)}: cannot open this URI: {e}") from None
-
-
-def canonical_output(path: str) -> str:
-    """The output path as workers should use it: absolute local path or the URI itself."""
-    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
-
-
-def _join(base: str, name: str) -> str:
-    return f"{base.rstrip('/')}/{name}" if base else name
-
-
-def _exists(fs: pafs.FileSystem, path: str) -> bool:
-    return fs.get_file_info(path).type != pafs.FileType.NotFound
-
-
-def put_whole(fs: pafs.FileSystem, path: str, data: bytes | pa.Buffer) -> None:
-    """Write `data` as one object on an object store (one PUT on close: visible whole or not
-    at all). Never inside `with`: closing a stream after a failed write would complete the
-    upload with what was written so far."""
-    f = fs.open_output_stream(path)
-    f.write(data)
-    f.close()
-
-
-def commit_file(fs: pafs.FileSystem, final: str, data: pa.Buffer | bytes, tmp_prefix: str) -> bool:
-    """Make `final` hold `data` unless it exists already (first commit wins); returns whether
-    this call committed it. See the module docstring for how, per filesystem. Raises
-    OSError / pyarrow errors if the write fails (a local temporary file is removed)."""
-    if not uri.is_local(fs):
-        if _exists(fs, final):
-            return False
-        put_whole(fs, final, data)
-        return True
-    parent = final.rsplit("/", 1)[0]
-    tmp = _join(parent, f"{tmp_prefix}-{uuid.uuid4().hex}.parquet")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(memoryview(data))
-        try:
-            os.link(tmp, final)
-            committed = True
-        except FileExistsError:
-            committed = False
-        except OSError:  # no hard links here (some network filesystems): rename, unless it exists
-            committed = not os.path.exists(final)
-            if committed:
-                os.replace(tmp, final)
-        return committed
-    finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-
-
-def write_part(output_path: str, index: int, table: pa.Table) -> str:
-    """Commit one unit's table as part-<index>.parquet (see the module docstring: whole or
-    not at all, first commit wins). A crash before the commit leaves at most a local
-    temporary file, which readers ignore and OutputDir.cleanup_temp_files removes. Returns
-    the committed file's path (local) or URI. Raises OSError / pyarrow errors if the write
-    fails."""
-    fs, base = resolve_output(output_path)
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd")
-    commit_file(fs, _join(base, part_name(index)), sink.getvalue(), f".tmp-part-{index:06d}")
-    return _join(base, part_name(index)) if uri.is_local(fs) else uri.join(output_path, part_name(index))
-
-
-def type_str(t: pa.DataType) -> str:
-    """An Arrow type as text, with list item names dropped ("item" in memory, "element"
-    after a Parquet round trip) so written and expected schemas compare equal."""
-    return re.sub(r"list<(item|element): ", "list<", str(t))
+from jobs.outputs.commit import canonical_output, join, put_whole, replace_whole, resolve_output
+from jobs.outputs.layout import CACHE_FILE, LEASE, MANIFEST, PART_RE, SUCCESS, TMP_RE, part_name
+from jobs.outputs.schema import COUNT_KEYS, META_COUNTS, batchgen_version, output_schema, type_str
+from jobs.outputs.verify import READ_THREADS, OutputChecks
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -216,8 +64,9 @@ def describe_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return lines
 
 
-class OutputDir:
-    """A job's output directory (local path or URI)."""
+
+class OutputDir(OutputChecks):
+    """A job's output directory (local path or URI); `verify` comes from OutputChecks."""
 
     def __init__(self, path: str):
         self.path = canonical_output(str(path))
@@ -226,7 +75,7 @@ class OutputDir:
 
     # ------------------------------------------------------------ helpers
     def _p(self, name: str) -> str:
-        return _join(self.base, name)
+        return join(self.base, name)
 
     def fs_path(self, name: str) -> str:
         """The path of `name` (relative to the directory) inside `self.fs`."""
@@ -241,16 +90,7 @@ class OutputDir:
 
     def _write_atomic(self, name: str, text: str) -> None:
         """Replace `name` whole: a temporary file and a rename locally, one PUT on a store."""
-        final = self._p(name)
-        parent = final.rsplit("/", 1)[0]
-        self.fs.create_dir(parent, recursive=True)
-        if not uri.is_local(self.fs):
-            put_whole(self.fs, final, text.encode("utf-8"))
-            return
-        tmp = _join(parent, f".tmp-{uuid.uuid4().hex}")
-        with self.fs.open_output_stream(tmp) as f:
-            f.write(text.encode("utf-8"))
-        os.replace(tmp, final)
+        replace_whole(self.fs, self._p(name), text.encode("utf-8"))
 
     def read_text(self, name: str) -> str | None:
         """The text of `name` (relative to the directory), or None if it does not exist."""
@@ -295,7 +135,7 @@ class OutputDir:
         return data
 
     def _remove_batchgen_files(self) -> None:
-        keep = (LEASE, "_batchgen/checkpoint-sha256.json")  # this driver's lease; hashes keyed by file
+        keep = (LEASE, CACHE_FILE)  # this driver's lease; hashes keyed by file
         for rel, _ in self._entries():
             name = rel.split("/")[-1]
             if rel in keep:
@@ -357,7 +197,7 @@ class OutputDir:
             self._remove_batchgen_files()
             mode = "overwrite"
         else:
-            entries = [rel for rel, _ in self._entries() if rel not in (LEASE, "_batchgen/checkpoint-sha256.json")]
+            entries = [rel for rel, _ in self._entries() if rel not in (LEASE, CACHE_FILE)]
             if entries:
                 if not overwrite:
                     shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
@@ -491,140 +331,3 @@ class OutputDir:
                 "rows_expected": sum(u["expected_rows"] for u in m["units"]),
                 **counts, "temp_files": len(self.temp_files()), "unreadable_units": unreadable,
                 "lease": lease, "success": summary is not None, "summary": summary}
-
-    def _check_part(self, rel: str, idx: int, m: dict, expected_schema: list) -> tuple[list[str], Any]:
-        """Problems of one part file, and the 64-bit keys of its distinct prompt ids (None if
-        unreadable) for the cross-file duplicate check."""
-        problems: list[str] = []
-        units = m["_units_by_index"]
-        try:
-            with self.fs.open_input_file(self._p(rel)) as f:
-                pf = pq.ParquetFile(f)
-                md = pf.metadata
-                schema = pf.schema_arrow
-                kv = schema.metadata or {}
-                got = [[fld.name, type_str(fld.type)] for fld in schema]
-                if expected_schema and got != expected_schema:
-                    exp_s = ", ".join(f"{n}: {t}" for n, t in expected_schema)
-                    got_s = ", ".join(f"{n}: {t}" for n, t in got)
-                    problems.append(f"{rel}: schema mismatch: expected [{exp_s}], got [{got_s}]")
-                fp = kv.get(META_FINGERPRINT, b"").decode()
-                if fp != m["fingerprint"]:
-                    problems.append(f"{rel}: fingerprint {fp[:12] or '<none>'} does not match the manifest's "
-                                    f"{m['fingerprint'][:12]} (written by another job)")
-                try:
-                    meta_unit = json.loads(kv.get(META_UNIT, b"{}"))
-                except ValueError:
-                    meta_unit = {}
-                if meta_unit.get("index") != idx:
-                    problems.append(f"{rel}: unit metadata says index {meta_unit.get('index')!r}, expected {idx}")
-                exp_rows = units[idx]["expected_rows"]
-                if md.num_rows != exp_rows:
-                    prompts = units[idx]["row_end"] - units[idx]["row_start"]
-                    how = (f"{prompts} prompts x {m.get('num_samples')} samples"
-                           if prompts * (m.get("num_samples") or 0) == exp_rows else
-                           f"{prompts} prompts with per-request num_samples")
-                    problems.append(f"{rel}: {md.num_rows} rows, expected {exp_rows} ({how})")
-                if "prompt_id" not in schema.names or "sample_index" not in schema.names:
-                    return problems, None
-                t = pf.read(columns=["prompt_id", "sample_index"])
-        except (OSError, pa.ArrowException) as e:
-            return problems + [f"{rel}: unreadable Parquet file: {e}"], None
-        # within the file: (prompt, sample_index) pairs must be distinct
-        enc = t.column("prompt_id").combine_chunks().dictionary_encode()
-        ids = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-        si = t.column("sample_index").to_numpy().astype(np.int64)
-        pairs = ids * (int(si.max(initial=0)) + 1) + si
-        uniq, first, counts = np.unique(pairs, return_index=True, return_counts=True)
-        for k in np.flatnonzero(counts > 1)[:20]:
-            j = first[k]
-            problems.append(f"{rel}: duplicate row prompt_id={enc.dictionary[ids[j]].as_py()!r} "
-                            f"sample_index={int(si[j])} (twice in this file)")
-        from jobs.ids import keys_of
-
-        return problems, keys_of(enc.dictionary)
-
-    def _prompt_ids(self, rel: str) -> pa.Array:
-        """The distinct prompt ids of one part file."""
-        with self.fs.open_input_file(self._p(rel)) as f:
-            t = pq.ParquetFile(f).read(columns=["prompt_id"])
-        return t.column(0).combine_chunks().dictionary_encode().dictionary
-
-    def verify(self) -> list[str]:
-        """Check the directory against its manifest; returns the problems found ([] if clean).
-
-        Checks: manifest present and readable; every part file readable, with the manifest's
-        schema, this job's fingerprint, its own unit index and the expected row count
-        (unit rows x num_samples, or the per-request num_samples summed); no (prompt_id,
-        sample_index) twice, within a file or across units (a prompt's samples all belong to
-        one unit, so a prompt id in two files is a duplicate); no orphan temporary files; no
-        unexpected files; no _SUCCESS while units are missing. Files are read in parallel;
-        memory holds one 64-bit key per prompt.
-        """
-        try:
-            m = self.read_manifest()
-        except OutputError as e:
-            return [str(e)]
-        if m is None:
-            return [f"{self.shown}: manifest {MANIFEST} is missing (not a batchgen output directory?)"]
-        problems: list[str] = []
-        units = {u["index"]: u for u in m["units"]}
-        m["_units_by_index"] = units
-        expected_schema = [[n, t] for n, t in m.get("output_schema", [])]
-        parts: list[tuple[str, int]] = []
-        for rel, _ in self._entries():
-            if rel.startswith("_batchgen/") or rel == SUCCESS:
-                continue
-            if "/" not in rel and rel.startswith(".tmp-"):
-                problems.append(f"{rel}: orphan temporary file (an interrupted write; resuming the job removes it)")
-                continue
-            mm = PART_RE.match(rel)
-            if not mm or int(mm.group(1)) not in units:
-                problems.append(f"{rel}: unexpected file (not a unit of this job)")
-                continue
-            parts.append((rel, int(mm.group(1))))
-        committed = {idx for _, idx in parts}
-        keys: list[Any] = [None] * len(parts)
-        with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(parts)))) as ex:
-            for i, (found, k) in enumerate(ex.map(lambda p: self._check_part(p[0], p[1], m, expected_schema), parts)):
-                problems.extend(found)
-                keys[i] = k
-        problems.extend(self._cross_file_duplicates(parts, keys))
-        missing = sorted(set(units) - committed)
-        if self._exists(SUCCESS) and missing:
-            problems.append(f"{SUCCESS} is present but {len(missing)} of {len(units)} units are missing "
-                            f"(first: {part_name(missing[0])})")
-        return problems
-
-    def _cross_file_duplicates(self, parts: list[tuple[str, int]], keys: list[Any]) -> list[str]:
-        """Prompt ids present in more than one part file: jobs.ids.find_duplicates over each
-        file's distinct-id keys (8 bytes per prompt); only files holding a candidate are read
-        again. The first 20 are described."""
-        from jobs.ids import find_duplicates
-
-        have = [i for i, k in enumerate(keys) if k is not None]
-        dups = find_duplicates(len(have), lambda j: iter([self._prompt_ids(parts[have[j]][0])]), limit=21,
-                               keys=[keys[i] for i in have])
-        out = []
-        for key, (fa, _), (fb, _) in dups[:20]:
-            a, b = parts[have[fa]][0], parts[have[fb]][0]
-            out.append(f"{b}: duplicate row prompt_id={key!r} sample_index={self._common_sample(a, b, key)} "
-                       f"(also in {a})")
-        if len(dups) > 20:
-            out.append("more prompt ids are in several part files (first 20 listed)")
-        return out
-
-    def _common_sample(self, a: str, b: str, prompt_id: str) -> Any:
-        """A sample_index of `prompt_id` present in both part files (for the message)."""
-        import pyarrow.compute as pc
-
-        def samples(rel: str) -> set:
-            try:
-                with self.fs.open_input_file(self._p(rel)) as f:
-                    t = pq.ParquetFile(f).read(columns=["prompt_id", "sample_index"])
-            except (OSError, pa.ArrowException):
-                return set()
-            return set(t.filter(pc.equal(t.column("prompt_id"), prompt_id)).column("sample_index").to_pylist())
-
-        common = sorted(samples(a) & samples(b))
-        return common[0] if common else "none (the prompt's samples are split across files)"
