@@ -53,7 +53,7 @@ def engine_level(repeat: int) -> None:
 def pool_level(workers: int, repeat: int) -> None:
     import ray
 
-    from cluster import GenerationPool
+    from jobs import GenerationPool
 
     config = {"model": {"path": "smollm2", "max_seq_len": 256, "max_num_seqs": 16},
               "sampling": {"num_samples": 2, "max_tokens": 16, "temperature": 0.0},

@@ -16,7 +16,7 @@ fresh process (peak RSS is that process's ru_maxrss):
    path's): input rows decoded (staging + units) / rows used.
 3. status and verify of a 40,000-file output: the plan of step 1 prepared as an output and
    one part file per unit (250 prompts x 4 samples = 1,000 rows, 40,000,000 rows in all)
-   written through jobs.output.write_part.
+   written through jobs.outputs.commit.write_part.
 
 Targets (issue 8): plan under 60 s and 2 GB RSS for 10M prompts; rows decoded / used about
 2x at most; verify of 40,000 files under 2 GB.
@@ -146,9 +146,9 @@ class _ByteTokenizer:
 
 def _io_job(cfg: str) -> dict:
 
-    from jobs.output import OutputDir
+    from jobs.config import load_spec
+    from jobs.outputs.output_dir import OutputDir
     from jobs.runner import run_job
-    from jobs.spec import load_spec
     from jobs.task import JobTask
 
     class IOTask(JobTask):
@@ -173,7 +173,8 @@ def _write_parts(args: tuple) -> int:
     import numpy as np
     import pyarrow as pa
 
-    from jobs.output import META_COUNTS, META_FINGERPRINT, META_UNIT, META_VERSION, output_schema, write_part
+    from jobs.outputs.commit import write_part
+    from jobs.outputs.schema import META_COUNTS, META_FINGERPRINT, META_UNIT, META_VERSION, output_schema
 
     schema = output_schema([])
     rows = 250 * SAMPLES
@@ -205,9 +206,9 @@ def _write_parts(args: tuple) -> int:
 
 
 def _make_output(cfg: Path) -> Path:
-    from jobs.dataset import plan_job
-    from jobs.output import OutputDir
-    from jobs.spec import load_spec
+    from jobs.config import load_spec
+    from jobs.outputs.output_dir import OutputDir
+    from jobs.plan.planner import plan_job
 
     spec = load_spec(cfg)
     out = OutputDir(spec.output.path)

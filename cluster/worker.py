@@ -20,12 +20,13 @@ only read; decoding goes on), `commit_weights()` hands the copy to the engine-lo
 which runs it once the engine has no unfinished requests (new prompts wait meanwhile), and
 `discard_weights()` drops a staged checkpoint. A worker started with `weights` loads the
 engine as the task says, then those weights (a replacement for a worker of a pool whose
-weights were swapped).
+weights were swapped; cluster/weight_sync.py).
 
 An exception raised by the engine fails every unit the worker holds (their `run_unit`
 raises `EngineLoopError`) and breaks the worker: it drops its engine and refuses new units,
-and the driver replaces the whole process (cluster/pool.py). An engine is never rebuilt in
-the same process, where the failed one may still hold its KV cache and device memory.
+and the driver replaces the whole process (cluster/dispatcher.py). An engine is never
+rebuilt in the same process, where the failed one may still hold its KV cache and device
+memory.
 
 Ray is imported only by `make_actor_class`: this module's logic runs (and is unit-tested)
 without it. engine/ is imported lazily, when a worker starts.
@@ -39,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.task import UnitResult, UnitTask, WorkUnit
+from cluster.unit import UnitResult, UnitTask, WorkUnit
 
 
 class EngineLoopError(RuntimeError):

@@ -6,7 +6,8 @@
     table = result.dataset.to_table(columns=["prompt_id", "tokens", "mask", "logprobs"])
 
 The same job as `batchgen run` (plan, resume or refuse, Ray workers, atomic unit files,
-_SUCCESS), from a config path, a dict of sections, or a JobSpec, with overrides.
+_SUCCESS), from a config path, a dict of sections, or a JobSpec, with overrides
+(load_job_spec, jobs/config.py).
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from jobs.errors import SpecError
+from jobs.config import load_job_spec
+
+__all__ = ["run_job", "JobResult", "load_job_spec"]
 
 
 @dataclass(frozen=True)
@@ -37,49 +40,6 @@ class JobResult:
         return self.dataset.to_table(columns=columns)
 
 
-def load_job_spec(config: str | Path | Mapping[str, Any] | Any,
-                  overrides: Iterable[str] | Mapping[str, Any] = ()) -> Any:
-    """A validated JobSpec from a YAML path, a dict of sections or a JobSpec, with overrides:
-    "section.key=value" strings (values parsed as YAML, as `--set`), or a mapping
-    {"section.key": value} (values used as given). Raises SpecError naming the key."""
-    from jobs.spec import JobSpec, apply_override, load_spec
-
-    if isinstance(overrides, Mapping):
-        sets: list[tuple[str, Any]] = list(overrides.items())
-        strings: list[str] = []
-    else:
-        sets, strings = [], list(overrides)
-    if isinstance(config, (str, Path)):
-        spec = load_spec(config, strings)
-        if not sets:
-            return spec
-        data, source = spec.to_dict(), spec.source
-    elif isinstance(config, JobSpec):
-        data, source = config.to_dict(), config.source
-        for ov in strings:
-            apply_override(data, ov, source)
-    elif isinstance(config, Mapping):
-        import copy
-
-        data, source = copy.deepcopy(dict(config)), "<dict>"
-        for ov in strings:
-            apply_override(data, ov, source)
-    else:
-        raise SpecError(f"run_job: config must be a YAML path, a dict or a JobSpec, got {type(config).__name__}")
-    for key, value in sets:
-        _set(data, key, value, source)
-    return JobSpec.from_dict(data, source)
-
-
-def _set(data: dict[str, Any], key: str, value: Any, source: str) -> None:
-    from jobs.spec import apply_override
-
-    # check the key path as --set does, then put the value itself (not its YAML text)
-    apply_override(data, f"{key}=null", source)
-    section, name = key.split(".")
-    data[section][name] = value
-
-
 def run_job(config: str | Path | Mapping[str, Any] | Any, overrides: Iterable[str] | Mapping[str, Any] = (), *,
             overwrite: bool = False, progress: bool | None = False) -> JobResult:
     """Run (or resume) a job and return its JobResult.
@@ -93,7 +53,8 @@ def run_job(config: str | Path | Mapping[str, Any] | Any, overrides: Iterable[st
     """
     import pyarrow.dataset as pads
 
-    from jobs.output import OutputDir, part_name
+    from jobs.outputs.layout import part_name
+    from jobs.outputs.output_dir import OutputDir
     from jobs.runner import run_job as run
 
     spec = load_job_spec(config, overrides)

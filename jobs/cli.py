@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
-import os
 import sys
 from typing import Any, Sequence
 
-from jobs.errors import InputError, JobError
+from jobs.errors import JobError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,101 +86,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# ------------------------------------------------------------------ prepare
-
-def prepare_jsonl(input_path: str, output_path: str, column: str = "prompt", id_column: str | None = None,
-                  fmt: str = "text", row_group_rows: int = 256) -> int:
-    """Convert JSONL to a prompts Parquet file with `row_group_rows`-row groups; returns the
-    number of rows written.
-
-    The prompt field becomes `prompt` (text) or `messages` = [{role: "user", content}] (chat);
-    the other scalar fields (str, int, float, bool, null) are kept as columns (e.g. GSM8K's
-    `answer`, for input.passthrough); lists and objects are dropped. Blank lines are skipped.
-    Raises InputError (exit code 2) for a missing file, a line that is not a JSON object
-    (naming the line number), a line without the prompt field, a prompt that is not a
-    string, duplicate or missing ids, or a field whose type changes between lines, and for
-    row_group_rows < 1.
-    """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    if row_group_rows < 1:
-        raise InputError(f"--row-group-rows must be >= 1, got {row_group_rows}")
-    target = "messages" if fmt == "chat" else "prompt"
-    rows: list[dict[str, Any]] = []
-    extra: dict[str, None] = {}
-    try:
-        fh = open(input_path, encoding="utf-8")
-    except OSError as e:
-        raise InputError(f"{input_path}: cannot open: {e.strerror or e}") from None
-    with fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise InputError(f"{input_path}:{lineno}: invalid JSON: {e}") from None
-            if not isinstance(obj, dict):
-                raise InputError(f"{input_path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            if column not in obj:
-                raise InputError(f"{input_path}:{lineno}: no field {column!r} (fields: {', '.join(obj) or 'none'})")
-            text = obj[column]
-            if text is not None and not isinstance(text, str):
-                raise InputError(f"{input_path}:{lineno}: field {column!r} must be a string, got {type(text).__name__}")
-            row: dict[str, Any] = {"_line": lineno}
-            row[target] = text if fmt == "text" else (None if text is None else [{"role": "user", "content": text}])
-            for k, v in obj.items():
-                if k == column or k in (target, "_line"):
-                    continue
-                if v is None or isinstance(v, (str, int, float, bool)):
-                    if isinstance(v, float) and not math.isfinite(v):
-                        v = None
-                    row[k] = v
-                    extra.setdefault(k)
-            rows.append(row)
-    if id_column is not None:
-        have = [r for r in rows if id_column in r]
-        if not have:
-            for r in rows:
-                r[id_column] = r["_line"]
-            extra.setdefault(id_column)
-        else:
-            seen: dict[Any, int] = {}
-            for r in rows:
-                v = r.get(id_column)
-                if v is None:
-                    raise InputError(f"{input_path}:{r['_line']}: id field {id_column!r} is missing or null")
-                if v in seen:
-                    raise InputError(f"{input_path}:{r['_line']}: duplicate id {v!r} (also on line {seen[v]})")
-                seen[v] = r["_line"]
-    names = [target] + [k for k in extra if k != target]
-    arrays = {}
-    for name in names:
-        values = [r.get(name) for r in rows]
-        try:
-            if name == "messages":
-                arrays[name] = pa.array(values, type=pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))
-            elif name == "prompt":
-                arrays[name] = pa.array(values, type=pa.string())
-            else:
-                arrays[name] = pa.array(values)
-        except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
-            raise InputError(f"{input_path}: field {name!r} has values of different types: {e}") from None
-    table = pa.table(arrays) if arrays else pa.table({target: pa.array([], type=pa.string())})
-    parent = os.path.dirname(os.path.abspath(output_path))
-    try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = f"{output_path}.tmp-{os.getpid()}"
-        pq.write_table(table, tmp, row_group_size=row_group_rows)
-        os.replace(tmp, output_path)
-    except OSError as e:
-        from jobs.errors import OutputError
-
-        raise OutputError(f"{output_path}: cannot write: {e}") from None
-    return table.num_rows
-
-
 # ------------------------------------------------------------------ run-batch
 
 def batch_output_dir(output: str) -> str:
@@ -196,7 +99,8 @@ def batch_spec(input_path: str, output: str, *, model: str | None = None, config
     """The JobSpec `batchgen run-batch` runs: the config's keys (if any), --model, the --set
     overrides, then input.path = the batch file, input.format = openai_batch and output.path =
     `output_dir` (default batch_output_dir(output)). Raises SpecError naming the key."""
-    from jobs.spec import JobSpec, apply_override, load_spec
+    from jobs.config import apply_override, load_spec
+    from jobs.spec import JobSpec
 
     source = config or "run-batch"
     data: dict[str, Any] = {}
@@ -223,7 +127,7 @@ def run_batch(input_path: str, output: str, *, model: str | None = None, config:
               progress: bool | None = None) -> int:
     """`batchgen run-batch`: the job of batch_spec (resumed if it ran before), then the
     response JSONL `output` written from its dataset. Returns 0; raises the job's errors."""
-    from jobs.openai_batch import write_responses
+    from jobs.outputs.batch_responses import write_responses
     from jobs.runner import run_job
 
     spec = batch_spec(input_path, output, model=model, config=config, output_dir=output_dir, overrides=overrides)
@@ -283,15 +187,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
-        from jobs.spec import load_spec
+        from jobs.config import load_spec
 
         spec = load_spec(args.config, args.set)
         from jobs.runner import run_job
 
         return int(run_job(spec, overwrite=args.overwrite) or 0)
     if args.command == "plan":
-        from jobs.plan_report import describe_plan
-        from jobs.spec import load_spec
+        from jobs.config import load_spec
+        from jobs.plan.report import describe_plan
 
         text, code = describe_plan(load_spec(args.config, args.set))
         print(text)
@@ -300,7 +204,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_batch(args.input, args.output, model=args.model, config=args.config, output_dir=args.output_dir,
                          overrides=list(args.set), overwrite=args.overwrite)
     if args.command == "submit":
-        from jobs.spec import load_spec
+        from jobs.config import load_spec
 
         load_spec(args.config, args.set)  # fail fast (exit 2) before contacting the cluster
         from jobs.submit import submit_job
@@ -308,13 +212,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         return int(submit_job(args.config, address=args.address, overrides=list(args.set),
                               overwrite=args.overwrite) or 0)
     if args.command == "status":
-        from jobs.output import OutputDir
+        from jobs.outputs.output_dir import OutputDir
 
         st = OutputDir(args.output).status()
         print(json.dumps(st, indent=1, default=str) if args.json else format_status(st))
         return 0
     if args.command == "verify":
-        from jobs.output import OutputDir
+        from jobs.outputs.output_dir import OutputDir
 
         od = OutputDir(args.output)
         problems = od.verify()
@@ -326,6 +230,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"ok: {od.path} ({len(od.committed_units())} unit files verified)")
         return 0
     if args.command == "prepare":
+        from jobs.inputs.prepare import prepare_jsonl
+
         n = prepare_jsonl(args.input, args.output, column=args.column, id_column=args.id_column, fmt=args.format,
                           row_group_rows=args.row_group_rows)
         print(f"wrote {n} prompts to {args.output}")

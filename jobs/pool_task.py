@@ -1,9 +1,9 @@
-"""PoolTask: a job's prompt and row rules for a GenerationPool call (cluster.task.PromptTask).
+"""PoolTask: a job's prompt and row rules for a GenerationPool call (cluster.unit.PromptTask).
 
 A call's prompts are cut into units that carry them (WorkUnit.payload, a `PromptBatch`);
-a worker turns them into requests and its outputs into rows with JobTask's own code
-(`requests_from_columns`, `unit_table`), and returns the rows in UnitResult.data instead of
-committing a part file. So a call's rows equal, bit for bit, what `run_job` writes for the
+a worker turns them into requests and its outputs into rows with a job's own code (the
+prompt rules of jobs/inputs/prompts.py, JobTask.unit_table), and returns the rows in
+UnitResult.data instead of committing a part file. So a call's rows equal, bit for bit, what `run_job` writes for the
 same prompts, prompt ids, sampling parameters and checkpoint.
 
 Prompts of a call:
@@ -25,16 +25,20 @@ kinds, a token that is not an integer) is a ValueError before any work.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import pyarrow as pa
 
-from cluster.task import UnitRequest, UnitResult, WorkUnit
-from jobs.dataset import JobPlan, check_input_schema
+from cluster.unit import UnitRequest, UnitResult, WorkUnit
+from jobs.config import load_job_spec
 from jobs.errors import InputError
-from jobs.output import output_schema
+from jobs.inputs.parquet import check_input_schema
+from jobs.inputs.prompts import RowLayout, requests_from_columns
+from jobs.outputs.schema import output_schema
+from jobs.plan.planner import JobPlan
 from jobs.spec import DEFAULT_COLUMNS, JobSpec
 from jobs.task import JobTask
 
@@ -42,27 +46,17 @@ CALL_NAME = "prompts"  # names a call's rows in error messages: "prompts row 3 c
 ID_COLUMN = "prompt_id"
 
 
-@dataclass(frozen=True, slots=True)
-class _Layout:
-    """How a call's columns are read: the format and the job's column roles."""
-
-    format: str
-    column: str
-    id_column: str | None
-    sampling_column: str | None = None
-    passthrough: tuple[str, ...] = ()
-    passthrough_fields: tuple[pa.Field, ...] = ()
-
-
 @dataclass(slots=True)
 class PromptBatch:
     """One unit's prompts (WorkUnit.payload): its rows of the call's columns, as Python lists,
-    the first row's index in the call, the layout, and the call's SamplingParams."""
+    the first row's index in the call, how they are read (the format and the column roles),
+    the call's SamplingParams, and the passthrough columns' Arrow fields."""
 
     columns: dict[str, list[Any]]
     row_start: int
-    layout: _Layout
+    layout: RowLayout
     params: Any
+    passthrough_fields: tuple[pa.Field, ...] = ()
 
 
 @dataclass(slots=True)
@@ -93,22 +87,22 @@ class PoolTask(JobTask):
         take (named by index)."""
         call_params = self.call_params(params)
         if isinstance(prompts, pa.Table):
-            layout, columns = self._table_columns(prompts, prompt_ids)
+            layout, fields, columns = self._table_columns(prompts, prompt_ids)
         elif isinstance(prompts, (str, bytes, Mapping)) or not isinstance(prompts, Iterable):
             raise TypeError(f"prompts must be a list (of strings, token-id lists or chat message lists) or a "
                             f"pyarrow.Table, got {type(prompts).__name__}")
         else:
-            layout, columns = self._list_columns(list(prompts), prompt_ids)
+            layout, fields, columns = self._list_columns(list(prompts), prompt_ids)
         n = len(columns[layout.column])
         _check_unique(columns[layout.id_column])
         units = []
         for k, start in enumerate(range(0, n, max(1, unit_rows))):
             end = min(n, start + max(1, unit_rows))
             batch = PromptBatch(columns={c: v[start:end] for c, v in columns.items()}, row_start=start,
-                                layout=layout, params=call_params)
+                                layout=layout, params=call_params, passthrough_fields=fields)
             units.append(WorkUnit(index=first_index + k, source=CALL_NAME, row_start=start, row_end=end,
                                   payload=batch))
-        return units, PoolCall(schema=output_schema(list(layout.passthrough_fields)), indices=[u.index for u in units])
+        return units, PoolCall(schema=output_schema(list(fields)), indices=[u.index for u in units])
 
     def collect(self, call: PoolCall, results: list[UnitResult]) -> pa.Table:
         """The call's rows: its units' tables in unit order (prompts in order, then sample index)."""
@@ -124,7 +118,6 @@ class PoolTask(JobTask):
         given, or a mapping of `sampling` keys ({"temperature": 0.7, "seed": 3}) over the
         config's, validated as the config is (SpecError naming "sampling.<key>")."""
         from engine.params import SamplingParams
-        from jobs.api import load_job_spec
 
         if params is None:
             return self.params
@@ -136,48 +129,39 @@ class PoolTask(JobTask):
         raise TypeError(f"params must be None, an engine.SamplingParams or a dict of sampling keys, "
                         f"got {type(params).__name__}")
 
-    def _table_columns(self, table: pa.Table, prompt_ids: Any) -> tuple[_Layout, dict[str, list[Any]]]:
-        if self.format == "openai_batch":
+    def _table_columns(self, table: pa.Table,
+                       prompt_ids: Any) -> tuple[RowLayout, tuple[pa.Field, ...], dict[str, list[Any]]]:
+        job = self.layout
+        if job.format == "openai_batch":
             raise InputError(f"{self.source}: input.format openai_batch reads JSONL files; give a GenerationPool "
                              f"of this config a list of prompts, or a table in the text, chat or tokens format")
         spec = JobSpec.from_dict(self.spec_data, self.source)
         check_input_schema(spec, "prompts table", table.schema)
-        id_column = self.id_column or (ID_COLUMN if ID_COLUMN in table.column_names else None)
+        id_column = job.id_column or (ID_COLUMN if ID_COLUMN in table.column_names else None)
         if id_column is not None and prompt_ids is not None:
             raise ValueError(f"prompt ids given twice: prompt_ids and the table's column {id_column!r}")
-        names = list(dict.fromkeys([self.column, *([id_column] if id_column else []),
-                                    *([self.sampling_column] if self.sampling_column else []), *self.passthrough]))
-        columns = {c: table.column(c).to_pylist() for c in names}
+        layout = RowLayout(format=job.format, column=job.column, id_column=id_column,
+                           sampling_column=job.sampling_column, passthrough=job.passthrough)
+        columns = {c: table.column(c).to_pylist() for c in layout.columns()}
         if id_column is None:
             id_column = ID_COLUMN if ID_COLUMN not in columns else "_prompt_id"
             columns[id_column] = _ids(prompt_ids, table.num_rows)
-        layout = _Layout(format=self.format, column=self.column, id_column=id_column,
-                         sampling_column=self.sampling_column, passthrough=tuple(self.passthrough),
-                         passthrough_fields=tuple(table.schema.field(c) for c in self.passthrough))
-        return layout, columns
+            layout = dataclasses.replace(layout, id_column=id_column)
+        return layout, tuple(table.schema.field(c) for c in job.passthrough), columns
 
-    def _list_columns(self, prompts: list[Any], prompt_ids: Any) -> tuple[_Layout, dict[str, list[Any]]]:
+    def _list_columns(self, prompts: list[Any],
+                      prompt_ids: Any) -> tuple[RowLayout, tuple[pa.Field, ...], dict[str, list[Any]]]:
         fmt = _list_format(prompts)
         column = DEFAULT_COLUMNS[fmt]
-        layout = _Layout(format=fmt, column=column, id_column=ID_COLUMN)
-        return layout, {column: prompts, ID_COLUMN: _ids(prompt_ids, len(prompts))}
+        layout = RowLayout(format=fmt, column=column, id_column=ID_COLUMN)
+        return layout, (), {column: prompts, ID_COLUMN: _ids(prompt_ids, len(prompts))}
 
     # ------------------------------------------------------------ worker side
-    def _view(self, layout: _Layout, params: Any) -> JobTask:
-        """This task reading and writing with a call's layout and parameters."""
-        view = copy.copy(self)
-        view.format, view.column, view.id_column = layout.format, layout.column, layout.id_column
-        view.sampling_column, view.passthrough = layout.sampling_column, list(layout.passthrough)
-        view.passthrough_fields = list(layout.passthrough_fields)
-        view.schema = output_schema(view.passthrough_fields)
-        view.params = params
-        return view
-
     def read_unit(self, unit: WorkUnit, tokenizer: Any) -> list[UnitRequest]:
         """The unit's requests from its payload, each with the call's parameters (or its
         row's, from the sampling column, over them)."""
         b: PromptBatch = unit.payload
-        requests = self._view(b.layout, b.params).requests_from_columns(b.columns, CALL_NAME, b.row_start, tokenizer)
+        requests = requests_from_columns(b.layout, b.params, b.columns, CALL_NAME, b.row_start, tokenizer)
         for r in requests:
             if r.params is None:
                 r.params = b.params
@@ -185,9 +169,14 @@ class PoolTask(JobTask):
 
     def write_unit(self, unit: WorkUnit, requests: list[UnitRequest], outputs: list[Any],
                    tokenizer: Any = None) -> UnitResult:
-        """The unit's rows (JobTask.unit_table) in UnitResult.data; nothing is written."""
+        """The unit's rows (JobTask.unit_table, with the call's layout and parameters) in
+        UnitResult.data; nothing is written."""
         b: PromptBatch = unit.payload
-        table, counts = self._view(b.layout, b.params).unit_table(unit, requests, outputs, tokenizer)
+        view = copy.copy(self)
+        view.layout, view.params = b.layout, b.params
+        view.passthrough_fields = list(b.passthrough_fields)
+        view.schema = output_schema(view.passthrough_fields)
+        table, counts = view.unit_table(unit, requests, outputs, tokenizer)
         return UnitResult(index=unit.index, path="", data=table, **counts)
 
 
@@ -240,38 +229,4 @@ def _check_unique(ids: list[Any]) -> None:
         seen[str(v)] = i
 
 
-@dataclass(slots=True)
-class PoolSetup:
-    """What a GenerationPool built from a job config runs: the task, the most prompts per
-    unit, UnitDispatcher arguments, and whether this call started Ray (close shuts it down)."""
-
-    task: PoolTask
-    unit_rows: int
-    dispatcher_options: dict[str, Any]
-    ray_started: bool
-
-
-def pool_setup(config: Any, overrides: Iterable[str] | Mapping[str, Any] = (), *,
-               model: str | None = None) -> PoolSetup:
-    """Validate a job config for a GenerationPool and connect Ray as a job would (a local
-    instance when cluster.address is null). Raises SpecError naming the key (bad config,
-    a model path or tokenizer that does not exist, more GPUs than a local machine has)."""
-    from jobs.api import load_job_spec
-    from jobs.dataset import check_model_path
-    from jobs.runner import check_local_gpus, connect_ray
-
-    spec = load_job_spec({} if config is None else config, overrides)
-    if model is not None:
-        spec = load_job_spec(spec, {"model.path": str(model)})
-    check_model_path(spec)
-    check_local_gpus(spec)
-    task = PoolTask(spec)
-    c = spec.cluster
-    options = dict(num_workers=int(c.num_workers), num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker,
-                   max_unit_attempts=int(c.max_unit_attempts), unit_timeout_s=c.unit_timeout_s,
-                   may_add_nodes=c.address is not None)
-    return PoolSetup(task=task, unit_rows=int(c.unit_rows), dispatcher_options=options,
-                     ray_started=connect_ray(spec))
-
-
-__all__ = ["PoolTask", "PromptBatch", "PoolCall", "PoolSetup", "pool_setup"]
+__all__ = ["PoolTask", "PromptBatch", "PoolCall"]

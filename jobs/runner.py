@@ -1,23 +1,24 @@
 """`run_job(spec)`: plan, resume, run the units on Ray workers, progress bar, summary.
 
-    from jobs.spec import load_spec
+    from jobs.config import load_spec
     from jobs.runner import run_job
     run_job(load_spec("configs/demo.yaml"))      # 0 on success
 
 Order of work (every check that can refuse the job happens before Ray starts):
-1. plan_job: input files, schemas, units, fingerprint with the checkpoint's content hashes
-   (cached in the output directory) (SpecError / InputError, exit 2); a local run asking
-   for more GPUs than the machine has is refused (SpecError, exit 2);
-2. the output lease (jobs/lease.py): another live driver on the same output stops this
-   one (OutputError, exit 2) before it touches anything;
+1. plan_job (jobs/plan/planner.py): input files, schemas, units, fingerprint with the
+   checkpoint's content hashes (cached in the output directory) (SpecError / InputError,
+   exit 2); a local run asking for more GPUs than the machine has is refused (SpecError,
+   exit 2);
+2. the output lease (jobs/outputs/lease.py): another live driver on the same output stops
+   this one (OutputError, exit 2) before it touches anything;
 3. OutputDir.prepare: new / resume / overwrite, fingerprint check (OutputError, exit 2);
 4. skip committed units (resume), remove temp files of interrupted writes, stage input
-   files whose row groups are too large for their units (jobs/staging.py);
+   files whose row groups are too large for their units (jobs/inputs/staging.py);
 5. connect Ray: cluster.address None starts a private local instance sized for the workers
    with the GPUs Ray detects (shut down at the end); "auto", "host:port" or "ray://..."
    joins a cluster (left running). A Ray instance already initialised in this process is
    reused as is.
-6. cluster.pool.UnitDispatcher with a tqdm bar over rows (unit deadlines from
+6. cluster.dispatcher.UnitDispatcher with a tqdm bar over rows (unit deadlines from
    cluster.unit_timeout_s; the lease checked every loop); UnitFailed becomes JobFailed (exit 1);
 7. summary (from the output directory, so it covers every run of a resumed job) printed
    and written to _SUCCESS; the lease is released.
@@ -30,7 +31,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from jobs.errors import JobFailed, SpecError
+from jobs.errors import JobFailed
 
 log = logging.getLogger(__name__)
 
@@ -50,22 +51,6 @@ def _runtime_env(address: str | None) -> dict | None:
     # local instance, or a cluster whose nodes share this checkout / have batchgen installed
     path = os.environ.get("PYTHONPATH")
     return {"env_vars": {"PYTHONPATH": PROJECT_ROOT + (os.pathsep + path if path else "")}}
-
-
-def check_local_gpus(spec: Any) -> None:
-    """A local run (cluster.address null) may not ask for more GPUs than this machine has
-    (Ray's own detection): otherwise the extra actors would run on CPU, in another dtype.
-    Raises SpecError (exit code 2)."""
-    c = spec.cluster
-    if c.address is not None or not c.gpus_per_worker:
-        return
-    from cluster.resources import local_gpu_count
-
-    want, have = c.num_workers * c.gpus_per_worker, local_gpu_count()
-    if want > have:
-        raise SpecError(f"{spec.source}: cluster.gpus_per_worker: the job asks for {want:g} GPU(s) "
-                        f"(num_workers {c.num_workers} x gpus_per_worker {c.gpus_per_worker:g}) but this machine "
-                        f"has {have} (a local run; set cluster.address to run on a Ray cluster)")
 
 
 def connect_ray(spec: Any) -> bool:
@@ -137,16 +122,6 @@ class _Progress:
         self.bar.close()
 
 
-def load_hash_cache(out: Any) -> Any:
-    """The checkpoint hash cache stored in the output directory (empty if absent/unreadable)."""
-    from jobs.weights import CACHE_FILE, HashCache
-
-    try:
-        return HashCache.loads(out.read_text(CACHE_FILE))
-    except Exception:  # noqa: BLE001 - a cache: an unreadable one is rebuilt
-        return HashCache()
-
-
 def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
             task_factory: Callable[..., Any] | None = None, echo: bool = True) -> int:
     """Run (or resume) the job; returns 0 when every unit is committed.
@@ -158,13 +133,10 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
     run (default jobs.task.JobTask; tests inject faults through it).
     echo=False: no summary and examples on stdout (the Python API, jobs.api.run_job).
     """
-    from cluster.pool import UnitDispatcher, UnitFailed
-    from jobs.dataset import plan_job
-    from jobs.lease import OutputLease
-    from jobs.output import OutputDir
-    from jobs.staging import stage_inputs
-    from jobs.task import JobTask
-    from jobs.weights import CACHE_FILE
+    from jobs.outputs.lease import OutputLease
+    from jobs.outputs.output_dir import OutputDir
+    from jobs.plan.fingerprint import load_hash_cache, save_hash_cache
+    from jobs.plan.planner import check_local_gpus, plan_job
 
     t0 = time.time()
     out = OutputDir(spec.output.path)
@@ -177,71 +149,20 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
     try:
         mode = out.prepare(plan, spec, overwrite=overwrite)
         lease.start()
-        if cache.changed:
-            out.write_text(CACHE_FILE, cache.dumps())
+        save_hash_cache(out, cache)
         out.cleanup_temp_files()
         committed = out.committed_units()
         todo = [u for u in plan.units if u.index not in committed]
-        n = spec.sampling.num_samples
-        total_rows = sum(plan.unit_rows(u, n) for u in plan.units)
-        done_rows = total_rows - sum(plan.unit_rows(u, n) for u in todo)
         log.info("job %s: %d prompts, %d units (%d committed, %d to run), output %s (%s)%s", plan.fingerprint[:12],
                  plan.num_prompts, len(plan.units), len(plan.units) - len(todo), len(todo), out.shown, mode,
                  f"; took over the output lease of {lease.took_over}" if lease.took_over else "")
-
-        results = []
-        tokens_this_run = 0
-        staged_rows = 0
+        results, tokens_this_run, staged_rows = [], 0, 0
         if todo:
-            c = spec.cluster
-            columns = list(dict.fromkeys([spec.input.column] + ([spec.input.id_column] if spec.input.id_column else [])
-                                         + list(spec.input.passthrough)))
-            todo, staged, staged_rows = stage_inputs(plan, out, c.unit_rows, columns, todo)
-            task = (task_factory or JobTask)(spec, plan, staged=staged)
-            started = connect_ray(spec)
-            bar = _Progress(total_rows, done_rows, disable=None if progress is None else not progress)
-            try:
-                with UnitDispatcher(task, num_workers=min(int(c.num_workers), len(todo)), num_cpus=c.cpus_per_worker,
-                                    num_gpus=c.gpus_per_worker, max_unit_attempts=int(c.max_unit_attempts),
-                                    unit_timeout_s=c.unit_timeout_s, may_add_nodes=c.address is not None) as pool:
-                    results = pool.run(todo, on_result=bar.on_result, on_progress=bar.on_progress,
-                                       watchdog=lease.check)
-                tokens_this_run = bar.tokens_committed
-            except UnitFailed as e:
-                raise JobFailed(f"job failed after {time.time() - t0:.0f}s: {e}. Committed units are kept; "
-                                f"rerun the same command to resume.") from None
-            finally:
-                bar.close()
-                if started:
-                    import ray
-
-                    ray.shutdown()
-
+            results, tokens_this_run, staged_rows = _run_units(spec, plan, out, todo, lease, t0, progress,
+                                                               task_factory)
         # a worker killed while writing leaves a temporary file; no writer is left now
         out.cleanup_temp_files()
-        wall = time.time() - t0
-        st = out.status()
-        summary = {
-            "output": out.shown,
-            "fingerprint": plan.fingerprint,
-            "prompts": st["prompts"],
-            "samples": st["rows"],
-            "generated_tokens": st["generated_tokens"],
-            "prompt_tokens": st["prompt_tokens"],
-            "tool_calls": st["tool_calls"],
-            "tool_errors": st["tool_errors"],
-            "error_rows": st["error_rows"],
-            "units": st["units_total"],
-            "units_this_run": len(results),
-            "generated_tokens_this_run": tokens_this_run,
-            "input_rows_decoded": st["input_rows_decoded"],
-            "staging_rows_decoded_this_run": staged_rows,
-            "wall_s": round(wall, 3),
-            "tokens_per_s_this_run": round(tokens_this_run / wall, 1) if wall > 0 else 0.0,
-        }
-        if st["units_done"] != st["units_total"]:  # pragma: no cover - the dispatcher returned without error
-            raise JobFailed(f"{st['units_total'] - st['units_done']} units missing after the run; rerun to resume")
-        out.mark_success(summary)
+        summary = _finish(out, plan, len(results), tokens_this_run, staged_rows, t0)
     finally:
         lease.release()
     if echo:
@@ -252,12 +173,79 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
     return 0
 
 
+def _run_units(spec: Any, plan: Any, out: Any, todo: list, lease: Any, t0: float, progress: bool | None,
+               task_factory: Callable[..., Any] | None) -> tuple[list, int, int]:
+    """Stage what needs staging, then run the units still to do on Ray workers with a
+    progress bar; returns (the results, tokens generated, input rows decoded while staging).
+    UnitFailed becomes JobFailed."""
+    from cluster.dispatcher import UnitDispatcher
+    from cluster.unit import UnitFailed
+    from jobs.inputs.staging import stage_inputs
+    from jobs.task import JobTask
+
+    n = spec.sampling.num_samples
+    total_rows = sum(plan.unit_rows(u, n) for u in plan.units)
+    done_rows = total_rows - sum(plan.unit_rows(u, n) for u in todo)
+    c = spec.cluster
+    columns = list(dict.fromkeys([spec.input.column] + ([spec.input.id_column] if spec.input.id_column else [])
+                                 + list(spec.input.passthrough)))
+    todo, staged, staged_rows = stage_inputs(plan, out, c.unit_rows, columns, todo)
+    task = (task_factory or JobTask)(spec, plan, staged=staged)
+    started = connect_ray(spec)
+    bar = _Progress(total_rows, done_rows, disable=None if progress is None else not progress)
+    try:
+        with UnitDispatcher(task, num_workers=min(int(c.num_workers), len(todo)), num_cpus=c.cpus_per_worker,
+                            num_gpus=c.gpus_per_worker, max_unit_attempts=int(c.max_unit_attempts),
+                            unit_timeout_s=c.unit_timeout_s, may_add_nodes=c.address is not None) as pool:
+            results = pool.run(todo, on_result=bar.on_result, on_progress=bar.on_progress, watchdog=lease.check)
+        return results, bar.tokens_committed, staged_rows
+    except UnitFailed as e:
+        raise JobFailed(f"job failed after {time.time() - t0:.0f}s: {e}. Committed units are kept; "
+                        f"rerun the same command to resume.") from None
+    finally:
+        bar.close()
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def _finish(out: Any, plan: Any, units_this_run: int, tokens_this_run: int, staged_rows: int,
+            t0: float) -> dict[str, Any]:
+    """The summary (from the output directory, so it covers every run of a resumed job),
+    written to _SUCCESS. Raises JobFailed if a unit is missing."""
+    wall = time.time() - t0
+    st = out.status()
+    summary = {
+        "output": out.shown,
+        "fingerprint": plan.fingerprint,
+        "prompts": st["prompts"],
+        "samples": st["rows"],
+        "generated_tokens": st["generated_tokens"],
+        "prompt_tokens": st["prompt_tokens"],
+        "tool_calls": st["tool_calls"],
+        "tool_errors": st["tool_errors"],
+        "error_rows": st["error_rows"],
+        "units": st["units_total"],
+        "units_this_run": units_this_run,
+        "generated_tokens_this_run": tokens_this_run,
+        "input_rows_decoded": st["input_rows_decoded"],
+        "staging_rows_decoded_this_run": staged_rows,
+        "wall_s": round(wall, 3),
+        "tokens_per_s_this_run": round(tokens_this_run / wall, 1) if wall > 0 else 0.0,
+    }
+    if st["units_done"] != st["units_total"]:  # pragma: no cover - the dispatcher returned without error
+        raise JobFailed(f"{st['units_total'] - st['units_done']} units missing after the run; rerun to resume")
+    out.mark_success(summary)
+    return summary
+
+
 def show_examples(spec: Any, plan: Any, out: Any, n: int = 2, width: int = 600) -> str:
     """A couple of generated answers (sample 0 of the first prompts of the first unit) next to
     their prompts, so a person sees what the model wrote. Nothing for the untrained
     "tiny-random" model (its text is noise) or when the first unit holds only errors."""
     from engine.loading.builtin import TINY_RANDOM
-    from jobs.dataset import read_rows
+    from jobs.inputs.parquet import read_rows  # examples are shown for Parquet inputs only
 
     if spec.model.path == TINY_RANDOM or not plan.units or spec.input.format == "openai_batch":
         return ""

@@ -1,4 +1,5 @@
-"""The job spec: a YAML file validated with pydantic before any work starts.
+"""The job spec: a config validated with pydantic before any work starts (read from a YAML
+file, a dict or a JobSpec, with --set overrides, by jobs/config.py).
 
     model:    {path: smollm2, dtype: auto, device: auto, tokenizer: null, max_num_seqs: 256,
                kv_cache_gb: null, max_seq_len: null, batch_invariant: true, prefix_sharing: true}
@@ -36,10 +37,10 @@ it across machine kinds.
 
 `input.column` defaults to "prompt" for the text and tokens formats and "messages" for chat.
 
-`input.sampling_column` names a struct column whose fields (any of jobs.row_params.ROW_FIELDS)
-override `sampling` for that row (jobs/row_params.py).
+`input.sampling_column` names a struct column whose fields (any of
+jobs.inputs.row_params.ROW_FIELDS) override `sampling` for that row (jobs/inputs/row_params.py).
 
-`input.format: openai_batch` reads an OpenAI Batch JSONL file (jobs/openai_batch.py): each
+`input.format: openai_batch` reads an OpenAI Batch JSONL file (jobs/inputs/openai_batch.py): each
 line's body sets its own sampling parameters over `sampling`, whose num_samples and top_k
 default to OpenAI's (1 and off) for this format when the config does not set them.
 
@@ -50,9 +51,8 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Iterable, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from engine.params import check_sampling_value
@@ -61,16 +61,13 @@ from jobs.errors import SpecError
 if TYPE_CHECKING:
     from engine.params import SamplingParams
 
-# Output columns a passthrough column may not shadow (kept in sync with jobs.output.OUTPUT_SCHEMA).
+# Output columns a passthrough column may not shadow (kept in sync with jobs.outputs.schema.OUTPUT_SCHEMA).
 RESERVED_COLUMNS = ("prompt_id", "sample_index", "prompt_tokens", "tokens", "mask", "logprobs", "text",
                     "finish_reason", "stop_reason", "tool_calls", "num_prompt_tokens", "num_tokens", "seed",
                     "error")
 
 # input.column's default per input.format (openai_batch reads whole JSONL lines: "body" is nominal)
 DEFAULT_COLUMNS = {"text": "prompt", "tokens": "prompt", "chat": "messages", "openai_batch": "body"}
-
-PACKAGE_PREFIX = "package://"
-
 
 def _nonempty(v: str) -> str:
     if not v.strip():
@@ -187,7 +184,7 @@ class InputSpec(_Section):
 
 class OutputSpec(_Section):
     """Where the dataset goes. lease_timeout_s: a driver holds a lease on the output
-    (jobs/lease.py); another driver may take it over once it has had no heartbeat this long."""
+    (jobs/outputs/lease.py); another driver may take it over once it has had no heartbeat this long."""
 
     path: NonEmptyStr = "out/demo"
     lease_timeout_s: Any = 120
@@ -268,7 +265,7 @@ class ClusterSpec(_Section):
 
 
 class JobSpec(_Section):
-    """A validated job config. Build it with load_spec (or JobSpec.from_dict)."""
+    """A validated job config. Build it with jobs.config.load_spec (or JobSpec.from_dict)."""
 
     model: ModelSpec = Field(default_factory=ModelSpec)
     input: InputSpec = Field(default_factory=InputSpec)
@@ -324,7 +321,7 @@ class JobSpec(_Section):
         """model.dtype with aliases resolved; "auto" stays "auto": each worker's engine picks
         bfloat16 where it is native and faster (a GPU of compute capability 8.0 and up, a CPU
         with AVX-512 BF16) and float32 elsewhere, and the workers of one run must agree
-        (cluster/pool.py refuses a worker that resolved another)."""
+        (cluster/health.py refuses a worker that resolved another)."""
         return DTYPE_NAMES[self.model.dtype]
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -343,9 +340,9 @@ class JobSpec(_Section):
         return self.model_dump(mode="json", exclude={"source"})
 
     def fingerprint_dict(self) -> dict[str, Any]:
-        """The part of the spec that decides the generated rows (jobs.dataset adds the input files).
+        """The part of the spec that decides the generated rows (jobs/plan/fingerprint.py adds the input files).
 
-        Included: model identity (see model_identity; jobs.dataset adds the files' content
+        Included: model identity (see model_identity; jobs/plan/fingerprint.py adds the files' content
         hashes), the resolved dtype and device kind (cpu / cuda: kernels differ), max_seq_len,
         batch_invariant (without it a near-tie may resolve differently in another batch),
         sampling, tools, input format/column/id_column/passthrough/sampling_column, unit_rows.
@@ -420,81 +417,6 @@ def _format_validation_error(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _sections() -> dict[str, type[BaseModel]]:
+def spec_sections() -> dict[str, type[BaseModel]]:
+    """The config's sections (model, input, output, sampling, tools, cluster) and their models."""
     return {name: f.annotation for name, f in JobSpec.model_fields.items() if name != "source"}  # type: ignore[misc]
-
-
-def apply_override(data: dict[str, Any], override: str, source: str = "--set") -> None:
-    """Apply one `a.b=value` override to the raw config dict in place.
-
-    The value is parsed with yaml.safe_load ("0.7" -> 0.7, "[1,2]" -> [1, 2], "null" -> None,
-    "" -> None). Raises SpecError for a malformed override or an unknown key path.
-    """
-    if "=" not in override:
-        raise SpecError(f"--set {override!r}: expected KEY=VALUE, e.g. sampling.temperature=0.7")
-    key, _, raw = override.partition("=")
-    key = key.strip()
-    parts = key.split(".")
-    if len(parts) != 2 or not all(parts):
-        raise SpecError(f"--set {override!r}: expected SECTION.KEY=VALUE (e.g. sampling.temperature=0.7), got key {key!r}")
-    section, name = parts
-    sections = _sections()
-    if section not in sections:
-        raise SpecError(f"--set {override!r}: unknown key {key} (sections: {', '.join(sections)})")
-    fields = sections[section].model_fields
-    if name not in fields:
-        raise SpecError(f"--set {override!r}: unknown key {key} (keys of {section}: {', '.join(fields)})")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as e:
-        raise SpecError(f"--set {override!r}: {key}: value is not valid YAML: {e}") from None
-    if isinstance(value, (int, float, bool)) and fields[name].annotation in (str, str | None):
-        value = raw.strip()  # `--set output.path=2024` means the string
-    sec = data.get(section)
-    if sec is None:
-        sec = data[section] = {}
-    if not isinstance(sec, dict):
-        raise SpecError(f"{source}: {section}: must be a mapping, got {sec!r}")
-    sec[name] = value
-
-
-def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
-    """Read, override and validate a job config.
-
-    path: the YAML file. overrides: "section.key=value" strings (the CLI's --set), applied
-    in order after reading. Nothing is checked on disk except the file itself (inputs are
-    checked by jobs.dataset.plan_job). Raises SpecError (exit code 2) for a missing or
-    unreadable file, invalid YAML (with line and column), an unknown key or a bad value;
-    the message names the file and the dotted key.
-    """
-    source = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(f"{source}: config file not found") from None
-    except IsADirectoryError:
-        raise SpecError(f"{source}: is a directory, expected a YAML config file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"{source}: cannot read config: {e}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise SpecError(f"{source}: invalid YAML{where}: {problem}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise SpecError(f"{source}: expected a mapping of sections (model, input, output, sampling, tools, "
-                        f"cluster), got {type(data).__name__}")
-    for key, value in data.items():
-        if key not in _sections():
-            raise SpecError(f"{source}: unknown key {key} (sections: {', '.join(_sections())})")
-        if value is not None and not isinstance(value, dict):
-            raise SpecError(f"{source}: {key}: must be a mapping, got {value!r}")
-        if value is None:
-            data[key] = {}
-    for ov in overrides:
-        apply_override(data, ov, source)
-    return JobSpec.from_dict(data, source)

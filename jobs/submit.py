@@ -44,7 +44,7 @@ def submit_job(config_path: str, address: str, overrides: Sequence[str] = (), ov
     Raises SpecError (exit code 2) for an invalid config or one outside the project directory.
     `client`: a JobSubmissionClient-like object (tests); default JobSubmissionClient(address).
     """
-    from jobs.spec import load_spec
+    from jobs.config import load_spec
 
     spec = load_spec(config_path, overrides)  # exit 2 before contacting the cluster
     cfg = Path(config_path).resolve()

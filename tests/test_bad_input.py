@@ -21,10 +21,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.cli import main
-from jobs.dataset import plan_job
+from jobs.config import load_spec
 from jobs.errors import InputError, OutputError, SpecError
-from jobs.output import OutputDir
-from jobs.spec import JobSpec, load_spec
+from jobs.outputs.output_dir import OutputDir
+from jobs.plan.planner import plan_job
+from jobs.spec import JobSpec
 from jobs.task import JobTask
 
 CHAT = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
@@ -207,12 +208,12 @@ def test_job_level_problem_exit_code_through_cli(tmp_path, case, monkeypatch, ca
     """`batchgen run` with the real runner: exit 2, "error: ..." on stderr, the pool never starts."""
     cfg, err, fragments = setup_case(tmp_path, case)
     pytest.importorskip("jobs.runner")
-    import cluster.pool
+    import cluster.dispatcher
 
     def no_work(*a, **k):
         raise AssertionError("work started")
 
-    monkeypatch.setattr(cluster.pool, "run_units", no_work)
+    monkeypatch.setattr(cluster.dispatcher, "run_units", no_work)
     assert main(["run", cfg]) == 2
     stderr = capsys.readouterr().err
     assert stderr.startswith("error: ") and fragments[0] in stderr

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cluster.worker import GenerationWorker
-from jobs.dataset import plan_job
-from jobs.output import OutputDir
+from jobs.outputs.output_dir import OutputDir
+from jobs.plan.planner import plan_job
 from jobs.spec import JobSpec
 from jobs.task import JobTask
 

@@ -1,4 +1,4 @@
-"""Built-in model names (engine/loading/builtin.py): `smollm2` resolves to the installed GGUF file
+"""Built-in model names (engine/builtin.py): `smollm2` resolves to the installed GGUF file
 without importing its package, a missing install is a clear error (from the engine and, before
 any work, from the job), `tiny-random` is the untrained test model, and the retired name
 `demo` says what to use instead."""
@@ -11,8 +11,8 @@ import pytest
 from engine.loading import builtin
 from engine.loading.checkpoint import detect_format
 from engine.loading.errors import CheckpointError
-from jobs.dataset import plan_job
 from jobs.errors import SpecError
+from jobs.plan.planner import plan_job
 from jobs.spec import JobSpec
 
 

@@ -76,8 +76,8 @@ def test_prepare_missing_file(tmp_path, capsys):
 def test_prepare_gsm8k_then_plan(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["prepare", str(GSM8K), "out/gsm8k_prompts.parquet", "--column", "question", "--format", "chat"]) == 0
-    from jobs.dataset import plan_job
-    from jobs.spec import load_spec
+    from jobs.config import load_spec
+    from jobs.plan.planner import plan_job
 
     spec = load_spec(ROOT / "configs" / "gsm8k.yaml")
     plan = plan_job(spec)
@@ -192,9 +192,10 @@ def test_plan_prints_the_plan_without_ray_or_a_model(tmp_path, capsys, monkeypat
 def test_plan_reports_resume_and_refuses_another_jobs_output(tmp_path, capsys):
     import pyarrow as pa
 
-    from jobs.dataset import plan_job
-    from jobs.output import OutputDir, write_part
-    from jobs.spec import load_spec
+    from jobs.config import load_spec
+    from jobs.outputs.commit import write_part
+    from jobs.outputs.output_dir import OutputDir
+    from jobs.plan.planner import plan_job
 
     cfg = _plan_config(tmp_path)
     spec = load_spec(cfg)

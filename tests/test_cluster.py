@@ -18,8 +18,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster.pool import UnitFailed, run_units  # noqa: E402
-from cluster.task import UnitRequest, UnitResult, WorkUnit  # noqa: E402
+from cluster.dispatcher import run_units  # noqa: E402
+from cluster.unit import UnitFailed, UnitRequest, UnitResult, WorkUnit  # noqa: E402
 from cluster.worker import GenerationWorker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,8 +196,8 @@ def fake_units(n_prompts: int, unit_rows: int) -> list[WorkUnit]:
 def test_worker_takes_a_second_unit_while_the_first_is_in_flight(tmp_path):
     """A unit boundary does not drain the engine: unit 1's prompts join the running batch
     while unit 0 still decodes, and both units come out complete and committed."""
-    from jobs.dataset import plan_job
-    from jobs.output import OutputDir
+    from jobs.outputs.output_dir import OutputDir
+    from jobs.plan.planner import plan_job
     from jobs.task import JobTask
 
     spec = make_spec(write_inputs(tmp_path / "in"), tmp_path / "out", max_tokens=8)
@@ -303,7 +303,7 @@ def test_workers_resolving_dtype_auto_differently_are_refused(ray_local, tmp_pat
     ready worker binds the run, and a worker that resolved another dtype (an older GPU) is
     refused by name: the run's rows never mix dtypes, and the units still all run."""
     _by_value()
-    from cluster.pool import UnitDispatcher
+    from cluster.dispatcher import UnitDispatcher
 
     prompts = [f"prompt {i}" for i in range(8)]
     task = FakeTask(str(tmp_path), prompts, first_dtype="bfloat16", engine_kwargs={"dtype": "auto"})
@@ -320,7 +320,7 @@ def test_workers_resolving_dtype_auto_differently_are_refused(ray_local, tmp_pat
 def test_dispatcher_runs_several_batches_on_the_same_workers(ray_local, tmp_path):
     """Started once, several runs: the workers (and their engines) live across runs, and a
     failed start (the first constructor raises) is retried without failing anything."""
-    from cluster.pool import UnitDispatcher
+    from cluster.dispatcher import UnitDispatcher
 
     _by_value()
     prompts = [f"prompt {i}" for i in range(12)]
@@ -348,7 +348,7 @@ def test_a_worker_that_fails_every_unit_is_replaced(ray_local, tmp_path):
     _by_value()
     prompts = [f"prompt {i}" for i in range(16)]
     units = fake_units(len(prompts), 2)
-    from cluster.pool import UnitDispatcher
+    from cluster.dispatcher import UnitDispatcher
 
     with UnitDispatcher(FakeTask(str(tmp_path), prompts, poison_first_worker=True), num_workers=2, num_cpus=1,
                         max_unit_attempts=3) as pool:
@@ -367,7 +367,7 @@ def test_overdue_unit_gets_a_second_copy_and_the_first_commit_wins(ray_local, tm
     """A unit whose read hangs on one worker passes unit_timeout_s: a second copy runs on
     the other worker and commits; the run completes with every unit once, without waiting
     for the hung copy."""
-    from cluster.pool import UnitDispatcher
+    from cluster.dispatcher import UnitDispatcher
 
     _by_value()
     prompts = [f"prompt {i}" for i in range(12)]
@@ -410,7 +410,7 @@ def test_no_node_can_host_a_worker(ray_local, tmp_path):
 
 def test_run_job_one_and_two_workers_resume_and_fingerprint(ray_local, tmp_path, capsys):
     from jobs.errors import OutputError
-    from jobs.output import OutputDir
+    from jobs.outputs.output_dir import OutputDir
     from jobs.runner import run_job
 
     inp = write_inputs(tmp_path / "in")

@@ -1,4 +1,4 @@
-"""jobs.dataset: input discovery (files, directories, globs, URIs), schema checks, units, ids."""
+"""jobs.inputs.parquet: input discovery (files, directories, globs, URIs), schema checks, units, ids."""
 from __future__ import annotations
 
 import os
@@ -7,8 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.dataset import discover, plan_job, read_rows
 from jobs.errors import InputError
+from jobs.inputs.parquet import discover, read_rows
+from jobs.plan.planner import plan_job
 from jobs.spec import JobSpec
 
 
@@ -154,7 +155,7 @@ def test_package_input():
 
 
 def test_demo_data_is_small():
-    from jobs.dataset import DATA_DIR
+    from jobs.inputs.reader import DATA_DIR
 
     assert (DATA_DIR / "demo_prompts.parquet").stat().st_size < 50_000
 
@@ -164,8 +165,8 @@ def test_demo_data_is_small():
 def test_prepared_files_give_units_that_decode_only_their_rows(tmp_path):
     """`batchgen prepare` writes 256-row groups; with unit_rows 256 every unit is one row
     group and decodes exactly its rows (nothing is staged)."""
-    from jobs.cli import prepare_jsonl
-    from jobs.dataset import read_rows_counted
+    from jobs.inputs.parquet import read_rows_counted
+    from jobs.inputs.prepare import prepare_jsonl
 
     src = tmp_path / "in.jsonl"
     src.write_text("".join(f'{{"prompt": "q{i}"}}\n' for i in range(600)))
@@ -182,9 +183,9 @@ def test_staging_rechunks_a_large_row_group_once(tmp_path):
     """A file whose single row group is far larger than its units is staged: its columns are
     rewritten once with unit_rows-row groups, the units read that copy (same rows, each
     decoding only its own), a second staging reuses the copy, and a damaged copy is redone."""
-    from jobs.dataset import read_rows, read_rows_counted
-    from jobs.output import OutputDir
-    from jobs.staging import stage_inputs
+    from jobs.inputs.parquet import read_rows, read_rows_counted
+    from jobs.inputs.staging import stage_inputs
+    from jobs.outputs.output_dir import OutputDir
 
     f = write_prompts(str(tmp_path / "big.parquet"), [f"q{i}" for i in range(100)], other=pa.array(range(100)))
     spec = spec_for(f, cluster__unit_rows=8, output__path=str(tmp_path / "out"))
@@ -223,8 +224,8 @@ def test_fingerprint_covers_checkpoint_content_cached_by_path_size_mtime(tmp_pat
     """A retrained checkpoint with the same file sizes is another job (the fingerprint holds
     every file's SHA-256); the hash cache answers for an unchanged (path, size, mtime)."""
     from jobs.errors import OutputError
-    from jobs.output import OutputDir
-    from jobs.weights import HashCache
+    from jobs.outputs.output_dir import OutputDir
+    from jobs.plan.fingerprint import HashCache
 
     ck = tmp_path / "ck"
     ck.mkdir()

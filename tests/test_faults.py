@@ -19,9 +19,10 @@ import yaml
 
 ray = pytest.importorskip("ray")
 
-from cluster.pool import UnitFailed, run_units  # noqa: E402
+from cluster.dispatcher import run_units  # noqa: E402
+from cluster.unit import UnitFailed  # noqa: E402
+from jobs.outputs.layout import TMP_RE  # noqa: E402
 from jobs.task import JobTask  # noqa: E402
-from jobs.output import TMP_RE  # noqa: E402
 from conftest import descendants, kill_driver_once, sigkill  # noqa: E402
 from test_cluster import ROOT, assert_same_dataset, make_spec, read_dataset, write_inputs  # noqa: E402
 
@@ -34,8 +35,8 @@ def job_spec(inp: Path, out: Path, **cluster):
 
 
 def prepared(spec):
-    from jobs.dataset import plan_job
-    from jobs.output import OutputDir
+    from jobs.outputs.output_dir import OutputDir
+    from jobs.plan.planner import plan_job
 
     plan = plan_job(spec)
     out = OutputDir(spec.output.path)
@@ -75,7 +76,7 @@ def reference(inputs, tmp_path_factory):
 
 
 def check_exactly_once(out: Path, reference: list[dict]) -> None:
-    from jobs.output import OutputDir
+    from jobs.outputs.output_dir import OutputDir
 
     assert OutputDir(str(out)).verify() == []
     rows = read_dataset(out)
@@ -213,7 +214,7 @@ def test_kill_driver_then_rerun(inputs, reference, tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     kill_driver_once(proc, lambda: bool(list(out.glob("part-*.parquet"))), timeout_s=180)
-    from jobs.output import OutputDir
+    from jobs.outputs.output_dir import OutputDir
 
     committed = OutputDir(str(out)).committed_units()
     assert 1 <= len(committed)
@@ -233,7 +234,7 @@ def test_stopped_worker_is_replaced_and_its_units_run_again(ray_local, inputs, r
     cluster.unit_timeout_s (no other worker can take a second copy), it shows no progress
     when pinged, so it is replaced and its units run again on the fresh worker; the dataset
     equals the uninterrupted run. (Second copies on a live worker: test_cluster.)"""
-    from cluster.pool import UnitDispatcher
+    from cluster.dispatcher import UnitDispatcher
 
     spec = job_spec(inputs, tmp_path / "out", max_unit_attempts=6)
     plan, out = prepared(spec)
@@ -296,7 +297,7 @@ class EngineFailsOnce(JobTask):
 
 
 def test_worker_whose_engine_raises_is_replaced(ray_local, inputs, reference, tmp_path):
-    from cluster.pool import UnitDispatcher
+    from cluster.dispatcher import UnitDispatcher
 
     spec = job_spec(inputs, tmp_path / "out", max_unit_attempts=3)
     plan, out = prepared(spec)

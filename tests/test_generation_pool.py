@@ -1,4 +1,4 @@
-"""`from cluster import GenerationPool`: Ray workers kept alive across calls, weights swapped in place.
+"""`from jobs import GenerationPool`: Ray workers kept alive across calls, weights swapped in place.
 
 One local Ray instance for the module; tiny nanochat checkpoints (tests/weights_cases.py):
 `base` (with its tokenizer) and `trained` (every weight moved, no tokenizer files, as a
@@ -36,8 +36,7 @@ LEVELS = [1, 2, 3, 1, 2, 3]  # a passthrough column
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, ray_local):
     """(checkpoints, job config, {checkpoint name: run_job's rows}, pool), on one Ray instance."""
-    from cluster import GenerationPool
-    from jobs import run_job
+    from jobs import GenerationPool, run_job
 
     d = tmp_path_factory.mktemp("pool")
     ck = weights_cases.build(d / "ckpt")
@@ -121,7 +120,7 @@ def test_load_weights_in_place_then_equals_a_job_on_the_new_checkpoint(setup):
 
 
 def test_mismatched_checkpoints_are_refused_and_the_weights_kept(setup):
-    from cluster.pool import WeightsRefused
+    from cluster.weight_sync import WeightsRefused
 
     ck, _, _, pool = setup
     before = pool.generate(_table())

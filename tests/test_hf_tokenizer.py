@@ -116,7 +116,7 @@ def test_attributes_match_transformers(case):
 
 def test_jobs_text_prompts_get_bos_like_transformers(case):
     """jobs' text prompts: [BOS] + encode(text) exactly when transformers' encode(text) adds BOS."""
-    from jobs.task import text_bos
+    from jobs.inputs.prompts import text_bos
 
     name, ours, ref = case
     bos = text_bos(ours)

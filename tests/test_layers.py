@@ -12,11 +12,13 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "cluster", "jobs")
 LAYER = {"engine": 0, "cluster": 1, "jobs": 2}
 # (module, the module it forwards an old name to): deprecated aliases, for one release
-ALIASES: set[tuple[str, str]] = set()
+ALIASES: set[tuple[str, str]] = {("cluster", "jobs.pool")}  # `from cluster import GenerationPool`
 
 
 def modules() -> dict[str, Path]:
@@ -118,3 +120,16 @@ def test_the_map_sees_real_imports():
     edges = _project(import_map())
     assert any(t.startswith("engine.") for t in edges["engine.engine"])
     assert any(t.startswith("cluster.") for src, ts in edges.items() if src.startswith("jobs.") for t in ts)
+
+
+def test_deprecated_aliases_warn_and_forward():
+    """The aliases of ALIASES work for their one release: `from cluster import GenerationPool`
+    warns (DeprecationWarning, naming the new import) and gives jobs.pool's class itself."""
+    from jobs import GenerationPool
+
+    with pytest.warns(DeprecationWarning, match="from jobs import GenerationPool"):
+        from cluster import GenerationPool as old
+    assert old is GenerationPool
+    import jobs.pool
+
+    assert GenerationPool is jobs.pool.GenerationPool

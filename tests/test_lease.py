@@ -1,4 +1,4 @@
-"""jobs.lease: one driver per output directory (no Ray: the lease is plain files)."""
+"""jobs.outputs.lease: one driver per output directory (no Ray: the lease is plain files)."""
 from __future__ import annotations
 
 import json
@@ -11,8 +11,9 @@ import time
 import pytest
 
 from jobs.errors import JobFailed, OutputError
-from jobs.lease import OutputLease
-from jobs.output import LEASE, OutputDir
+from jobs.outputs.layout import LEASE
+from jobs.outputs.lease import OutputLease
+from jobs.outputs.output_dir import OutputDir
 
 
 def _out(tmp_path) -> OutputDir:

@@ -14,7 +14,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from conftest import stop_shared_ray  # noqa: E402
 
-from cluster.pool import run_units  # noqa: E402
+from cluster.dispatcher import run_units  # noqa: E402
 from jobs.task import JobTask  # noqa: E402
 from test_cluster import ROOT, assert_same_dataset, read_dataset, write_inputs  # noqa: E402
 from test_faults import job_spec, prepared  # noqa: E402
@@ -72,7 +72,7 @@ def test_remove_a_node_holding_units(cluster, tmp_path):
     any the worker prefetched) runs again on the other node's worker, and the dataset equals
     the uninterrupted run, every row once."""
     from cluster.worker import GenerationWorker
-    from jobs.output import OutputDir
+    from jobs.outputs.output_dir import OutputDir
 
     c, nodes = cluster
     inp = write_inputs(tmp_path / "in", sizes=(8, 8, 8))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine.params import SamplingParams
-from jobs.openai_batch import parse_line
+from jobs.inputs.openai_batch import parse_line
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [json.loads(line)["question"] for line in (ROOT / "jobs" / "data" / "gsm8k_demo.jsonl").open()]
@@ -123,8 +123,8 @@ def smollm2():
 
 def run_in_process(engine, spec):
     """The job's units through one engine without Ray (what a worker does), then the responses."""
-    from jobs.dataset import plan_job
-    from jobs.output import OutputDir
+    from jobs.outputs.output_dir import OutputDir
+    from jobs.plan.planner import plan_job
     from jobs.task import JobTask
     from engine.params import RequestOutput, error_output
 
@@ -149,8 +149,8 @@ def test_smollm2_chat_and_completions(smollm2, tmp_path):
     text, kept in the dataset's tokens, not in the content or the logprobs); a completion
     stops on a string; a bad line is a 400 between them."""
     from engine.tokenizers.stop_strings import completion_text
-    from jobs.openai_batch import write_responses
-    from jobs.output import OutputDir
+    from jobs.outputs.batch_responses import write_responses
+    from jobs.outputs.output_dir import OutputDir
     from jobs.spec import JobSpec
 
     q = QUESTIONS[1]  # SmolLM2 answers it greedily in 101 tokens, <|im_end|> included
@@ -256,8 +256,8 @@ def test_run_batch_210_lines_kill_and_rerun(tmp_path):
 
     from engine import load_engine
     from jobs.cli import batch_spec
-    from jobs.openai_batch import write_responses
-    from jobs.output import OutputDir
+    from jobs.outputs.batch_responses import write_responses
+    from jobs.outputs.output_dir import OutputDir
     from conftest import kill_driver_once
 
     lines, bad = batch_lines()

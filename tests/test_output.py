@@ -1,4 +1,4 @@
-"""jobs.output + jobs.task.write_unit: atomic unit files, manifest resume/mismatch/overwrite,
+"""jobs.outputs (OutputDir, commit) + jobs.task.write_unit: atomic unit files, manifest resume/mismatch/overwrite,
 status and verify catching each kind of corruption."""
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.params import RequestOutput, Sample, ToolCall, error_output
-from jobs.dataset import plan_job
 from jobs.errors import OutputError
-from jobs.output import MANIFEST, OUTPUT_SCHEMA, SUCCESS, OutputDir, part_name
+from jobs.outputs.layout import MANIFEST, SUCCESS, part_name
+from jobs.outputs.output_dir import OutputDir
+from jobs.outputs.schema import OUTPUT_SCHEMA
+from jobs.plan.planner import plan_job
 from jobs.spec import JobSpec
 from jobs.task import JobTask
 
@@ -127,7 +129,7 @@ def test_task_pickles_small(tmp_path):
 KILLER = """
 import os, sys
 sys.path.insert(0, {root!r})
-import jobs.output as out
+import jobs.outputs.commit as out
 import pyarrow as pa
 def die(*a):
     os._exit(9)
@@ -159,8 +161,8 @@ def test_failed_write_removes_temp(tmp_path, monkeypatch):
     def boom(*a):
         raise OSError("disk full")
 
-    monkeypatch.setattr("jobs.output.os.link", boom)
-    monkeypatch.setattr("jobs.output.os.replace", boom)
+    monkeypatch.setattr("jobs.outputs.commit.os.link", boom)
+    monkeypatch.setattr("jobs.outputs.commit.os.replace", boom)
     with pytest.raises(OSError):
         run_unit(task, plan.units[0])
     assert [n for n in os.listdir(od.path) if not n.startswith("_")] == []
@@ -170,7 +172,7 @@ def test_first_commit_wins(tmp_path, monkeypatch):
     """A unit written twice (a retry, or a second copy after a deadline) keeps the first
     file: the second commit finds it and leaves it alone, also where the filesystem has no
     hard links (the rename fallback)."""
-    from jobs.output import write_part
+    from jobs.outputs.commit import write_part
 
     spec, plan, task, od = make_job(tmp_path)
     od.prepare(plan, spec)
@@ -183,7 +185,7 @@ def test_first_commit_wins(tmp_path, monkeypatch):
     def no_links(*a):
         raise OSError(95, "Operation not supported")
 
-    monkeypatch.setattr("jobs.output.os.link", no_links)
+    monkeypatch.setattr("jobs.outputs.commit.os.link", no_links)
     write_part(od.path, 0, pa.table({"x": [3]}))
     write_part(od.path, 1, pa.table({"x": [4]}))
     assert pq.read_table(path).column("x").to_pylist() == [1]

@@ -14,7 +14,7 @@ import pytest
 
 from engine.params import SamplingParams
 from jobs.errors import InputError
-from jobs.row_params import row_num_samples, row_params
+from jobs.inputs.row_params import row_num_samples, row_params
 
 ray = pytest.importorskip("ray")
 
@@ -72,7 +72,7 @@ def test_row_params_rules():
 def test_sampling_column_is_checked_before_work(tmp_path):
     """A missing column, a column that is not a struct, or a struct field that is not a
     sampling parameter stops the job (InputError) naming the file, column and field."""
-    from jobs.dataset import plan_job
+    from jobs.plan.planner import plan_job
 
     inp = write_input(tmp_path)
     with pytest.raises(InputError, match="column 'nope' .input.sampling_column. not found"):
@@ -91,7 +91,7 @@ def test_sampling_column_is_checked_before_work(tmp_path):
 
 def test_mixed_rows_in_one_unit_equal_each_request_alone(ray_local, tmp_path):
     from engine import load_engine
-    from jobs.output import OutputDir
+    from jobs.outputs.output_dir import OutputDir
     from jobs.runner import run_job
 
     inp = write_input(tmp_path / "in")

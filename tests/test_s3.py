@@ -81,9 +81,9 @@ def _local_clean_run(out) -> None:
     """The same demo job with local input and output, uninterrupted: every unit in order
     through one GenerationWorker in this process."""
     from cluster.worker import GenerationWorker
-    from jobs.dataset import plan_job
-    from jobs.output import OutputDir
-    from jobs.spec import load_spec
+    from jobs.config import load_spec
+    from jobs.outputs.output_dir import OutputDir
+    from jobs.plan.planner import plan_job
     from jobs.task import JobTask
 
     spec = load_spec(ROOT / "configs" / "demo.yaml", [a for a in JOB if a != "--set"] + [f"output.path={out}"])

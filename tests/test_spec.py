@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from jobs.config import apply_override, load_spec
 from jobs.errors import SpecError
-from jobs.spec import JobSpec, apply_override, load_spec
+from jobs.spec import JobSpec
 
 
 def write(tmp_path, text: str, name: str = "job.yaml"):
@@ -150,7 +151,7 @@ def test_sampling_params_and_engine_kwargs(tmp_path):
 def test_device_and_dtype_resolved_on_the_driver(tmp_path):
     """auto never depends on the machine the driver happens to run on: a CPU job is cpu on a
     GPU node too; dtype "auto" stays "auto", which each worker resolves for its own machine
-    (bfloat16 only where native and faster; the run's workers must agree, cluster/pool.py);
+    (bfloat16 only where native and faster; the run's workers must agree, cluster/health.py);
     the fingerprint names the device kind and dtype (so a resumed job cannot switch either,
     and "auto" is not the same job as an explicit dtype)."""
     cpu = load_spec(write(tmp_path, ""))

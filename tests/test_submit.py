@@ -88,7 +88,7 @@ def batchgen(*args: str, env: dict, timeout: float = 240) -> subprocess.Complete
 
 
 def test_submit_then_run_on_the_same_cluster(head, tmp_path):
-    from jobs.output import OutputDir
+    from jobs.outputs.output_dir import OutputDir
 
     env, _, url, client = head
     submitted = tmp_path / "submitted"

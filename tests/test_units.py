@@ -1,4 +1,4 @@
-"""jobs.units (units along Parquet row groups) and jobs.ids (duplicates in bounded memory)."""
+"""jobs.inputs.row_groups (units along Parquet row groups) and jobs.ids (duplicates in bounded memory)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jobs.ids import find_duplicate, find_duplicates
-from jobs.units import cut_file
+from jobs.inputs.row_groups import cut_file
 
 
 @given(groups=st.lists(st.integers(0, 40), max_size=30), unit_rows=st.integers(1, 16))

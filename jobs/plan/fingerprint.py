@@ -1,7 +1,16 @@
-"""Content hashes of a checkpoint's files, for the job fingerprint.
+"""The job fingerprint: what identifies a job's output, so that a rerun resumes it and
+another job is refused.
 
-Names and sizes do not identify weights: a retrained checkpoint usually has the same file
-sizes. The fingerprint therefore holds the SHA-256 of every file under `model.path` (and
+    data = fingerprint_data(spec, scan.fingerprint_files, hash_cache)
+    fingerprint_of(data)          # sha256 hex of its canonical JSON
+
+The data: FINGERPRINT_VERSION, the spec fields that decide the rows
+(JobSpec.fingerprint_dict: model identity, resolved dtype and device kind, sampling, tools,
+input columns, unit_rows), each input file's identity from its reader (name, size, rows; an
+OpenAI batch file's sha256 too), and the checkpoint's content hashes.
+
+Content hashes: names and sizes do not identify weights (a retrained checkpoint usually has
+the same file sizes), so the data holds the SHA-256 of every file under `model.path` (and
 `model.tokenizer`), hidden files excepted. Hashing a large checkpoint takes a while, so the
 hashes are cached in the output directory (`_batchgen/checkpoint-sha256.json`), keyed by
 the file's absolute path, size and modification time: a file is read again only when one
@@ -15,8 +24,32 @@ import os
 from pathlib import Path
 from typing import Any
 
-CACHE_FILE = "_batchgen/checkpoint-sha256.json"
+from jobs.outputs.layout import CACHE_FILE
+
 CHUNK = 8 << 20
+# 2: checkpoint content hashes, resolved device kind and dtype, row-group units; the stop
+# token kept in `tokens`, the stop_reason column, per-row sampling parameters
+FINGERPRINT_VERSION = 2
+
+
+def fingerprint_of(data: dict[str, Any]) -> str:
+    """sha256 hex of the canonical JSON of `data` (sorted keys, no whitespace)."""
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def fingerprint_data(spec: Any, files: list[list[Any]], cache: "HashCache | None" = None,
+                     hash_checkpoint: bool = True) -> dict[str, Any]:
+    """The fingerprint data of a job (see the module docstring): `files` holds each input
+    file's identity; the checkpoint's (and tokenizer's) content hashes are added unless
+    `hash_checkpoint` is False (openai_batch plans, InputScan.hash_checkpoint)."""
+    data = {"version": FINGERPRINT_VERSION, **spec.fingerprint_dict()}
+    if hash_checkpoint:
+        data["model"]["sha256"] = content_identity(spec.model.path, cache)
+        if spec.model.tokenizer is not None:
+            data["model"]["tokenizer_sha256"] = content_identity(spec.model.tokenizer, cache)
+    data["input"] = {**data["input"], "files": files}
+    return data
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -86,3 +119,18 @@ def content_identity(path: str, cache: HashCache | None = None) -> dict[str, str
         name = f.name if root.is_file() else f.relative_to(root).as_posix()
         out[name] = cache.hash(f)
     return out
+
+
+def load_hash_cache(out: Any) -> HashCache:
+    """The checkpoint hash cache stored in output directory `out` (an OutputDir; empty if
+    absent or unreadable)."""
+    try:
+        return HashCache.loads(out.read_text(CACHE_FILE))
+    except Exception:  # noqa: BLE001 - a cache: an unreadable one is rebuilt
+        return HashCache()
+
+
+def save_hash_cache(out: Any, cache: HashCache) -> None:
+    """Store `cache` in output directory `out` if hashing added to it."""
+    if cache.changed:
+        out.write_text(CACHE_FILE, cache.dumps())

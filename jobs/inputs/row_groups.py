@@ -8,7 +8,7 @@ cut along row groups:
   `unit_rows` rows: each unit decodes exactly its own rows;
 - a row group of up to 2 x `unit_rows` rows is cut into two near-equal pieces, each
   decoding the whole group: at most 2x its rows (2x + 1 for an odd group);
-- a file with a larger row group is *staged* (jobs/staging.py): its needed columns are
+- a file with a larger row group is *staged* (jobs/inputs/staging.py): its needed columns are
   rewritten once, before the job runs, with `unit_rows`-row groups, and its units are plain
   `unit_rows` cuts of that copy. Staging decodes the file once, its units once more: 2x.
 

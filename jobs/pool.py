@@ -1,31 +1,64 @@
 """`GenerationPool`: Ray workers and their engines kept alive across calls, from Python.
 
-    from cluster import GenerationPool
+    from jobs import GenerationPool
     with GenerationPool("configs/rl.yaml", {"cluster.num_workers": 2}) as pool:
         table = pool.generate(["What is 2+2?", "Name a prime."], {"temperature": 0.7, "seed": step})
         pool.load_weights("ckpt/step-200")          # every worker, in place
         table = pool.generate(prompts)               # now from step-200's weights
 
-A pool is a UnitDispatcher (cluster/pool.py: the same GenerationWorker actors, deadlines,
+A pool is a UnitDispatcher (cluster/dispatcher.py: the same GenerationWorker actors, deadlines,
 retries and worker replacement as a job) started once and fed with the units of each call.
 The prompts travel inside their units and the rows come back through Ray, never through
-files. What the prompts and rows are is the task's business (cluster.task.PromptTask); for
-a job config that is jobs.pool_task.PoolTask, which reads and writes them exactly as a job
-does, so a call's rows equal, bit for bit, what `run_job` writes for the same prompts, ids,
-parameters and checkpoint.
+files. What the prompts and rows are is the task's business (cluster.unit.PromptTask): here
+jobs.pool_task.PoolTask, which reads and writes them exactly as a job does, so a call's rows
+equal, bit for bit, what `run_job` writes for the same prompts, ids, parameters and
+checkpoint.
 
-Constructed from a job config, the pool is the one place where cluster/ reaches into jobs/
-(lazily, when given a config rather than a task): the config, the prompt formats and the
-output schema are the job's, and `from cluster import GenerationPool` is where a trainer
-looks for a pool of workers.
+`from cluster import GenerationPool` still works for one release, with a DeprecationWarning
+(cluster/ never imports jobs/ otherwise).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from cluster.pool import UnitDispatcher
-from cluster.task import PromptTask
+from cluster.dispatcher import UnitDispatcher
+from cluster.unit import PromptTask
+from jobs.config import load_job_spec
+from jobs.plan.planner import check_local_gpus, check_model_path
+from jobs.pool_task import PoolTask
+from jobs.runner import connect_ray
+
+
+@dataclass(slots=True)
+class PoolSetup:
+    """What a GenerationPool built from a job config runs: the task, the most prompts per
+    unit, UnitDispatcher arguments, and whether this call started Ray (close shuts it down)."""
+
+    task: PoolTask
+    unit_rows: int
+    dispatcher_options: dict[str, Any]
+    ray_started: bool
+
+
+def pool_setup(config: Any, overrides: Iterable[str] | Mapping[str, Any] = (), *,
+               model: str | None = None) -> PoolSetup:
+    """Validate a job config for a GenerationPool and connect Ray as a job would (a local
+    instance when cluster.address is null). Raises SpecError naming the key (bad config,
+    a model path or tokenizer that does not exist, more GPUs than a local machine has)."""
+    spec = load_job_spec({} if config is None else config, overrides)
+    if model is not None:
+        spec = load_job_spec(spec, {"model.path": str(model)})
+    check_model_path(spec)
+    check_local_gpus(spec)
+    task = PoolTask(spec)
+    c = spec.cluster
+    options = dict(num_workers=int(c.num_workers), num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker,
+                   max_unit_attempts=int(c.max_unit_attempts), unit_timeout_s=c.unit_timeout_s,
+                   may_add_nodes=c.address is not None)
+    return PoolSetup(task=task, unit_rows=int(c.unit_rows), dispatcher_options=options,
+                     ray_started=connect_ray(spec))
 
 
 class GenerationPool:
@@ -41,13 +74,11 @@ class GenerationPool:
     max_unit_attempts and unit_timeout_s. The workers start, and their engines load, in the
     constructor.
     Raises SpecError / InputError for a bad config (naming the key) and
-    cluster.pool.UnitFailed when workers cannot start.
+    cluster.unit.UnitFailed when workers cannot start.
     """
 
     def __init__(self, config: Any = None, overrides: Iterable[str] | Mapping[str, Any] = (), *,
                  model: str | None = None) -> None:
-        from jobs.pool_task import pool_setup
-
         setup = pool_setup(config, overrides, model=model)
         self.task: PromptTask = setup.task
         self.unit_rows = max(1, int(setup.unit_rows))
@@ -70,7 +101,7 @@ class GenerationPool:
         input columns; params an engine SamplingParams or a dict of `sampling` keys over
         the config's; prompt_ids one id per prompt, default "0", "1", ...).
         Raises ValueError (SpecError, InputError) for input the task refuses, before any
-        work, and cluster.pool.UnitFailed when the call cannot finish (a unit failing
+        work, and cluster.unit.UnitFailed when the call cannot finish (a unit failing
         max_unit_attempts times, no worker able to start); the workers stay up.
         """
         if not hasattr(prompts, "__len__"):
@@ -91,7 +122,7 @@ class GenerationPool:
         job on the new checkpoint, bit for bit; workers replaced later load it too.
         step: for a nanochat directory (default: its highest step now).
         Returns each worker's state ({"worker", "pid", "weights", "kv_cache_ptr", ...}).
-        Raises cluster.pool.WeightsRefused naming the worker and what does not fit (every
+        Raises cluster.weight_sync.WeightsRefused naming the worker and what does not fit (every
         worker keeps its weights) and UnitFailed when no worker runs."""
         return self.dispatcher.load_weights(str(checkpoint_path), step=step)
 

@@ -1,8 +1,8 @@
 """Staging: re-chunking input files whose row groups are too large for their units.
 
 A file with a row group of more than 2 x unit_rows rows (pyarrow writes 1,048,576-row
-groups by default) would make each of its units decode that whole group (jobs/units.py).
-Before the job runs, the driver rewrites the columns the job reads from such a file into
+groups by default) would make each of its units decode that whole group
+(jobs/inputs/row_groups.py). Before the job runs, the driver rewrites the columns the job reads from such a file into
 `output.path/_batchgen/staged/`, with `unit_rows`-row groups, reading the original once as
 a stream (bounded memory, files in parallel); the units then read the copy. Rows decoded:
 the file once here, then once by its units.
@@ -24,10 +24,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cluster.task import WorkUnit
+from cluster.unit import WorkUnit
 from jobs import uri
-from jobs.dataset import InputFile, JobPlan, open_input
-from jobs.output import OutputDir
+from jobs.inputs.reader import InputFile, open_input
 
 log = logging.getLogger("batchgen")
 
@@ -46,7 +45,7 @@ def _origin(f: InputFile, unit_rows: int, columns: list[str]) -> dict[str, Any]:
     return {"name": f.name, "size": f.size, "num_rows": f.num_rows, "unit_rows": unit_rows, "columns": columns}
 
 
-def _is_valid(out: OutputDir, rel: str, origin: dict[str, Any]) -> bool:
+def _is_valid(out: Any, rel: str, origin: dict[str, Any]) -> bool:
     try:
         with out.fs.open_input_file(out.fs_path(rel)) as fh:
             md = pq.ParquetFile(fh).metadata
@@ -56,7 +55,7 @@ def _is_valid(out: OutputDir, rel: str, origin: dict[str, Any]) -> bool:
     return md.num_rows == origin["num_rows"] and meta is not None and json.loads(meta) == origin
 
 
-def _stage_one(out: OutputDir, f: InputFile, unit_rows: int, columns: list[str]) -> tuple[str, int]:
+def _stage_one(out: Any, f: InputFile, unit_rows: int, columns: list[str]) -> tuple[str, int]:
     """Write the staged copy of `f` unless a valid one exists; (its relative name, rows decoded).
 
     Locally through a temporary file and a rename; on an object store straight to the
@@ -86,9 +85,10 @@ def _stage_one(out: OutputDir, f: InputFile, unit_rows: int, columns: list[str])
     return rel, decoded
 
 
-def stage_inputs(plan: JobPlan, out: OutputDir, unit_rows: int, columns: list[str],
+def stage_inputs(plan: Any, out: Any, unit_rows: int, columns: list[str],
                  units: list[WorkUnit]) -> tuple[list[WorkUnit], dict[str, str], int]:
-    """Stage every file of `plan` marked `staged`, and point `units` at the copies.
+    """Stage every file of `plan` (a JobPlan) marked `staged` into the output directory `out`
+(an OutputDir), and point `units` at the copies.
 
     Returns (units with their sources replaced, {staged source: input file name}, input
     rows decoded while staging). Raises OSError / pyarrow errors when a file cannot be

@@ -2,14 +2,15 @@
 
 cluster/ schedules `WorkUnit`s and drives engines; everything about the input and output
 formats stays behind `UnitTask`, which jobs/ implements (jobs.task.JobTask). A UnitTask is
-pickled to every worker, so it holds only plain data (spec values, paths).
+pickled to every worker, so it holds only plain data (spec values, paths). A run that cannot
+finish raises `UnitFailed`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-if TYPE_CHECKING:  # annotations only: importing cluster.task must not load the engine
+if TYPE_CHECKING:  # annotations only: importing cluster.unit must not load the engine
     from engine.params import RequestOutput, SamplingParams
 
 
@@ -71,6 +72,11 @@ class UnitResult:
     data: Any = None
 
 
+class UnitFailed(Exception):
+    """A run of units cannot finish (cluster/dispatcher.py): a unit failed too often, workers
+    cannot start, or no node can host a worker."""
+
+
 class UnitTask(Protocol):
     """What a worker needs from the job. Implemented by jobs.task.JobTask.
 
@@ -96,9 +102,9 @@ class UnitTask(Protocol):
 
 
 class PromptTask(UnitTask, Protocol):
-    """A UnitTask for a GenerationPool (cluster/generation_pool.py): prompts arrive in a call,
-    travel inside their units (WorkUnit.payload), and come back as data (UnitResult.data).
-    Implemented by jobs.pool_task.PoolTask.
+    """A UnitTask for a GenerationPool (jobs/pool.py): prompts arrive in a call, travel inside
+    their units (WorkUnit.payload), and come back as data (UnitResult.data). Implemented by
+    jobs.pool_task.PoolTask.
 
     make_units(prompts, params, prompt_ids, first_index, unit_rows): the call's units,
         indexed from `first_index` (unique over the pool's life, so a late copy from an

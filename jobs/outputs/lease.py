@@ -13,10 +13,11 @@ holder ran on this host and its process is gone (a killed driver's rerun need no
 It then takes the lease over and says so. A driver that finds its lease taken over (its
 heartbeats had stopped, e.g. a suspended laptop) stops its job (JobFailed, exit 1).
 
-Creating a lease is exclusive on local filesystems (a hard link that fails if the file
-exists); on an object store, which has no such operation through pyarrow, the lease is
-written and read back, so two drivers starting within the same second can both proceed
-until the first heartbeat, where the loser stops.
+Creating a lease is exclusive on local filesystems: committed as a unit file is
+(jobs/outputs/commit.py: a hard link that fails if the file exists); on an object store,
+which has no such operation through pyarrow, the lease is written and read back, so two
+drivers starting within the same second can both proceed until the first heartbeat, where
+the loser stops.
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ from typing import Any
 
 from jobs import uri
 from jobs.errors import JobFailed, OutputError
-from jobs.output import LEASE, OutputDir
+from jobs.outputs.commit import commit_file
+from jobs.outputs.layout import LEASE
+from jobs.outputs.output_dir import OutputDir
 
 log = logging.getLogger("batchgen")
 
@@ -143,20 +146,10 @@ class OutputLease:
     def _create_exclusive(self, text: str) -> None:
         final = self.out.fs_path(LEASE)
         os.makedirs(os.path.dirname(final), exist_ok=True)
-        tmp = f"{final}.{self.token}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        try:
-            os.link(tmp, final)
-        except FileExistsError:
+        if not commit_file(self.out.fs, final, text.encode(), ".tmp-lease"):
             now = time.time()
             raise OutputError(f"output.path {uri.redact(self.out.path)} is in use by another batchgen driver: "
-                              f"{_describe(self.read() or {}, now)}") from None
-        except OSError:  # no hard links on this filesystem
-            os.replace(tmp, final)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+                              f"{_describe(self.read() or {}, now)}")
 
     def start(self) -> None:
         """Heartbeats every interval_s from a daemon thread until release()."""

@@ -13,6 +13,10 @@ import time
 from typing import Any
 
 from jobs import uri
+from jobs.outputs.lease import OutputLease
+from jobs.outputs.output_dir import OutputDir, describe_differences
+from jobs.plan.fingerprint import load_hash_cache
+from jobs.plan.planner import check_local_gpus, plan_job
 
 SHOW_FILES = 10
 
@@ -25,11 +29,6 @@ def describe_plan(spec: Any) -> tuple[str, int]:
     """(the report, exit code): 0, or 2 when `run` would refuse the output directory.
 
     Raises SpecError / InputError (exit code 2) as `run` does."""
-    from jobs.dataset import plan_job
-    from jobs.lease import OutputLease
-    from jobs.output import OutputDir
-    from jobs.runner import check_local_gpus, load_hash_cache
-
     out = OutputDir(spec.output.path)
     plan = plan_job(spec, hash_cache=load_hash_cache(out))
     check_local_gpus(spec)
@@ -59,8 +58,6 @@ def describe_plan(spec: Any) -> tuple[str, int]:
             done = len(out.committed_units())
             lines.append(f"output:        {out.shown}: resume, {done:,} of {len(plan.units):,} units committed")
         else:
-            from jobs.output import describe_differences
-
             diffs = describe_differences(manifest.get("fingerprint_data") or {}, plan.fingerprint_data)
             lines.append(f"output:        {out.shown}: holds another job's output (fingerprint "
                          f"{str(manifest.get('fingerprint'))[:12]}); `run` refuses it without --overwrite; "

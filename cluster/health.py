@@ -1,0 +1,420 @@
+"""The dispatcher's workers: slots, starts, pings, suspects, replacement, node loss.
+
+`WorkerSlots` holds `num_workers` slots, each with at most one `GenerationWorker` actor at a
+time; a replaced actor's slot is refilled with a fresh one. The UnitDispatcher
+(cluster/dispatcher.py) owns the units and asks the slots for workers; what a replaced
+worker held of its units comes back to it (`remove`) to queue again.
+
+Worker states (`WorkerState`):
+    starting   actor created, engine loading; gets no units (a start failure is never a unit's)
+    ready      takes units, `in_flight_per_worker` at a time (2: its engine never drains at
+               a unit boundary)
+    suspect    one of its units is overdue: gets no new units, is pinged (`progress()`) until
+               it shows progress (generated tokens or finished units grow: back to ready) or
+               the suspect timeout passes (replaced, its units charged)
+    replaced   killed; its in-flight units went back to the queue
+
+- pings: progress() replies are kept per worker for the progress report; a worker found dead
+  is replaced;
+- suspects: `check_suspects` pings them and says which workers to replace: a suspect without
+  progress for the suspect timeout (charged), a worker still holding a copy that long after
+  another copy of its unit committed (uncharged);
+- starts: a failed start (the constructor raised, the process died before ready, or the
+  engine resolved model dtype "auto" to another dtype than the run's, `refuse_dtype`) costs
+  the slot one attempt; a slot failing `max_start_failures` times in a row is given up while
+  other workers run;
+- nodes: when no worker runs, `check_can_run` fails the run once every empty slot is given
+  up, or when no alive Ray node can host a worker (cluster/resources.py) unless
+  `may_add_nodes` (then it is "waiting for nodes"), and after `start_timeout_s` in any case.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from cluster.unit import UnitFailed, UnitTask
+
+log = logging.getLogger("batchgen.pool")
+
+NODE_CHECK_INTERVAL_S = 2.0
+
+
+class WorkerState(str, Enum):
+    STARTING = "starting"
+    READY = "ready"
+    SUSPECT = "suspect"
+    REPLACED = "replaced"
+
+
+@dataclass(slots=True, eq=False)
+class WorkerRecord:
+    """The driver's record of one GenerationWorker actor in a slot."""
+
+    name: str
+    slot: int
+    handle: Any
+    ready_ref: Any
+    created: float
+    state: WorkerState = WorkerState.STARTING
+    info: dict = field(default_factory=dict)  # ready(): pid, host, node_id, device, dtype
+    copies: dict = field(default_factory=dict)  # ObjectRef -> the dispatcher's copy of a unit
+    failures_in_row: int = 0
+    progress: dict = field(default_factory=dict)  # the last progress() reply
+    poll_ref: Any = None  # a pending progress() call
+    poll_sent: float = 0.0
+    suspect_since: float = 0.0
+    baseline: tuple | None = None  # (generated_tokens, finished_units) at the first reply while suspect
+    reason: str = ""  # why it was replaced
+
+    @property
+    def live(self) -> bool:
+        """Started and not replaced: it runs units (ready) or may again (suspect)."""
+        return self.state in (WorkerState.READY, WorkerState.SUSPECT)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def short_error(exc: BaseException | str, limit: int = 2000) -> str:
+    """An error's text for a message: colour codes removed, cut at `limit` characters."""
+    text = _ANSI.sub("", str(exc)).strip() or type(exc).__name__
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def last_error_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in short_error(exc, 100_000).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+class WorkerSlots:
+    """The worker slots of a UnitDispatcher and their health (see the module docstring).
+
+    task, num_workers, num_cpus, num_gpus, in_flight_per_worker, actor_options and the
+    timeouts: as UnitDispatcher's. events: the dispatcher's event log, (time, kind, detail).
+    refs: every pending Ray call to a worker, ObjectRef -> (kind, worker), kind "ready",
+    "poll" or "unit" (the dispatcher's run_unit calls, registered with `track`).
+    weights: the checkpoint swapped in by load_weights, which workers started from now on load.
+    """
+
+    def __init__(self, task: UnitTask, *, num_workers: int, num_cpus: float, num_gpus: float,
+                 in_flight_per_worker: int, actor_options: dict | None, suspect_timeout_s: float | None,
+                 start_timeout_s: float, max_start_failures: int, may_add_nodes: bool, events: deque) -> None:
+        self.task = task
+        self.num_workers = num_workers
+        self.num_cpus = num_cpus
+        self.in_flight_per_worker = in_flight_per_worker
+        self.options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0)
+        self.options.update(actor_options or {})
+        self.needs = {"CPU": num_cpus, "GPU": num_gpus, **(self.options.get("resources") or {})}
+        self.suspect_timeout_s = suspect_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.max_start_failures = max(1, int(max_start_failures))
+        self.may_add_nodes = may_add_nodes
+        self.events = events
+        self.weights: tuple[str, int | None] | None = None
+        self.waiting_for_nodes = ""  # why no worker can start now (when may_add_nodes)
+        self.auto_dtype: str | None = None  # what the workers resolved model dtype "auto" to
+        self.tokens_by_worker: dict[str, int] = {}
+        self.progress_by_worker: dict[str, dict] = {}
+        self.last_start_error = ""
+        self.slots: list[WorkerRecord | None] = [None] * num_workers
+        self.refs: dict[Any, tuple[str, WorkerRecord]] = {}
+        self._dropped: list[Any] = []  # calls of replaced workers: collected so Ray does not log them unhandled
+        self._counter = itertools.count()
+        self._actor_cls = None
+        self._slot_failures = [0] * num_workers
+        self._no_worker_since: float | None = None
+        self._next_node_check = 0.0
+
+    def event(self, kind: str, detail: str) -> None:
+        self.events.append((time.time(), kind, detail))
+
+    # ------------------------------------------------------------------ slots
+    def start(self) -> None:
+        """Create the actor class and start a worker in every empty slot."""
+        from cluster.worker import make_actor_class
+
+        if self._actor_cls is None:
+            self._actor_cls = make_actor_class(max_concurrency=self.in_flight_per_worker + 3)
+        for slot in range(self.num_workers):
+            if self.slots[slot] is None:
+                self._start_worker(slot)
+
+    def _start_worker(self, slot: int) -> WorkerRecord:
+        name = f"worker-{next(self._counter)}"
+        threads = max(1, int(self.num_cpus)) if self.num_cpus else None
+        handle = self._actor_cls.options(**self.options).remote(self.task, name, threads, self.weights)
+        w = WorkerRecord(name=name, slot=slot, handle=handle, ready_ref=handle.ready.remote(),
+                         created=time.monotonic())
+        self.refs[w.ready_ref] = ("ready", w)
+        self.slots[slot] = w
+        self.event("start", f"{name} in slot {slot}")
+        return w
+
+    def fill(self) -> None:
+        """A worker in every empty slot that is not given up."""
+        for slot, w in enumerate(self.slots):
+            if w is None and self._slot_failures[slot] < self.max_start_failures:
+                self._start_worker(slot)
+
+    def live(self) -> list[WorkerRecord]:
+        return [w for w in self.slots if w is not None and w.live]
+
+    def new_run(self) -> None:
+        """A new run tries given-up slots again and restarts the start timeout."""
+        self._slot_failures = [0] * self.num_workers
+        self._no_worker_since = None
+
+    def track(self, ref: Any, kind: str, w: WorkerRecord) -> None:
+        self.refs[ref] = (kind, w)
+
+    def remove(self, w: WorkerRecord, why: str) -> list[Any]:
+        """Kill `w` and free its slot; returns the copies of units it held (the dispatcher
+        queues them again), [] if it was replaced already."""
+        if w.state == WorkerState.REPLACED:
+            return []
+        started = w.state != WorkerState.STARTING
+        w.state, w.reason = WorkerState.REPLACED, why
+        self._kill(w)
+        if self.slots[w.slot] is w:
+            self.slots[w.slot] = None
+        copies = list(w.copies.values())
+        w.copies.clear()
+        if started:
+            log.warning("replacing %s: %s", w.name, why)
+        self.event("replaced", f"{w.name}: {why}")
+        return copies
+
+    def _kill(self, w: WorkerRecord) -> None:
+        import ray
+
+        for ref in [r for r, (_, owner) in self.refs.items() if owner is w]:
+            del self.refs[ref]
+            self._dropped.append(ref)
+        try:
+            ray.kill(w.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def collect_dropped(self, ray: Any) -> None:
+        if self._dropped:
+            done, self._dropped = ray.wait(self._dropped, num_returns=len(self._dropped), timeout=0)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001 - the worker was replaced; its reply no longer matters
+                    pass
+
+    def close(self) -> None:
+        for w in list(self.slots):
+            if w is not None:
+                self._kill(w)
+        self.slots = [None] * self.num_workers
+        self.refs.clear()
+
+    def snapshot(self) -> list[dict]:
+        """Name, state, info and in-flight units of each slot's worker."""
+        return [{"slot": i, "name": w.name, "state": w.state.value, "info": dict(w.info),
+                 "units": sorted(c.unit.unit.index for c in w.copies.values())}
+                for i, w in enumerate(self.slots) if w is not None]
+
+    # ------------------------------------------------------------------ starts
+    def wait_ready(self, timeout_s: float | None = None) -> int:
+        """Start the workers and block until every slot's worker is ready or given up, or
+        `timeout_s` passes; returns the number of ready workers. Raises UnitFailed as
+        check_can_run."""
+        import ray
+
+        self.start()
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self.fill()
+            starting = {w.ready_ref: w for w in self.slots if w is not None and w.state == WorkerState.STARTING}
+            now = time.monotonic()
+            if not starting or (end is not None and now >= end):
+                return len(self.live())
+            self.check_can_run(now)
+            wait = 2.0 if end is None else max(0.01, min(2.0, end - now))
+            done, _ = ray.wait(list(starting), num_returns=1, timeout=wait)
+            for ref in done:
+                self.refs.pop(ref, None)
+                self.on_ready(ray, ref, starting[ref])
+
+    def on_ready(self, ray: Any, ref: Any, w: WorkerRecord) -> None:
+        """`w`'s ready() call returned: it takes units, or its start failed."""
+        try:
+            w.info = ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - any failure before ready is a start failure
+            self._start_failed(w, exc)
+            return
+        refused = self.refuse_dtype(w)
+        if refused:
+            self._start_failed(w, refused)
+            return
+        w.state = WorkerState.READY
+        self._slot_failures[w.slot] = 0
+        self.event("ready", f"{w.name} pid {w.info.get('pid')} on {w.info.get('host')}")
+
+    def refuse_dtype(self, w: WorkerRecord) -> str | None:
+        """With model dtype "auto" each worker's engine resolves it for its own machine
+        (engine/checkpoint.py): the first ready worker's choice is the run's, and a worker that
+        resolved another (a GPU of another generation, a CPU of another kind) is refused, so
+        that one run never mixes dtypes. Returns why, or None."""
+        if self.task.engine_kwargs.get("dtype") != "auto" or not w.info.get("dtype"):
+            return None
+        got = w.info["dtype"]
+        if self.auto_dtype is None:
+            self.auto_dtype = got
+            return None
+        if got == self.auto_dtype:
+            return None
+        return (f"worker {w.name} on {w.info.get('host')} ({w.info.get('device')}) resolved model.dtype auto to "
+                f"{got}, but this run's workers use {self.auto_dtype}: set model.dtype to one of them explicitly "
+                f"to run on mixed machines")
+
+    def _start_failed(self, w: WorkerRecord, exc: BaseException | str) -> None:
+        """`w` failed to start (`exc`: what ready() raised, or why it was refused): its slot
+        loses one attempt and `w` is removed (a starting worker holds no units)."""
+        if isinstance(exc, str):
+            why = exc
+        elif getattr(exc, "actor_init_failed", False):
+            why = f"worker {w.name} could not start: {last_error_line(exc)}\n{short_error(exc)}"
+        else:
+            why = f"worker {w.name} died before it was ready: {short_error(exc)}"
+        self._slot_failures[w.slot] += 1
+        self.last_start_error = why
+        log.warning("%s (attempt %d of %d for slot %d)", why.splitlines()[0], self._slot_failures[w.slot],
+                    self.max_start_failures, w.slot)
+        self.remove(w, why.splitlines()[0])
+
+    # ------------------------------------------------------------------ pings
+    def poll(self, w: WorkerRecord, now: float) -> None:
+        if w.poll_ref is None and w.live:
+            w.poll_ref = w.handle.progress.remote()
+            w.poll_sent = now
+            self.refs[w.poll_ref] = ("poll", w)
+
+    def poll_all(self, now: float) -> None:
+        for w in self.slots:
+            if w is not None:
+                self.poll(w, now)
+
+    def on_poll(self, ray: Any, ref: Any, w: WorkerRecord) -> str | None:
+        """`w`'s progress() call returned; returns why to replace it (charged: it died), or None."""
+        from ray.exceptions import RayTaskError
+
+        w.poll_ref = None
+        try:
+            info = ray.get(ref)
+        except RayTaskError:
+            return None  # progress is best effort
+        except Exception as exc:  # noqa: BLE001 - RayActorError and other system errors: the worker is gone
+            return f"worker {w.name} died: {short_error(exc)}"
+        w.progress = info
+        self._record(w.name, info)
+        if w.state == WorkerState.SUSPECT:
+            mark = (int(info.get("generated_tokens", 0)), int(info.get("finished_units", 0)))
+            if w.baseline is None:
+                w.baseline = mark
+            elif mark[0] > w.baseline[0] or mark[1] > w.baseline[1]:
+                w.state = WorkerState.READY
+                log.info("%s is slow but alive (progress since its unit passed the deadline)", w.name)
+                self.event("alive", w.name)
+        return None
+
+    def _record(self, name: str, info: dict) -> None:
+        self.progress_by_worker[name] = info
+        self.tokens_by_worker[name] = max(self.tokens_by_worker.get(name, 0), int(info.get("generated_tokens", 0)))
+
+    def final_progress(self, ray: Any) -> None:
+        """A last, complete report (workers are idle now)."""
+        final = {w: w.handle.progress.remote() for w in self.live()}
+        ok, _ = ray.wait(list(final.values()), num_returns=len(final), timeout=10) if final else ([], [])
+        for w, ref in final.items():
+            if ref in ok:
+                try:
+                    info = ray.get(ref)
+                except Exception:  # noqa: BLE001 - best effort
+                    continue
+                self._record(w.name, info)
+
+    # ------------------------------------------------------------------ suspects
+    def suspect_timeout(self, unit_timeout: float) -> float:
+        if self.suspect_timeout_s is not None:
+            return float(self.suspect_timeout_s)
+        return min(60.0, max(10.0, 0.5 * unit_timeout))
+
+    def mark_suspect(self, w: WorkerRecord, now: float) -> None:
+        """One of `w`'s units passed its deadline: no new units until it shows progress."""
+        w.state, w.suspect_since, w.baseline = WorkerState.SUSPECT, now, None
+        self.event("suspect", w.name)
+        self.poll(w, now)
+
+    def check_suspects(self, now: float, unit_timeout: float) -> list[tuple[WorkerRecord, str, bool]]:
+        """Pings suspects due another progress() call; returns the workers to replace, in slot
+        order, as (worker, why, charge its units)."""
+        limit = self.suspect_timeout(unit_timeout)
+        out: list[tuple[WorkerRecord, str, bool]] = []
+        for w in list(self.slots):
+            if w is None:
+                continue
+            orphan = [c for c in w.copies.values() if c.orphaned_at is not None
+                      and now - c.orphaned_at > limit]
+            if orphan:
+                out.append((w, f"still running unit {orphan[0].unit.unit.index} "
+                               f"{now - orphan[0].orphaned_at:.0f}s after another copy committed it", False))
+                continue
+            if w.state != WorkerState.SUSPECT:
+                continue
+            if now - w.suspect_since > limit:
+                stuck = sorted(c.unit.unit.index for c in w.copies.values() if c.overdue)
+                out.append((w, f"stalled: no progress within {limit:.0f}s after unit(s) {stuck} passed the "
+                               f"deadline of {unit_timeout:.0f}s", True))
+            elif w.poll_ref is None and now - w.poll_sent >= limit / 5:
+                self.poll(w, now)
+        return out
+
+    # ------------------------------------------------------------------ nodes
+    def check_can_run(self, now: float) -> None:
+        """Raise UnitFailed when no worker can ever run a unit; see the module docstring."""
+        if self.live():
+            self._no_worker_since = None
+            self.waiting_for_nodes = ""
+            return
+        if self._no_worker_since is None:
+            self._no_worker_since = now
+        starting = any(w is not None and w.state == WorkerState.STARTING for w in self.slots)
+        refillable = any(w is None and f < self.max_start_failures for w, f in zip(self.slots, self._slot_failures))
+        if not starting and not refillable:
+            raise UnitFailed(f"workers keep failing to start ({self.max_start_failures} attempts in a row for each "
+                             f"of {self.num_workers} worker slot(s)); last error: {self.last_start_error or 'none'}")
+        if now >= self._next_node_check:
+            self._next_node_check = now + NODE_CHECK_INTERVAL_S
+            self._check_nodes()
+        if now - self._no_worker_since > self.start_timeout_s:
+            raise UnitFailed(
+                f"no worker became ready within {self.start_timeout_s:.0f}s (resources per worker: {self.needs}"
+                + (f"; {self.waiting_for_nodes}" if self.waiting_for_nodes else "")
+                + (f"; last error: {self.last_start_error}" if self.last_start_error else "") + ")")
+
+    def _check_nodes(self) -> None:
+        from cluster.resources import feasibility
+
+        f = feasibility(self.needs)
+        if f.ok:
+            self.waiting_for_nodes = ""
+        elif not self.may_add_nodes:
+            cause = ("the Ray node this job runs on died (its raylet exited: killed, out of memory, or the "
+                     "machine failed)" if f.alive == 0 and f.dead else
+                     "nothing can run it, and no autoscaler can add a node to this Ray instance")
+            raise UnitFailed(f"no Ray node can host a worker: {f.why}; {cause}")
+        else:
+            if not self.waiting_for_nodes:
+                log.warning("waiting for nodes: %s", f.why)
+            self.waiting_for_nodes = f.why

@@ -1,0 +1,132 @@
+"""A job config read into a JobSpec (jobs/spec.py): from a YAML file, a dict of sections or a
+JobSpec, with overrides.
+
+    spec = load_spec("configs/demo.yaml", ["sampling.temperature=0.7"])    # the CLI: a file and --set
+    spec = load_job_spec({"model": {...}}, {"sampling.seed": 3})             # Python: any form, values as given
+
+`--set a.b=value` overrides any key, its value parsed as YAML. Errors are SpecError (exit
+code 2) naming the file and the dotted key.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from jobs.errors import SpecError
+from jobs.spec import JobSpec, spec_sections
+
+
+def apply_override(data: dict[str, Any], override: str, source: str = "--set") -> None:
+    """Apply one `a.b=value` override to the raw config dict in place.
+
+    The value is parsed with yaml.safe_load ("0.7" -> 0.7, "[1,2]" -> [1, 2], "null" -> None,
+    "" -> None). Raises SpecError for a malformed override or an unknown key path.
+    """
+    if "=" not in override:
+        raise SpecError(f"--set {override!r}: expected KEY=VALUE, e.g. sampling.temperature=0.7")
+    key, _, raw = override.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if len(parts) != 2 or not all(parts):
+        raise SpecError(f"--set {override!r}: expected SECTION.KEY=VALUE (e.g. sampling.temperature=0.7), got key {key!r}")
+    section, name = parts
+    sections = spec_sections()
+    if section not in sections:
+        raise SpecError(f"--set {override!r}: unknown key {key} (sections: {', '.join(sections)})")
+    fields = sections[section].model_fields
+    if name not in fields:
+        raise SpecError(f"--set {override!r}: unknown key {key} (keys of {section}: {', '.join(fields)})")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise SpecError(f"--set {override!r}: {key}: value is not valid YAML: {e}") from None
+    if isinstance(value, (int, float, bool)) and fields[name].annotation in (str, str | None):
+        value = raw.strip()  # `--set output.path=2024` means the string
+    sec = data.get(section)
+    if sec is None:
+        sec = data[section] = {}
+    if not isinstance(sec, dict):
+        raise SpecError(f"{source}: {section}: must be a mapping, got {sec!r}")
+    sec[name] = value
+
+
+def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
+    """Read, override and validate a job config.
+
+    path: the YAML file. overrides: "section.key=value" strings (the CLI's --set), applied
+    in order after reading. Nothing is checked on disk except the file itself (inputs are
+    checked by jobs.plan.planner.plan_job). Raises SpecError (exit code 2) for a missing or
+    unreadable file, invalid YAML (with line and column), an unknown key or a bad value;
+    the message names the file and the dotted key.
+    """
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{source}: config file not found") from None
+    except IsADirectoryError:
+        raise SpecError(f"{source}: is a directory, expected a YAML config file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"{source}: cannot read config: {e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise SpecError(f"{source}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a mapping of sections (model, input, output, sampling, tools, "
+                        f"cluster), got {type(data).__name__}")
+    for key, value in data.items():
+        if key not in spec_sections():
+            raise SpecError(f"{source}: unknown key {key} (sections: {', '.join(spec_sections())})")
+        if value is not None and not isinstance(value, dict):
+            raise SpecError(f"{source}: {key}: must be a mapping, got {value!r}")
+        if value is None:
+            data[key] = {}
+    for ov in overrides:
+        apply_override(data, ov, source)
+    return JobSpec.from_dict(data, source)
+
+
+def load_job_spec(config: str | Path | Mapping[str, Any] | Any,
+                  overrides: Iterable[str] | Mapping[str, Any] = ()) -> JobSpec:
+    """A validated JobSpec from a YAML path, a dict of sections or a JobSpec, with overrides:
+    "section.key=value" strings (values parsed as YAML, as `--set`), or a mapping
+    {"section.key": value} (values used as given). Raises SpecError naming the key."""
+    if isinstance(overrides, Mapping):
+        sets: list[tuple[str, Any]] = list(overrides.items())
+        strings: list[str] = []
+    else:
+        sets, strings = [], list(overrides)
+    if isinstance(config, (str, Path)):
+        spec = load_spec(config, strings)
+        if not sets:
+            return spec
+        data, source = spec.to_dict(), spec.source
+    elif isinstance(config, JobSpec):
+        data, source = config.to_dict(), config.source
+        for ov in strings:
+            apply_override(data, ov, source)
+    elif isinstance(config, Mapping):
+        data, source = copy.deepcopy(dict(config)), "<dict>"
+        for ov in strings:
+            apply_override(data, ov, source)
+    else:
+        raise SpecError(f"run_job: config must be a YAML path, a dict or a JobSpec, got {type(config).__name__}")
+    for key, value in sets:
+        _set(data, key, value, source)
+    return JobSpec.from_dict(data, source)
+
+
+def _set(data: dict[str, Any], key: str, value: Any, source: str) -> None:
+    # check the key path as --set does, then put the value itself (not its YAML text)
+    apply_override(data, f"{key}=null", source)
+    section, name = key.split(".")
+    data[section][name] = value

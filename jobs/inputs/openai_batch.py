@@ -1,0 +1,409 @@
+"""The OpenAI batch input reader (`input.format: openai_batch`, `batchgen run-batch`), as
+vLLM's run-batch reads request files.
+
+Input: a JSONL file, one request per line (blank lines are skipped):
+
+    {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "m", "messages": [{"role": "user", "content": "2+2?"}], "max_completion_tokens": 64,
+              "temperature": 0.7, "n": 2, "stop": ["\\n\\n"], "logprobs": true}}
+
+`url` is /v1/chat/completions (`messages`, rendered with the model's chat template) or
+/v1/completions (`prompt`: a string, or token ids). The body's sampling parameters
+override the job's `sampling` for that line: max_completion_tokens / max_tokens, temperature,
+top_p, n, seed, stop, and vLLM's extras top_k (-1 or 0: off), min_p, stop_token_ids and
+ignore_eos. logprobs (chat: true; completions: 0) asks for the sampled tokens' logprobs in
+the response. Everything else that would change the answer (top_logprobs > 0, completions
+logprobs > 0, penalties, logit_bias, tools, response_format, stream, echo, best_of, ...) is
+refused, for that line only: a malformed line, a bad value or an unsupported parameter
+becomes an error line (status_code 400) naming the line and the field, and the others run.
+`custom_id` is the request's prompt_id (it keys the sampling noise, so a request's samples do
+not depend on its position in the file); a custom_id used twice makes the later line an error.
+
+Durable store: the job is an ordinary batchgen job over the JSONL file. The scan reads the
+file once (line offsets, the expected rows of each unit, a sha256 for the fingerprint);
+each unit is a run of consecutive lines that its worker reads by byte range. The Parquet
+dataset in output.path is what survives a crash; reruns resume it. Its rows carry the
+request's custom_id, line, endpoint and model, and each sample's OpenAI `choice` object
+(jobs.outputs.schema.BATCH_FIELDS); the response file is written from it by
+jobs/outputs/batch_responses.py.
+
+The fingerprint of an openai_batch job covers the file's sha256 but, unlike a Parquet job's,
+not the checkpoint's content hashes (only its file names and sizes, as JobSpec's
+model_identity): so it was planned from the start (InputScan.hash_checkpoint), and kept so
+that existing outputs resume.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from cluster.unit import UnitRequest, WorkUnit
+from engine.params import SamplingParams, check_sampling_value
+from jobs.errors import InputError
+from jobs.inputs.prompts import check_messages, text_bos, tokenize
+from jobs.inputs.reader import InputFile, InputScan, open_input, resolve
+from jobs.outputs.schema import BATCH_FIELDS, CHAT_URL, COMPLETIONS_URL
+
+URLS = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
+
+# body parameter -> SamplingParams field
+_PARAMS = {"n": "num_samples", "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
+           "top_k": "top_k", "min_p": "min_p", "stop_token_ids": "stop_token_ids"}
+# accepted and not used: they do not change the answer
+_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options"}
+# accepted only at their default (value, or a test); anything else is refused
+_DEFAULT_ONLY = {
+    "stream": lambda v: v is None or v is False,
+    "presence_penalty": lambda v: v is None or v == 0,
+    "frequency_penalty": lambda v: v is None or v == 0,
+    "repetition_penalty": lambda v: v is None or v == 1,
+    "logit_bias": lambda v: not v,
+    "top_logprobs": lambda v: v is None or v == 0,
+    "echo": lambda v: v is None or v is False,
+    "suffix": lambda v: v is None,
+}
+_KEYS = {
+    "chat": set(_PARAMS) | _IGNORED | set(_DEFAULT_ONLY) - {"echo", "suffix"}
+    | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "ignore_eos"},
+    "completion": set(_PARAMS) | _IGNORED | set(_DEFAULT_ONLY) - {"top_logprobs"}
+    | {"prompt", "max_tokens", "logprobs", "ignore_eos", "best_of"},
+}
+
+
+@dataclass(slots=True)
+class ParsedLine:
+    """One request line, checked without a tokenizer. error: why the line gets a 400 (None if
+    it runs); params: its SamplingParams (None with an error); prompt: the messages (chat)
+    or the prompt text / token ids (completion)."""
+
+    line: int
+    custom_id: str | None = None
+    url: str | None = None
+    kind: str | None = None
+    model: str | None = None
+    prompt: Any = None
+    params: SamplingParams | None = None
+    logprobs: bool = False
+    error: str | None = None
+
+
+def parse_line(raw: bytes, lineno: int, base: SamplingParams, where: str) -> ParsedLine:
+    """Check one JSONL line against the batch format; `base` holds the job's sampling values
+    for what the body leaves out. Never raises: a problem is ParsedLine.error, which names
+    `where`, the line and the field."""
+    out = ParsedLine(line=lineno)
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        why: str | None = f"not valid JSON: {e}"
+    else:
+        why = _parse_request(obj, out, base)
+    if why is not None:
+        out.error, out.params = f"{where} line {lineno}: {why}", None
+    return out
+
+
+def _parse_request(obj: Any, out: ParsedLine, base: SamplingParams) -> str | None:
+    """Fill `out` from a decoded line; returns why the line is refused (None if it runs)."""
+    if not isinstance(obj, dict):
+        return f"expected a JSON object with custom_id, method, url and body, got {type(obj).__name__}"
+    cid = obj.get("custom_id")
+    out.custom_id = cid if isinstance(cid, str) and cid else None
+    url = obj.get("url")
+    out.url = url if isinstance(url, str) else None
+    body = obj.get("body")
+    if isinstance(body, dict) and isinstance(body.get("model"), str):
+        out.model = body["model"]
+    why = _check_envelope(obj, out, cid, url, body)
+    if why is not None:
+        return why
+    kind = out.kind
+    if kind == "chat":
+        messages, why = _messages(body.get("messages"))
+        if why:
+            return f"body.messages: {why}"
+        out.prompt = messages
+    else:
+        prompt, why = _completion_prompt(body.get("prompt"))
+        if why:
+            return f"body.prompt: {why}"
+        out.prompt = prompt
+    out.logprobs, why = _logprobs_flag(kind, body.get("logprobs"))
+    if why is not None:
+        return why
+    changes, why = _sampling_changes(body)
+    if why is not None:
+        return why
+    out.params = dataclasses.replace(base, **changes) if changes else base
+    return None
+
+
+def _check_envelope(obj: dict, out: ParsedLine, cid: Any, url: Any, body: Any) -> str | None:
+    """The line's keys, custom_id, method, url (sets out.kind) and the body's keys; returns
+    why the line is refused, or None."""
+    for key in obj:
+        if key not in ("custom_id", "method", "url", "body"):
+            return f"unknown key {key!r} (a request line has custom_id, method, url and body)"
+    if out.custom_id is None:
+        return f"custom_id: must be a non-empty string, got {cid!r}"
+    if obj.get("method") != "POST":
+        return f"method: must be \"POST\", got {obj.get('method')!r}"
+    kind = URLS.get(url) if isinstance(url, str) else None
+    if kind is None:
+        return f"url: {url!r} is not supported (batchgen answers {CHAT_URL} and {COMPLETIONS_URL})"
+    out.kind = kind
+    if not isinstance(body, dict):
+        return f"body: must be a JSON object, got {type(body).__name__}"
+    for key, value in body.items():
+        if key not in _KEYS[kind]:
+            return f"body.{key}: not supported by batchgen for {url}"
+        if key in _DEFAULT_ONLY and not _DEFAULT_ONLY[key](value):
+            return f"body.{key}: {value!r} is not supported (batchgen does not compute it)"
+    if kind == "completion" and body.get("best_of") not in (None, body.get("n", 1)):
+        return f"body.best_of: {body['best_of']!r} is not supported (only best_of = n)"
+    return None
+
+
+def _logprobs_flag(kind: str, lp: Any) -> tuple[bool, str | None]:
+    """Whether the line asks for the sampled tokens' logprobs, or (False, why refused)."""
+    if kind == "chat":
+        if lp is not None and not isinstance(lp, bool):
+            return False, f"body.logprobs: must be true or false, got {lp!r}"
+        return bool(lp), None
+    if lp is None:
+        return False, None
+    if isinstance(lp, bool) or not isinstance(lp, int) or lp < 0:
+        return False, f"body.logprobs: must be an integer >= 0, got {lp!r}"
+    if lp > 0:
+        return False, (f"body.logprobs: {lp} asks for the {lp} most likely alternatives per token, which batchgen "
+                       f"does not compute; 0 returns the sampled tokens' logprobs")
+    return True, None
+
+
+def _sampling_changes(body: dict) -> tuple[dict[str, Any], str | None]:
+    """The SamplingParams fields the body sets (checked by the engine's rules), or ({}, why)."""
+    changes: dict[str, Any] = {}
+    max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    items = [(max_key, "max_tokens", body.get(max_key))] + [(k, f, body.get(k)) for k, f in _PARAMS.items()]
+    for key, name, value in items:
+        if value is None:
+            continue
+        if name == "top_k" and value == -1:  # vLLM's "off"
+            value = 0
+        try:
+            changes[name] = check_sampling_value(name, value)
+        except ValueError as e:
+            return {}, f"body.{key}: {e}"
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        return {}, f"body.ignore_eos: must be true or false, got {ignore_eos!r}"
+    if ignore_eos and "stop_token_ids" not in changes:
+        changes["stop_token_ids"] = ()
+    return changes, None
+
+
+def _messages(value: Any) -> tuple[list[dict] | None, str | None]:
+    """OpenAI messages -> [{role, content}] with string contents (text parts joined by newlines,
+    as vLLM joins them); (None, why) for a structure batchgen cannot render."""
+    if not isinstance(value, list) or not value:
+        return None, f"must be a non-empty list of messages, got {value!r}"[:200]
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            return None, f"message {i} is not an object"
+        for key in m:
+            if key not in ("role", "content"):
+                return None, f"message {i}: {key!r} is not supported (role and text content only)"
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    return None, f"message {i} content part {j}: type {kind!r} is not supported (text only)"
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        out.append({"role": m.get("role"), "content": content})
+    why = check_messages(out)
+    return (None, why) if why else (out, None)
+
+
+def _completion_prompt(value: Any) -> tuple[Any, str | None]:
+    """A completions prompt -> a string or a list of token ids; one prompt per line."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        return (value, None) if value else (None, "is an empty string")
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if any(t < 0 for t in value):
+            return None, "token ids must be >= 0"
+        return value, None
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
+        return None, f"holds {len(value)} prompts; batchgen takes one prompt per request line"
+    return None, f"must be a non-empty string or a list of token ids, got {value!r}"[:200]
+
+
+# ---------------------------------------------------------------- units by byte range
+
+@dataclass
+class BatchPlan:
+    """Where each unit's lines are: ranges[unit index] = (first byte, end byte, first line
+    number); duplicates[line] = the earlier line that holds the same custom_id."""
+
+    name: str
+    ranges: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    duplicates: dict[int, int] = field(default_factory=dict)
+
+
+def _iter_lines(stream: Any, first_line: int = 1, offset: int = 0, hasher: Any = None,
+                chunk: int = 1 << 20) -> Iterator[tuple[int, int, int, bytes]]:
+    """(start byte, end byte, line number, line without its newline) for every line of a
+    binary stream, read in chunks."""
+    buf, lineno = b"", first_line
+    while True:
+        data = stream.read(chunk)
+        if hasher is not None and data:
+            hasher.update(data)
+        if not data:
+            break
+        buf += data
+        parts = buf.split(b"\n")
+        buf = parts.pop()
+        for part in parts:
+            end = offset + len(part) + 1
+            yield offset, end, lineno, part.rstrip(b"\r")
+            offset, lineno = end, lineno + 1
+    if buf:
+        yield offset, offset + len(buf), lineno, buf.rstrip(b"\r")
+
+
+class BatchReader:
+    """The InputReader of OpenAI batch files (jobs/inputs/reader.py). state: the scan's
+    BatchPlan (None before the scan: then it can only scan)."""
+
+    def __init__(self, state: BatchPlan | None = None) -> None:
+        self.state = state
+
+    def scan(self, spec: Any) -> InputScan:
+        """Read the file once: its request lines, cut into units of cluster.unit_rows lines
+        (by byte range), the output rows of each unit, and a sha256 for the fingerprint.
+        Raises InputError for a file that is missing, not a file, or holds no request line."""
+        path = spec.input.path
+        fs, p, source = resolve(path)
+        try:
+            info = fs.get_file_info(p)
+        except (OSError, pa.ArrowException) as e:
+            raise InputError(f"input.path {path}: cannot access: {e}") from None
+        if info.type == pafs.FileType.NotFound:
+            raise InputError(f"input.path {path}: no such file")
+        if info.type != pafs.FileType.File:
+            raise InputError(f"input.path {path}: input.format openai_batch needs one JSONL file, not a directory")
+        name = p.rsplit("/", 1)[-1]
+        sha = hashlib.sha256()
+        try:
+            with fs.open_input_stream(p) as f:
+                bp, units, expected, count = _cut_lines(f, sha, name, source, spec.sampling_params(),
+                                                        spec.cluster.unit_rows)
+        except (OSError, pa.ArrowException) as e:
+            raise InputError(f"input.path {path}: cannot read: {e}") from None
+        if not units:
+            raise InputError(f"input.path {path}: no request lines (an OpenAI batch file has one JSON request a line)")
+        files = [InputFile(path=source, name=name, size=int(info.size or 0), num_rows=count, schema=pa.schema([]))]
+        return InputScan(root=p.rsplit("/", 1)[0] if "/" in p else "", files=files, units=units,
+                         fingerprint_files=[[name, int(info.size or 0), count, sha.hexdigest()]],
+                         passthrough_fields=list(BATCH_FIELDS), expected_rows=expected, reader_state=bp,
+                         hash_checkpoint=False)
+
+    def read_unit(self, unit: WorkUnit, tokenizer: Any, params: Any) -> tuple[list[UnitRequest], int]:
+        """The unit's request lines as UnitRequests (a bad line: an error request with one
+        sample); no Parquet rows are decoded."""
+        bp = self.state
+        start, end, first_line = bp.ranges[unit.index]
+        with open_input(unit.source) as f:
+            f.seek(start)
+            data = f.read(end - start)
+        if len(data) != end - start:
+            raise RuntimeError(f"{bp.name}: bytes {start}..{end} of unit {unit.index} could not be read (was the "
+                               f"input file changed after the job started?)")
+        bos = text_bos(tokenizer)
+        vocab = getattr(tokenizer, "vocab_size", None)
+        out: list[UnitRequest] = []
+        for _, _, lineno, raw in _iter_lines(io.BytesIO(data), first_line=first_line, offset=start):
+            if raw.strip():
+                out.append(self._request(raw, lineno, params, tokenizer, bos, vocab))
+        if len(out) != unit.num_rows:
+            raise RuntimeError(f"{bp.name}: unit {unit.index} holds {len(out)} request lines, expected "
+                               f"{unit.num_rows} (was the input file changed after the job started?)")
+        return out, 0
+
+    def _request(self, raw: bytes, lineno: int, params: Any, tokenizer: Any, bos: int | None,
+                 vocab: int | None) -> UnitRequest:
+        bp = self.state
+        parsed = parse_line(raw, lineno, params, bp.name)
+        error = parsed.error
+        if error is None and lineno in bp.duplicates:
+            error = (f"{bp.name} line {lineno}: custom_id: {parsed.custom_id!r} is also the custom_id of line "
+                     f"{bp.duplicates[lineno]} (custom_ids must be unique)")
+        owner = parsed.custom_id is not None and lineno not in bp.duplicates
+        pid = parsed.custom_id if owner else f"{bp.name}:{lineno}"
+        line_params = parsed.params if error is None else dataclasses.replace(params, num_samples=1)
+        tokens = None
+        if error is None:
+            if parsed.kind == "chat":
+                tokens, why = tokenize(parsed.prompt, "chat", tokenizer, None, vocab)
+            elif isinstance(parsed.prompt, str):
+                tokens, why = tokenize(parsed.prompt, "text", tokenizer, bos, vocab)
+            else:
+                tokens, why = tokenize(parsed.prompt, "tokens", tokenizer, None, vocab)
+            if why is not None:
+                error = f"{bp.name} line {lineno}: body.{'messages' if parsed.kind == 'chat' else 'prompt'}: {why}"
+                tokens = None
+        return UnitRequest(prompt_id=pid, prompt_tokens=tokens, error=error, params=line_params, passthrough={
+            "custom_id": parsed.custom_id, "batch_line": lineno, "endpoint": parsed.url,
+            "request_model": parsed.model, "_kind": parsed.kind, "_logprobs": parsed.logprobs})
+
+
+def _cut_lines(stream: Any, sha: Any, name: str, source: str, base: SamplingParams,
+               step: int) -> tuple[BatchPlan, list[WorkUnit], dict[int, int], int]:
+    """Every request line of `stream` (hashed into `sha`), in units of `step` lines: (the
+    BatchPlan, the units, output rows per unit, request lines)."""
+    bp = BatchPlan(name=name)
+    owners: dict[str, int] = {}
+    units: list[WorkUnit] = []
+    expected: dict[int, int] = {}
+    count = 0
+    cur: list[Any] | None = None  # [first byte, end byte, first line, rows, output rows]
+
+    def close() -> None:
+        if cur is not None:
+            index = len(units)
+            units.append(WorkUnit(index=index, source=source, row_start=count - cur[3], row_end=count))
+            bp.ranges[index] = (cur[0], cur[1], cur[2])
+            expected[index] = cur[4]
+
+    for start, end, lineno, raw in _iter_lines(stream, hasher=sha):
+        if not raw.strip():
+            continue
+        parsed = parse_line(raw, lineno, base, name)
+        if parsed.custom_id is not None:
+            if parsed.custom_id in owners:
+                bp.duplicates[lineno] = owners[parsed.custom_id]
+            else:
+                owners[parsed.custom_id] = lineno
+        rows = 1 if parsed.error or lineno in bp.duplicates else parsed.params.num_samples
+        if cur is None or cur[3] == step:
+            close()
+            cur = [start, end, lineno, 0, 0]
+        cur[1] = end
+        cur[3] += 1
+        cur[4] += rows
+        count += 1
+    close()
+    return bp, units, expected, count

@@ -1,0 +1,125 @@
+"""`batchgen prepare`: a JSONL file into a prompts Parquet file.
+
+    batchgen prepare INPUT.jsonl OUTPUT.parquet [--column question] [--id-column NAME]
+                     [--format text|chat] [--row-group-rows 256]
+
+The prompt field becomes `prompt` (text) or `messages` = [{role: "user", content}] (chat);
+the other scalar fields (str, int, float, bool, null; non-finite floats become null) are
+kept as columns (e.g. GSM8K's `answer`, for input.passthrough); lists and objects are
+dropped. Blank lines are skipped. The file is written with `row_group_rows`-row groups
+(match the job's cluster.unit_rows, so that no file needs staging, jobs/inputs/staging.py),
+through a temporary file and a rename.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from jobs.errors import InputError, OutputError
+
+
+def prepare_jsonl(input_path: str, output_path: str, column: str = "prompt", id_column: str | None = None,
+                  fmt: str = "text", row_group_rows: int = 256) -> int:
+    """Convert JSONL to a prompts Parquet file with `row_group_rows`-row groups (see the
+    module docstring); returns the number of rows written.
+
+    Raises InputError (exit code 2) for a missing file, a line that is not a JSON object
+    (naming the line number), a line without the prompt field, a prompt that is not a
+    string, duplicate or missing ids, or a field whose type changes between lines, and for
+    row_group_rows < 1; OutputError when the file cannot be written.
+    """
+    if row_group_rows < 1:
+        raise InputError(f"--row-group-rows must be >= 1, got {row_group_rows}")
+    target = "messages" if fmt == "chat" else "prompt"
+    rows, extra = _read_rows(input_path, column, target, fmt)
+    if id_column is not None:
+        _add_ids(rows, extra, id_column, input_path)
+    table = _table(rows, extra, target, input_path)
+    parent = os.path.dirname(os.path.abspath(output_path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{output_path}.tmp-{os.getpid()}"
+        pq.write_table(table, tmp, row_group_size=row_group_rows)
+        os.replace(tmp, output_path)
+    except OSError as e:
+        raise OutputError(f"{output_path}: cannot write: {e}") from None
+    return table.num_rows
+
+
+def _read_rows(input_path: str, column: str, target: str, fmt: str) -> tuple[list[dict[str, Any]], dict[str, None]]:
+    """The file's lines as rows ({"_line": n, target: prompt, other scalar fields}) and the
+    other fields' names, in first-seen order."""
+    rows: list[dict[str, Any]] = []
+    extra: dict[str, None] = {}
+    try:
+        fh = open(input_path, encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"{input_path}: cannot open: {e.strerror or e}") from None
+    with fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise InputError(f"{input_path}:{lineno}: invalid JSON: {e}") from None
+            if not isinstance(obj, dict):
+                raise InputError(f"{input_path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            if column not in obj:
+                raise InputError(f"{input_path}:{lineno}: no field {column!r} (fields: {', '.join(obj) or 'none'})")
+            text = obj[column]
+            if text is not None and not isinstance(text, str):
+                raise InputError(f"{input_path}:{lineno}: field {column!r} must be a string, got {type(text).__name__}")
+            row: dict[str, Any] = {"_line": lineno}
+            row[target] = text if fmt == "text" else (None if text is None else [{"role": "user", "content": text}])
+            for k, v in obj.items():
+                if k == column or k in (target, "_line"):
+                    continue
+                if v is None or isinstance(v, (str, int, float, bool)):
+                    if isinstance(v, float) and not math.isfinite(v):
+                        v = None
+                    row[k] = v
+                    extra.setdefault(k)
+            rows.append(row)
+    return rows, extra
+
+
+def _add_ids(rows: list[dict[str, Any]], extra: dict[str, None], id_column: str, input_path: str) -> None:
+    """Check the id field (present and unique on every line), or create it from line
+    numbers (1-based) when no line has it."""
+    have = [r for r in rows if id_column in r]
+    if not have:
+        for r in rows:
+            r[id_column] = r["_line"]
+        extra.setdefault(id_column)
+        return
+    seen: dict[Any, int] = {}
+    for r in rows:
+        v = r.get(id_column)
+        if v is None:
+            raise InputError(f"{input_path}:{r['_line']}: id field {id_column!r} is missing or null")
+        if v in seen:
+            raise InputError(f"{input_path}:{r['_line']}: duplicate id {v!r} (also on line {seen[v]})")
+        seen[v] = r["_line"]
+
+
+def _table(rows: list[dict[str, Any]], extra: dict[str, None], target: str, input_path: str) -> pa.Table:
+    names = [target] + [k for k in extra if k != target]
+    arrays = {}
+    for name in names:
+        values = [r.get(name) for r in rows]
+        try:
+            if name == "messages":
+                arrays[name] = pa.array(values, type=pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))
+            elif name == "prompt":
+                arrays[name] = pa.array(values, type=pa.string())
+            else:
+                arrays[name] = pa.array(values)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
+            raise InputError(f"{input_path}: field {name!r} has values of different types: {e}") from None
+    return pa.table(arrays) if arrays else pa.table({target: pa.array([], type=pa.string())})

@@ -1,0 +1,183 @@
+"""Prompt rules: how an input row becomes a request (token ids, prompt id, parameters).
+
+Per prompt format (a row that breaks a rule becomes an error row, never an exception; the
+error names the file, the row and the column):
+- text: `tokenizer.encode(text)`. A tokenizer with nanochat's "<|bos|>" special token gets
+  it prepended (nanochat trains every document with a leading <|bos|>); GPT-2-style
+  tokenizers (whose bos_token_id is <|endoftext|>) get no BOS, as GPT-2 was used. A fake
+  tokenizer may say explicitly with a boolean `prepend_bos` attribute.
+  Errors: null, empty string, encodes to nothing.
+- chat: `tokenizer.render_chat(messages)` after checking the structure here (a non-empty
+  list of {role, content} with string values). Roles and their order are the model's rule:
+  render_chat raises for what its format refuses (nanochat's alternation, an exception
+  raised by a Hugging Face chat template) and the row's error carries its message.
+- tokens: the ids as-is; null/empty lists, null elements, negative ids and ids >=
+  tokenizer.vocab_size are errors.
+Columns (`requests_from_columns`, for a table's rows):
+- id_column (if set): a null id is an error row (its prompt_id falls back to "<file>:<row>");
+- sampling_column (if set): the row's struct overrides the job's sampling
+  (jobs/inputs/row_params.py); a bad value is an error row naming the field.
+The Parquet reader (jobs/inputs/parquet.py) and GenerationPool calls (jobs/pool_task.py) read
+rows by these rules; an OpenAI batch line is parsed by jobs/inputs/openai_batch.py and its
+prompt tokenized by `tokenize`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.unit import UnitRequest
+from jobs.inputs.row_params import row_params
+
+
+@dataclass(frozen=True, slots=True)
+class RowLayout:
+    """How a table's rows are read: the prompt format (text, chat, tokens) and the job's
+    column roles (input.column, id_column, sampling_column, passthrough)."""
+
+    format: str
+    column: str
+    id_column: str | None = None
+    sampling_column: str | None = None
+    passthrough: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, inp: Any) -> "RowLayout":
+        """The layout of a spec's `input` section."""
+        return cls(format=inp.format, column=inp.column, id_column=inp.id_column,
+                   sampling_column=inp.sampling_column, passthrough=tuple(inp.passthrough))
+
+    def columns(self) -> list[str]:
+        """The columns a row is read from, each once: the prompt, the id, the sampling struct,
+        the passthrough columns."""
+        cols = [self.column]
+        if self.id_column:
+            cols.append(self.id_column)
+        if self.sampling_column:
+            cols.append(self.sampling_column)
+        cols.extend(self.passthrough)
+        return list(dict.fromkeys(cols))
+
+
+def text_bos(tokenizer: Any) -> int | None:
+    """The BOS id to prepend to text prompts for this tokenizer, or None (see module docstring)."""
+    flag = getattr(tokenizer, "prepend_bos", None)
+    if isinstance(flag, bool):
+        return getattr(tokenizer, "bos_token_id", None) if flag else None
+    special = getattr(tokenizer, "special", None)
+    if callable(special):
+        return special("<|bos|>")
+    return None
+
+
+def check_messages(messages: Any) -> str | None:
+    """Why a chat prompt is malformed in structure (None if it is fine); names the message index.
+
+    Only the structure is checked here: a non-empty list of {role, content} with string
+    values. Which roles exist and in which order they may come is the model's own rule, so
+    the tokenizer's render_chat judges it (nanochat's layout wants user/assistant
+    alternation; a Hugging Face chat template may accept tool messages or raise its own
+    error), and its message becomes the row's error.
+    """
+    if messages is None:
+        return "messages is null"
+    if not isinstance(messages, (list, tuple)):
+        return f"messages must be a list of {{role, content}}, got {type(messages).__name__}"
+    if len(messages) == 0:
+        return "messages is empty (a conversation needs at least one user message)"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"message {i} is not a {{role, content}} struct (got {m!r})"
+        role, content = m.get("role"), m.get("content")
+        if role is None:
+            return f"message {i} has no role"
+        if not isinstance(role, str) or not role:
+            return f"message {i} role must be a non-empty string, got {role!r}"
+        if content is None:
+            return f"message {i} ({role}) has no content (null)"
+        if not isinstance(content, str):
+            return f"message {i} ({role}) content must be a string, got {type(content).__name__}"
+    return None
+
+
+def tokenize(value: Any, fmt: str, tokenizer: Any, bos: int | None,
+             vocab: int | None) -> tuple[list[int] | None, str | None]:
+    """(token ids, None) or (None, why) for one prompt of format `fmt` (text, chat or tokens);
+    `bos`: text_bos(tokenizer) for text prompts, `vocab`: the tokenizer's vocab_size."""
+    if fmt == "text":
+        if value is None:
+            return None, "prompt is null"
+        if value == "":
+            return None, "prompt is an empty string"
+        try:
+            ids = list(tokenizer.encode(value))
+        except (ValueError, TypeError) as e:
+            return None, f"cannot tokenize the prompt: {e}"
+        if not ids:
+            return None, "prompt encodes to no tokens"
+        return ([bos] + ids if bos is not None else ids), None
+    if fmt == "chat":
+        msgs = None if value is None else [{"role": m.get("role"), "content": m.get("content")}
+                                           if isinstance(m, dict) else m for m in value]
+        why = check_messages(msgs)
+        if why is not None:
+            return None, why
+        try:
+            ids = list(tokenizer.render_chat(msgs))
+        except (ValueError, TypeError, KeyError) as e:
+            return None, f"cannot render the conversation: {e}"
+        if not ids:
+            return None, "conversation renders to no tokens"
+        return ids, None
+    # tokens
+    if value is None:
+        return None, "token list is null"
+    if len(value) == 0:
+        return None, "token list is empty"
+    for j, t in enumerate(value):
+        if t is None:
+            return None, f"token {j} is null"
+        if t < 0:
+            return None, f"token {j} is {t}: token ids must be >= 0"
+        if vocab is not None and t >= vocab:
+            return None, f"token {j} is {t}: outside the tokenizer's vocabulary (size {vocab})"
+    return [int(t) for t in value], None
+
+
+def requests_from_columns(layout: RowLayout, params: Any, columns: dict[str, list[Any]], name: str,
+                          row_start: int, tokenizer: Any) -> list[UnitRequest]:
+    """One UnitRequest per row of `columns` (the layout's columns as Python lists), by the
+    rules of the module docstring; `params` is the job's SamplingParams (a sampling column
+    overrides it per row); `name` and `row_start` (the first row's index) name a row in
+    errors and make its default prompt id "<name>:<row>"."""
+    prompts = columns[layout.column]
+    ids = columns[layout.id_column] if layout.id_column else None
+    passthrough = {c: columns[c] for c in layout.passthrough}
+    sampling = columns[layout.sampling_column] if layout.sampling_column else None
+    bos = text_bos(tokenizer) if layout.format == "text" else None
+    vocab = getattr(tokenizer, "vocab_size", None)
+    out: list[UnitRequest] = []
+    for i, value in enumerate(prompts):
+        row = row_start + i
+        where = f"{name} row {row}"
+        pid = f"{name}:{row}"
+        error = None
+        if ids is not None:
+            if ids[i] is None:
+                error = f"{where} column {layout.id_column!r}: prompt id is null"
+            else:
+                pid = str(ids[i])
+        row_sampling = None
+        if sampling is not None:
+            row_sampling, why = row_params(params, sampling[i], f"{where} column {layout.sampling_column!r} ")
+            error = error or why
+        tokens = None
+        if error is None:
+            tokens, why = tokenize(value, layout.format, tokenizer, bos, vocab)
+            if why is not None:
+                error = f"{where} column {layout.column!r}: {why}"
+                tokens = None
+        out.append(UnitRequest(prompt_id=pid, prompt_tokens=tokens, error=error,
+                               passthrough={c: passthrough[c][i] for c in layout.passthrough},
+                               params=row_sampling))
+    return out

@@ -1,0 +1,333 @@
+"""The output directory: its manifest, success marker and status, from the directory alone.
+
+    out = OutputDir("out/demo")        # a local directory or a URI (s3://bucket/run?...)
+    out.prepare(plan, spec)            # "new", "resume" or "overwrite"; refuses another job's output
+    out.committed_units(); out.status(); out.verify()
+
+The names in the directory are jobs/outputs/layout.py's; unit files are committed by
+jobs/outputs/commit.py (whole or not at all, first commit wins), and hold
+jobs/outputs/schema.py's columns and metadata. `status` reads footers in parallel (the
+counts in their metadata); `verify` (jobs/outputs/verify.py) checks every file against the
+manifest in bounded memory.
+
+Errors: OutputError (exit code 2) when the directory cannot be created or written, or holds
+another job's output (the message names the keys whose values differ) or unrelated files.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from jobs import uri
+from jobs.errors import OutputError
+from jobs.outputs.commit import canonical_output, join, put_whole, replace_whole, resolve_output
+from jobs.outputs.layout import CACHE_FILE, LEASE, MANIFEST, PART_RE, SUCCESS, TMP_RE, part_name
+from jobs.outputs.schema import COUNT_KEYS, META_COUNTS, batchgen_version, output_schema, type_str
+from jobs.outputs.verify import READ_THREADS, OutputChecks
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: d}
+
+
+def describe_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Human-readable "key: old -> new" lines between two fingerprint dicts."""
+    lines = []
+    fo, fn = _flatten(old), _flatten(new)
+    for key in sorted(set(fo) | set(fn)):
+        if key == "input.files":
+            continue
+        if fo.get(key, "<absent>") != fn.get(key, "<absent>"):
+            lines.append(f"{key}: {fo.get(key, '<absent>')!r} -> {fn.get(key, '<absent>')!r}")
+    of = {f[0]: f[1:] for f in fo.get("input.files", []) or []}
+    nf = {f[0]: f[1:] for f in fn.get("input.files", []) or []}
+    for name in sorted(set(of) | set(nf)):
+        if name not in nf:
+            lines.append(f"input file {name}: removed")
+        elif name not in of:
+            lines.append(f"input file {name}: added")
+        elif of[name] != nf[name]:
+            lines.append(f"input file {name}: {of[name][0]} bytes/{of[name][1]} rows -> "
+                         f"{nf[name][0]} bytes/{nf[name][1]} rows")
+    return lines
+
+
+
+class OutputDir(OutputChecks):
+    """A job's output directory (local path or URI); `verify` comes from OutputChecks."""
+
+    def __init__(self, path: str):
+        self.path = canonical_output(str(path))
+        self.shown = uri.redact(self.path)  # for messages: no credentials
+        self.fs, self.base = resolve_output(str(path))
+
+    # ------------------------------------------------------------ helpers
+    def _p(self, name: str) -> str:
+        return join(self.base, name)
+
+    def fs_path(self, name: str) -> str:
+        """The path of `name` (relative to the directory) inside `self.fs`."""
+        return self._p(name)
+
+    def _exists(self, name: str) -> bool:
+        return self.fs.get_file_info(self._p(name)).type != pafs.FileType.NotFound
+
+    def _read_text(self, name: str) -> str:
+        with self.fs.open_input_stream(self._p(name)) as f:
+            return f.read().decode("utf-8")
+
+    def _write_atomic(self, name: str, text: str) -> None:
+        """Replace `name` whole: a temporary file and a rename locally, one PUT on a store."""
+        replace_whole(self.fs, self._p(name), text.encode("utf-8"))
+
+    def read_text(self, name: str) -> str | None:
+        """The text of `name` (relative to the directory), or None if it does not exist."""
+        try:
+            return self._read_text(name)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            if not self._exists(name):
+                return None
+            raise
+
+    def write_text(self, name: str, text: str) -> None:
+        """Write `name` whole (see _write_atomic)."""
+        self._write_atomic(name, text)
+
+    def delete(self, name: str) -> None:
+        try:
+            self.fs.delete_file(self._p(name))
+        except FileNotFoundError:
+            pass
+
+    def _entries(self) -> list[tuple[str, pafs.FileInfo]]:
+        """(path relative to the directory, info) of every file below it; [] if it does not exist."""
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.base, recursive=True, allow_not_found=True))
+        except (OSError, pa.ArrowException):
+            return []
+        return sorted(((i.path[len(self.base):].lstrip("/"), i) for i in infos if i.type == pafs.FileType.File),
+                      key=lambda t: t[0])
+
+    def read_manifest(self) -> dict[str, Any] | None:
+        """The manifest dict, or None if there is none. Raises OutputError if it is unreadable."""
+        if not self._exists(MANIFEST):
+            return None
+        try:
+            data = json.loads(self._read_text(MANIFEST))
+        except (OSError, ValueError) as e:
+            raise OutputError(f"{self.shown}: {MANIFEST} is unreadable: {e}") from None
+        if not isinstance(data, dict) or "fingerprint" not in data or "units" not in data:
+            raise OutputError(f"{self.shown}: {MANIFEST} is not a batchgen manifest (no fingerprint/units)")
+        return data
+
+    def _remove_batchgen_files(self) -> None:
+        keep = (LEASE, CACHE_FILE)  # this driver's lease; hashes keyed by file
+        for rel, _ in self._entries():
+            name = rel.split("/")[-1]
+            if rel in keep:
+                continue
+            if rel.startswith("_batchgen/") or rel == SUCCESS or PART_RE.match(rel) or TMP_RE.match(rel) \
+                    or (name.startswith(".tmp-") and "/" not in rel):
+                self.fs.delete_file(self._p(rel))
+
+    # ------------------------------------------------------------ lifecycle
+    def ensure_writable(self) -> None:
+        """Create the directory and check that it takes a file (writes and removes a probe).
+        Raises OutputError (exit code 2) naming the path and the reason."""
+        shown = uri.redact(self.path)
+        try:
+            self.fs.create_dir(self.base, recursive=True)
+        except (OSError, pa.ArrowException) as e:
+            raise OutputError(f"output.path {shown}: cannot create directory: {e}") from None
+        info = self.fs.get_file_info(self.base)
+        if info.type == pafs.FileType.File:
+            raise OutputError(f"output.path {shown}: is a file, expected a directory")
+        probe = f".batchgen-probe-{uuid.uuid4().hex}"
+        try:
+            put_whole(self.fs, self._p(probe), b"probe")
+            self.fs.delete_file(self._p(probe))
+        except (OSError, pa.ArrowException) as e:
+            raise OutputError(f"output.path {shown}: directory is not writable: {e}") from None
+
+    def prepare(self, plan: Any, spec: Any, overwrite: bool = False) -> str:
+        """Make the directory ready for `plan`; returns "new", "resume" or "overwrite".
+
+        Creates the directory and checks that it is writable (writes and removes a probe
+        file). With a manifest of the same fingerprint the job resumes (committed units are
+        kept, orphan temporary files removed). Raises OutputError (exit code 2) when the
+        directory cannot be created or written, when it holds another job's output
+        (different fingerprint; the message lists which keys differ) or files that are not
+        batchgen's and no manifest — unless `overwrite`, which removes the previous part
+        files, temporary files, manifest and success marker (other files are left alone).
+        """
+        self.ensure_writable()
+        mode = "new"
+        try:
+            old = self.read_manifest()
+        except OutputError:
+            if not overwrite:
+                raise OutputError(f"output.path {self.shown}: {MANIFEST} is unreadable; pass --overwrite to start "
+                                  f"over (this deletes the previous output)") from None
+            old = {"fingerprint": None}
+        if old is not None:
+            if old["fingerprint"] == plan.fingerprint:
+                self.cleanup_temp_files()
+                return "resume"
+            if not overwrite:
+                diffs = describe_differences(old.get("fingerprint_data") or {}, plan.fingerprint_data)
+                detail = "; ".join(diffs[:20]) if diffs else "(no stored fingerprint data to compare)"
+                raise OutputError(
+                    f"output.path {self.shown} holds another job's output (fingerprint {str(old['fingerprint'])[:12]} "
+                    f"!= this job's {plan.fingerprint[:12]}); differences: {detail}. Use another output.path, or "
+                    f"--overwrite to delete the previous output")
+            self._remove_batchgen_files()
+            mode = "overwrite"
+        else:
+            entries = [rel for rel, _ in self._entries() if rel not in (LEASE, CACHE_FILE)]
+            if entries:
+                if not overwrite:
+                    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+                    raise OutputError(f"output.path {self.shown} is not empty and has no batchgen manifest "
+                                      f"({len(entries)} files: {shown}); use an empty directory or --overwrite")
+                self._remove_batchgen_files()
+                mode = "overwrite"
+        self._write_atomic(MANIFEST, json.dumps(self._manifest(plan, spec), indent=1, sort_keys=True))
+        return mode
+
+    def _manifest(self, plan: Any, spec: Any) -> dict[str, Any]:
+        n = spec.sampling.num_samples
+        names = {f.path: f.name for f in plan.files}
+        return {
+            "batchgen_version": batchgen_version(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "fingerprint": plan.fingerprint,
+            "fingerprint_data": plan.fingerprint_data,
+            "spec": spec.to_dict(),
+            "spec_source": getattr(spec, "source", None),
+            "num_samples": n,
+            "num_prompts": plan.num_prompts,
+            "input_root": uri.redact(plan.root),
+            "files": [{"path": uri.redact(f.path), "name": f.name, "size": f.size, "num_rows": f.num_rows,
+                       "row_groups": len(f.row_groups), "staged": f.staged} for f in plan.files],
+            "output_schema": [[fld.name, type_str(fld.type)] for fld in output_schema(plan.passthrough_fields)],
+            "units": [{"index": u.index, "file": names.get(u.source, u.source), "row_start": u.row_start,
+                       "row_end": u.row_end, "expected_rows": plan.unit_rows(u, n)} for u in plan.units],
+        }
+
+    def committed_units(self) -> set[int]:
+        """Indices of the units whose part file is present (committed)."""
+        return {int(m.group(1)) for rel, _ in self._entries() if (m := PART_RE.match(rel))}
+
+    def temp_files(self) -> list[str]:
+        """Relative paths of leftover temporary files (interrupted writes)."""
+        return [rel for rel, _ in self._entries() if "/" not in rel and rel.startswith(".tmp-")]
+
+    def cleanup_temp_files(self) -> int:
+        """Remove leftover temporary files; returns how many. Call only when no worker of this
+        job is writing (at job start)."""
+        n = 0
+        for rel in self.temp_files():
+            try:
+                self.fs.delete_file(self._p(rel))
+                n += 1
+            except (OSError, pa.ArrowException):
+                pass
+        return n
+
+    def mark_success(self, summary: dict[str, Any]) -> None:
+        """Write the _SUCCESS marker holding `summary` as JSON (atomically)."""
+        self._write_atomic(SUCCESS, json.dumps(summary, indent=1, sort_keys=True, default=str))
+
+    def clear_success(self) -> None:
+        """Remove a _SUCCESS marker if present."""
+        if self._exists(SUCCESS):
+            self.fs.delete_file(self._p(SUCCESS))
+
+    # ------------------------------------------------------------ inspection
+    def read_part(self, index: int, columns: list[str] | None = None) -> pa.Table:
+        """Unit `index`'s committed part file (only `columns`, default all). Raises
+        FileNotFoundError when the unit is not committed."""
+        with self.fs.open_input_file(self._p(part_name(index))) as f:
+            return pq.read_table(f, columns=columns)
+
+    def _parts(self, total: int) -> list[tuple[str, int]]:
+        """(relative name, unit index) of the part files of units < total."""
+        out = []
+        for rel, _ in self._entries():
+            mm = PART_RE.match(rel)
+            if mm and int(mm.group(1)) < total:
+                out.append((rel, int(mm.group(1))))
+        return out
+
+    def _part_metadata(self, rel: str) -> pq.FileMetaData:
+        with self.fs.open_input_file(self._p(rel)) as f:
+            return pq.ParquetFile(f).metadata
+
+    def status(self) -> dict[str, Any]:
+        """Progress computed from the directory alone (manifest + Parquet footers, read in
+        parallel).
+
+        Keys: path, fingerprint, units_done, units_total, prompts_total, rows, rows_expected,
+        prompts, generated_tokens, prompt_tokens, error_rows, tool_calls, tool_errors,
+        input_rows_decoded (input rows the committed units decoded), temp_files,
+        unreadable_units, lease (the lease JSON or None), success, summary (the _SUCCESS
+        JSON or None). Raises OutputError if the directory has no (readable) manifest.
+        """
+        m = self.read_manifest()
+        if m is None:
+            raise OutputError(f"{self.shown}: not a batchgen output directory (no {MANIFEST})")
+        total = len(m["units"])
+        counts = {k: 0 for k in COUNT_KEYS}
+        done, unreadable = 0, []
+
+        def footer(rel: str) -> tuple[str, Any]:
+            # reduced to its counts here, in the thread: 40,000 FileMetaData objects waiting
+            # for the main thread would take most of a gigabyte
+            try:
+                md = self._part_metadata(rel)
+            except (OSError, pa.ArrowException) as e:
+                return rel, e
+            c = json.loads((md.metadata or {}).get(META_COUNTS, b"{}"))
+            c["rows"] = md.num_rows
+            return rel, {k: int(c.get(k, 0)) for k in COUNT_KEYS}
+
+        parts = [rel for rel, _ in self._parts(total)]
+        with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(parts)))) as ex:
+            for rel, c in ex.map(footer, parts):
+                if isinstance(c, BaseException):
+                    unreadable.append(f"{rel}: {c}")
+                    continue
+                done += 1
+                for k in COUNT_KEYS:
+                    counts[k] += c[k]
+        summary = None
+        if self._exists(SUCCESS):
+            try:
+                summary = json.loads(self._read_text(SUCCESS))
+            except (OSError, ValueError):
+                summary = {"unreadable": True}
+        lease = None
+        try:
+            text = self.read_text(LEASE)
+            lease = json.loads(text) if text else None
+        except (OSError, ValueError):
+            lease = {"unreadable": True}
+        return {"path": uri.redact(self.path), "fingerprint": m["fingerprint"], "units_done": done,
+                "units_total": total, "prompts_total": m.get("num_prompts"),
+                "rows_expected": sum(u["expected_rows"] for u in m["units"]),
+                **counts, "temp_files": len(self.temp_files()), "unreadable_units": unreadable,
+                "lease": lease, "success": summary is not None, "summary": summary}

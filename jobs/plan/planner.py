@@ -1,0 +1,126 @@
+"""Planning a job: what it will do, checked before any work starts.
+
+    plan = plan_job(spec, hash_cache)     # its files, units, expected rows and fingerprint
+
+plan_job checks the model path, asks the input's reader (jobs/inputs/, whichever
+input.format says; the planner imports no format) to find, check and cut the input into
+units, and fingerprints the job (jobs/plan/fingerprint.py). Everything it refuses is an
+error of exit code 2 (SpecError, InputError) raised before Ray starts or anything is
+written; `batchgen plan` (jobs/plan/report.py) prints the plan.
+
+check_local_gpus is the other check a job makes of its machine before it starts: a local
+run asking for more GPUs than the machine has.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from cluster.unit import WorkUnit
+from jobs.errors import SpecError
+from jobs.inputs import reader_for
+from jobs.inputs.reader import InputFile
+from jobs.plan.fingerprint import HashCache, fingerprint_data, fingerprint_of
+
+
+@dataclass
+class JobPlan:
+    """What a job will do: its files, its units, and the fingerprint that identifies its output.
+
+    fingerprint: sha256 hex of the canonical JSON of `fingerprint_data` (spec fields that
+    decide the rows + each input file's name, size and row count + the checkpoint's file
+    hashes; jobs/plan/fingerprint.py).
+    passthrough_fields: the output columns the input adds to every row (the Arrow fields of
+        input.passthrough as the output will store them; openai_batch's request columns).
+    rows_decoded: input rows the job's units (and staging) will decode, against
+        num_prompts used.
+    expected_rows: output rows per unit index where a unit's rows are not its prompts x
+        sampling.num_samples (per-row num_samples: input.sampling_column, openai_batch).
+    reader_state: what the input's reader needs to read a unit besides the unit itself
+        (openai_batch: each unit's byte range, jobs.inputs.openai_batch.BatchPlan).
+    """
+
+    units: list[WorkUnit]
+    files: list[InputFile]
+    fingerprint: str
+    num_prompts: int
+    root: str = ""
+    fingerprint_data: dict[str, Any] = field(default_factory=dict)
+    passthrough_fields: list[pa.Field] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    rows_decoded: int = 0
+    expected_rows: dict[int, int] = field(default_factory=dict)
+    reader_state: Any = None
+
+    @property
+    def staged_files(self) -> list[InputFile]:
+        return [f for f in self.files if f.staged]
+
+    def unit_rows(self, unit: WorkUnit, num_samples: int) -> int:
+        """Output rows unit `unit` commits (a verify check and the progress bar's total)."""
+        return self.expected_rows.get(unit.index, unit.num_rows * num_samples)
+
+    def file_of(self, source: str) -> InputFile:
+        for f in self.files:
+            if f.path == source:
+                return f
+        raise KeyError(source)
+
+
+def plan_job(spec: Any, hash_cache: HashCache | None = None) -> JobPlan:
+    """Find and validate the job's inputs, cut them into units, and fingerprint the job.
+
+    Reads what the input's reader needs (Parquet: footers in parallel, the id column to
+    reject duplicate ids; a batch file: every line once) and hashes the checkpoint's files
+    (`hash_cache`: see jobs/plan/fingerprint.py; None hashes them all). Raises InputError
+    naming the file and column for anything that stops the job, SpecError for a model path
+    that does not exist. Zero-row files are allowed (they yield no units and a warning in
+    `plan.warnings` and the log).
+    """
+    check_model_path(spec)
+    scan = reader_for(spec).scan(spec)
+    data = fingerprint_data(spec, scan.fingerprint_files, hash_cache, hash_checkpoint=scan.hash_checkpoint)
+    return JobPlan(units=scan.units, files=scan.files, fingerprint=fingerprint_of(data),
+                   num_prompts=sum(f.num_rows for f in scan.files), root=scan.root, fingerprint_data=data,
+                   passthrough_fields=scan.passthrough_fields, warnings=scan.warnings,
+                   rows_decoded=scan.rows_decoded, expected_rows=scan.expected_rows,
+                   reader_state=scan.reader_state)
+
+
+def check_model_path(spec: Any) -> None:
+    """Raise SpecError naming model.path (or model.tokenizer) when it does not exist on this
+    machine (a built-in name resolves to its file first)."""
+    from engine.loading.builtin import BUILTIN_NAMES, TINY_RANDOM, resolve_builtin
+
+    mp = spec.model.path
+    if mp == "demo":
+        raise SpecError(f"{spec.source}: model.path: 'demo' is not a model name any more: use 'smollm2' "
+                        f"(SmolLM2-135M-Instruct, a real model) or 'tiny-random' (untrained, for tests)")
+    try:
+        resolved = str(resolve_builtin(mp))
+    except FileNotFoundError as e:
+        raise SpecError(f"{spec.source}: model.path: {e}") from None
+    if mp != TINY_RANDOM and not os.path.exists(resolved):
+        raise SpecError(f"{spec.source}: model.path: {mp!r} does not exist (expected a checkpoint directory, "
+                        f"a .gguf file, or {' or '.join(map(repr, BUILTIN_NAMES))})")
+    if spec.model.tokenizer is not None and not os.path.exists(spec.model.tokenizer):
+        raise SpecError(f"{spec.source}: model.tokenizer: {spec.model.tokenizer!r} does not exist")
+
+
+def check_local_gpus(spec: Any) -> None:
+    """A local run (cluster.address null) may not ask for more GPUs than this machine has
+    (Ray's own detection): otherwise the extra actors would run on CPU, in another dtype.
+    Raises SpecError (exit code 2)."""
+    c = spec.cluster
+    if c.address is not None or not c.gpus_per_worker:
+        return
+    from cluster.resources import local_gpu_count
+
+    want, have = c.num_workers * c.gpus_per_worker, local_gpu_count()
+    if want > have:
+        raise SpecError(f"{spec.source}: cluster.gpus_per_worker: the job asks for {want:g} GPU(s) "
+                        f"(num_workers {c.num_workers} x gpus_per_worker {c.gpus_per_worker:g}) but this machine "
+                        f"has {have} (a local run; set cluster.address to run on a Ray cluster)")
