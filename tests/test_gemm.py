@@ -369,6 +369,30 @@ def test_the_probe_tells_the_pair_orders_apart(emulated_amx, mode, verdict):
     assert order is None and verdict in why, why
 
 
+EMULATED_AMX_ENGINE = """
+import ctypes
+import engine.native as N
+path = N._build("avx512_bf16", extra_flags=("-DBATCHGEN_AMX_EMULATE",))
+N._isa_choice = "amx"  # as if verified: the engine's projections go through gemm_amx.cpp, tiles emulated
+N._libraries["amx"] = N.NativeKernels(ctypes.CDLL(str(path)), "amx", path, "swapped")
+"""
+
+
+def test_engine_on_emulated_amx_tiles_is_the_same_bits(emulated_amx):
+    """The engine's bfloat16 path through the AMX kernel (packing at load, gemm_amx.cpp in
+    every projection and the head) samples the same tokens and logprob bits as avx512_bf16,
+    with the tiles emulated (guide reading, swapped pairs)."""
+    out = {}
+    for name, code, isa in [("amx", EMULATED_AMX_ENGINE + ENGINE_RUN, "avx512_bf16"),
+                            ("avx512_bf16", ENGINE_RUN, "avx512_bf16")]:
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "BATCHGEN_ISA": isa, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (out["amx"]["isa"], out["amx"]["amx_order"]) == ("amx", "swapped")
+    assert out["amx"]["hash"] == out["avx512_bf16"]["hash"]
+
+
 # ---- on AMX hardware
 amx_hardware = pytest.mark.skipif(not HAS_AMX, reason=NO_AMX)
 
