@@ -5,6 +5,12 @@ the source's header defines, so a row's bits depend on that row alone: not on ho
 share the call, where the row sits, the thread count, the rows' stride, or the instruction
 set the library was built for (every ISA this CPU runs is compared against every other;
 bfloat16 through vdpbf16ps against its two-FMA emulation where the CPU has AVX-512 BF16).
+
+The AMX path (engine/csrc/gemm_amx.cpp) is checked in layers, since most CPUs cannot run
+it: the choice of ISA and the verification's verdicts on fake reports anywhere; that the
+amx build compiles and packs its tiles right wherever the compiler takes the AMX flags;
+the whole kernel and the verification with the tile instructions emulated in software on
+AVX-512 BF16 CPUs; and the instructions themselves only on AMX CPUs (skipped elsewhere).
 """
 from __future__ import annotations
 
