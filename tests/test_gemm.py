@@ -5,6 +5,12 @@ the source's header defines, so a row's bits depend on that row alone: not on ho
 share the call, where the row sits, the thread count, the rows' stride, or the instruction
 set the library was built for (every ISA this CPU runs is compared against every other;
 bfloat16 through vdpbf16ps against its two-FMA emulation where the CPU has AVX-512 BF16).
+
+The AMX path (engine/kernels/csrc/gemm_amx.cpp) is checked in layers, since most CPUs cannot run
+it: the choice of ISA and the verification's verdicts on fake reports anywhere; that the
+amx build compiles and packs its tiles right wherever the compiler takes the AMX flags;
+the whole kernel and the verification with the tile instructions emulated in software on
+AVX-512 BF16 CPUs; and the instructions themselves only on AMX CPUs (skipped elsewhere).
 """
 from __future__ import annotations
 
@@ -90,8 +96,14 @@ def test_every_isa_gives_the_same_bits(dtype):
 
 
 def test_native_isa_is_the_widest_allowed():
-    assert native_isa() == ISAS[-1] and K.isa == ISAS[-1]
-    assert K.native_bf16 == (K.isa == "avx512_bf16")
+    """The widest ISA, except `amx` where the AMX verification did not pass (avx512_bf16)."""
+    import engine.kernels.native as N
+
+    want = ISAS[-1]
+    if want == "amx" and N.amx_verdict()[0] is None:
+        want = "avx512_bf16"
+    assert native_isa() == want and K.isa == want
+    assert K.native_bf16 == (K.isa in ("avx512_bf16", "amx"))
 
 
 def test_dtype_auto_probe_is_decided_once_per_machine(monkeypatch, tmp_path):
@@ -111,3 +123,356 @@ def test_dtype_auto_probe_is_decided_once_per_machine(monkeypatch, tmp_path):
     verdict.write_text(json.dumps({"bfloat16": not faster, "why": "edited"}))
     monkeypatch.setattr(N, "_BF16_PROBE", None)
     assert N.bfloat16_is_faster() == (not faster, "edited")
+
+
+# ---------------------------------------------------------------- AMX (engine/kernels/csrc/gemm_amx.cpp)
+import ctypes  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import engine.kernels.native as N  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_AMX = {"amx_tile", "amx_bf16"} <= N.cpu_flags()
+HAS_AMX = "amx" in ISAS  # and torch's dispatch is not limited below AVX-512 (tests/test_isa.py)
+NO_AMX = ("this CPU has no AMX (amx_tile, amx_bf16)" if not CPU_AMX else
+          "AMX is limited away here (ATEN_CPU_CAPABILITY or no AVX-512 BF16)")
+BF16_NATIVE = "avx512_bf16" in ISAS
+
+
+def _compiler_has_amx() -> bool:
+    cxx = os.environ.get("CXX") or "c++"
+    if platform.machine().lower() not in ("x86_64", "amd64") or shutil.which(cxx) is None:
+        return False
+    r = subprocess.run([cxx, "-mamx-tile", "-mamx-bf16", "-dM", "-E", "-x", "c++", "-"], input="",
+                       capture_output=True, text=True)
+    return r.returncode == 0 and "__AMX_BF16__" in r.stdout
+
+
+AMX_COMPILES = _compiler_has_amx()
+
+
+def amx_pack_reference(w: torch.Tensor, swap: bool) -> torch.Tensor:
+    """gemm_amx.cpp's B tiles of w (N, K) bfloat16, as int16: panels of 32 columns (two blocks
+    of 16), K in blocks of 16 pairs, -0 past K, +0 past N."""
+    n, k = w.shape
+    kb, blocks = (k // 2 + 15) // 16, (n + 31) // 32 * 2
+    bits = torch.zeros(blocks * 16, kb * 32, dtype=torch.int16)
+    bits[:, k:] = -32768  # 0x8000: -0
+    bits[:n, :k] = w.view(torch.int16)
+    pairs = bits.view(blocks * 16, kb * 16, 2)
+    if swap:
+        pairs = pairs.flip(-1)
+    # (block, column, kb, pair, 2) -> (block, kb, pair, column, 2)
+    return pairs.reshape(blocks, 16, kb, 16, 2).permute(0, 2, 3, 1, 4).reshape(-1)
+
+
+def test_amx_is_an_isa_only_where_cpuid_says_so(monkeypatch):
+    """`amx` needs amx_tile and amx_bf16 besides avx512_bf16's flags; on a CPU without them
+    it is not listed, and the native ISA is the widest other one, as before."""
+    assert N.ISAS["amx"][1][:-2] == N.ISAS["avx512_bf16"][1] and N.ISAS["amx"][1][-2:] == ("amx_tile", "amx_bf16")
+    assert N.ISAS["amx"][0][:-2] == N.ISAS["avx512_bf16"][0] and "-mamx-bf16" in N.ISAS["amx"][0]
+    if not CPU_AMX:
+        assert "amx" not in ISAS
+        if BF16_NATIVE and not os.environ.get("BATCHGEN_ISA"):
+            assert native_isa() == "avx512_bf16"
+        if K is not None:
+            assert K.amx_order is None
+    bf16_flags = set(N.ISAS["avx512_bf16"][1])
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(N.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(N, "cpu_flags", lambda: frozenset(bf16_flags))
+    assert N.supported_isas() == ["avx2", "avx512", "avx512_bf16"]
+    monkeypatch.setattr(N, "cpu_flags", lambda: frozenset(bf16_flags | {"amx_tile"}))
+    assert N.supported_isas()[-1] == "avx512_bf16"
+    monkeypatch.setattr(N, "cpu_flags", lambda: frozenset(bf16_flags | {"amx_tile", "amx_bf16"}))
+    assert N.supported_isas() == ["avx2", "avx512", "avx512_bf16", "amx"]
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert N.supported_isas() == ["avx2"]
+
+
+def test_native_isa_takes_amx_only_when_verified(monkeypatch, caplog):
+    """Where the CPU has AMX, native_isa() is `amx` only with a verified pair order; else
+    avx512_bf16, the reason logged. BATCHGEN_ISA=amx refuses an unverified one."""
+    monkeypatch.setattr(N, "supported_isas", lambda: ["avx2", "avx512", "avx512_bf16", "amx"])
+    monkeypatch.delenv("BATCHGEN_ISA", raising=False)
+    monkeypatch.delenv("BATCHGEN_NATIVE", raising=False)
+    for verdict, want in [((None, "the AMX probe crashed (signal 4)"), "avx512_bf16"),
+                          (("swapped", "AMX gives avx512_bf16's bits"), "amx")]:
+        monkeypatch.setattr(N, "amx_verdict", lambda v=verdict: v)
+        monkeypatch.setattr(N, "_isa_choice", False)
+        with caplog.at_level("INFO", logger="engine.kernels.native"):
+            assert N.native_isa() == want
+        if want == "avx512_bf16":
+            assert "using avx512_bf16, not amx: the AMX probe crashed (signal 4)" in caplog.text
+    monkeypatch.setenv("BATCHGEN_ISA", "amx")
+    monkeypatch.setattr(N, "_isa_choice", False)
+    assert N.native_isa() == "amx"
+    monkeypatch.setattr(N, "amx_verdict", lambda: (None, "Linux refused the AMX tile state"))
+    monkeypatch.setattr(N, "_isa_choice", False)
+    with pytest.raises(ValueError, match="BATCHGEN_ISA=amx: AMX is not verified on this machine .Linux refused"):
+        N.native_isa()
+
+
+def _report(swapped=0, unswapped=3, amx_ms=1.0, ref_ms=3.0, **kw):
+    return {"permission": 0, "emulated": False, "cases": 505,
+            "orders": {"swapped": {"mismatches": swapped, "first": None if not swapped else "tiny M=1 ..."},
+                       "unswapped": {"mismatches": unswapped, "first": None if not unswapped else "cancel M=3 ..."}},
+            "ms": {"swapped": amx_ms, "unswapped": amx_ms, "avx512_bf16": ref_ms}, **kw}
+
+
+def test_amx_decision_on_the_probes_report():
+    """decide_amx: AMX only with an order that matched every case and is faster; never after
+    a crash, a timeout, a refused tile state, a mismatch or an incomplete report."""
+    assert N.decide_amx(_report()) == ("swapped", N.decide_amx(_report())[1])
+    assert "swapped pairs on all 505 cases" in N.decide_amx(_report())[1]
+    assert N.decide_amx(_report(swapped=2, unswapped=0))[0] == "unswapped"
+    refusals = {
+        "signal 4": N.decide_amx(None, returncode=-4, output="Illegal instruction"),
+        "exit status 1": N.decide_amx(None, returncode=1, output="Traceback ...\nRuntimeError: boom"),
+        "did not finish in 300 s": N.decide_amx(None, timed_out=True, timeout=300),
+        "reported nothing": N.decide_amx(None),
+        "Operation not supported": N.decide_amx({"permission": 95, "error": "Operation not supported"}),
+        "either pair order": N.decide_amx(_report(swapped=1, unswapped=4)),
+        "incomplete": N.decide_amx({"permission": 0, "cases": 0, "orders": {}}),
+        "not faster": N.decide_amx(_report(amx_ms=3.5, ref_ms=3.0)),
+        "no timings": N.decide_amx({**_report(), "ms": {}}),
+        "never used": N.decide_amx(_report(emulated=True)),
+    }
+    for words, (order, why) in refusals.items():
+        assert order is None and words in why, (words, why)
+    assert "tiny M=1" in refusals["either pair order"][1] and "cancel M=3" in refusals["either pair order"][1]
+
+
+def test_amx_verdict_is_decided_once_per_machine(monkeypatch, tmp_path, caplog):
+    """The probe runs once; its verdict (a refusal included) is kept on disk, keyed by the CPU
+    and both libraries, and read back by the next process."""
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("BATCHGEN_AMX_PROBING", raising=False)
+    monkeypatch.setattr(N, "supported_isas", lambda: ["avx2", "avx512", "avx512_bf16", "amx"])
+    monkeypatch.setattr(N, "_build", lambda isa, **kw: tmp_path / f"lib-{isa}.so")
+    calls = []
+    for verdict in [(None, "the AMX probe crashed (signal 11)"), ("unswapped", "AMX gives avx512_bf16's bits")]:
+        for f in tmp_path.glob("amx-verdict-*.json"):
+            f.unlink()
+        calls.clear()
+        monkeypatch.setattr(N, "run_amx_probe", lambda amx, ref, v=verdict: calls.append((amx, ref)) or v)
+        monkeypatch.setattr(N, "_AMX_VERDICT", None)
+        with caplog.at_level("INFO", logger="engine.kernels.native"):
+            first = N.amx_verdict()
+        assert first[0] == verdict[0] and first[1].startswith(verdict[1])
+        assert verdict[1] in caplog.text
+        assert calls == [(tmp_path / "lib-amx.so", tmp_path / "lib-avx512_bf16.so")]
+        (saved,) = tmp_path.glob("amx-verdict-*.json")
+        monkeypatch.setattr(N, "_AMX_VERDICT", None)  # a new process
+        assert N.amx_verdict() == first and len(calls) == 1
+    monkeypatch.setattr(N, "_AMX_VERDICT", None)
+    monkeypatch.setenv("BATCHGEN_AMX_PROBING", "1")  # the probe's own process never probes
+    assert N.amx_verdict() == (None, "inside the AMX probe")
+    monkeypatch.setattr(N, "_AMX_VERDICT", None)
+    monkeypatch.setattr(N, "supported_isas", lambda: ["avx2"])
+    assert N.amx_verdict()[1].startswith("this CPU has no AMX")
+
+
+@pytest.fixture(scope="module")
+def amx_library():
+    """The `amx` build, compiled whether or not this CPU runs it (loading it executes nothing)."""
+    if not AMX_COMPILES:
+        pytest.skip("the compiler does not take -mamx-tile -mamx-bf16, or this is not x86-64")
+    path = N._build("amx", require_cpu=False)
+    return path, ctypes.CDLL(str(path))
+
+
+def test_amx_library_compiles_and_exports_its_kernel(amx_library):
+    """The amx build compiles on any x86-64 machine whose compiler takes the AMX flags, and
+    exports gemm_amx.cpp's functions (the other builds compile the file to nothing). Its
+    pack function is plain C++ and runs anywhere: B tiles with either pair order, -0 past K
+    (so a padded product adds -0, which leaves every sum, -0 included, as it is), +0 past N.
+    Where the CPU has no AMX, Linux refuses the tile state, and the kernel returns that
+    refusal before executing any tile instruction."""
+    path, lib = amx_library
+    for name in ("batchgen_amx_request", "batchgen_gemm_amx", "batchgen_gemm_amx_pack",
+                 "batchgen_gemm_amx_packed_bytes", "batchgen_amx_emulated", "batchgen_gemm"):
+        assert hasattr(lib, name), name
+    if K is not None:
+        assert not hasattr(ctypes.CDLL(str(K.path)), "batchgen_gemm_amx") or K.isa == "amx"
+    if not BF16_NATIVE:
+        return  # the library's other code is AVX-512 BF16: not to be called here
+    kern = N.NativeKernels(lib, "amx", path)
+    assert kern.has_amx and not kern.amx_emulated and kern.amx_order is None
+    g = torch.Generator().manual_seed(3)
+    for n, k in [(1, 2), (15, 30), (47, 66), (33, 576)]:
+        assert kern._amx_packed_bytes(n, k) == (n + 31) // 32 * 32 * ((k // 2 + 15) // 16 * 32) * 2
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        for swap in (True, False):
+            out = torch.empty(kern._amx_packed_bytes(n, k), dtype=torch.uint8)
+            kern._amx_pack(w.data_ptr(), k, n, k, int(swap), out.data_ptr())
+            assert torch.equal(out.view(torch.int16), amx_pack_reference(w, swap)), (n, k, swap)
+    if not CPU_AMX:
+        assert lib.batchgen_amx_request() != 0
+        with pytest.raises(RuntimeError, match="Linux refused the AMX tile state"):
+            kern_amx = N.NativeKernels(lib, "amx", path, "swapped")
+            kern_amx.gemm(torch.randn(3, 64), kern_amx.pack(torch.randn(5, 64).to(torch.bfloat16)), torch.float32, 1)
+        order, why = N.run_amx_probe(path, K.path if K.isa == "avx512_bf16" else N._build("avx512_bf16"))
+        assert order is None and "Linux refused the AMX tile state" in why
+
+
+@pytest.fixture(scope="module")
+def emulated_amx():
+    """gemm_amx.cpp built with BATCHGEN_AMX_EMULATE: its kernel with the tile instructions
+    computed in software after the intrinsics guide's pseudo-code (an AVX-512 BF16 build)."""
+    if not BF16_NATIVE:
+        pytest.skip(f"the emulated AMX build is an avx512_bf16 one; this CPU runs {ISAS}")
+    path = N._build("avx512_bf16", extra_flags=("-DBATCHGEN_AMX_EMULATE",))
+    return path, ctypes.CDLL(str(path))
+
+
+def test_emulated_amx_kernel_gives_the_chains_bits(emulated_amx):
+    """Everything of the AMX path but the instructions: with swapped pairs, tiles that add
+    element 0's product first give the avx512_bf16 build's bits at every tail of rows (16,
+    32, 256-row blocks), columns (16, 32) and K (32), on 1-3 threads, from strided,
+    float32 or bfloat16 rows, to float32 or bfloat16, with or without bias; unswapped pairs
+    do not (so the probe can tell the orders apart)."""
+    path, lib = emulated_amx
+    ref = native_kernels("avx512_bf16")
+    amx = {o: N.NativeKernels(lib, "amx", path, o) for o in N.AMX_ORDERS}
+    assert amx["swapped"].amx_emulated
+    g = torch.Generator().manual_seed(11)
+    differ = 0
+    for i, (M, K_, N_) in enumerate([(1, 2, 1), (16, 32, 16), (17, 34, 33), (33, 64, 32), (40, 576, 47),
+                                     (257, 96, 70), (5, 1000, 3)]):
+        for kind in N._AMX_KINDS:
+            x, w = N._amx_operands(kind, M, K_, N_, g)
+            b = torch.randn(N_, generator=g)
+            wide = torch.zeros(M, K_ + 6)
+            wide[:, 2:2 + K_] = x
+            for xin, bias, out, threads in [(x, b, torch.float32, 1 + i % 3),
+                                            (wide[:, 2:2 + K_], None, torch.float32, 2),
+                                            (x.to(torch.bfloat16), b, torch.bfloat16, 2)]:
+                want = ref.gemm(xin, ref.pack(w, bias), out, threads)
+                got = amx["swapped"].gemm(xin, amx["swapped"].pack(w, bias), out, threads)
+                assert N._bits_equal(got, want), (M, K_, N_, kind, out, threads)
+                p = amx["unswapped"].pack(w, bias)
+                assert p.amx_order == "unswapped"
+                differ += not N._bits_equal(amx["unswapped"].gemm(xin, p, out, threads), want)
+    assert differ > 0
+
+
+@pytest.mark.parametrize("mode,verdict", [("guide", "avx512_bf16's bits with swapped pairs"),
+                                          ("odd", "avx512_bf16's bits with unswapped pairs"),
+                                          ("sdm", "in either pair order")])
+def test_the_probe_tells_the_pair_orders_apart(emulated_amx, mode, verdict):
+    """The verification itself, in its subprocess, on emulated tiles after three readings of
+    TDPBF16PS: element 0 first (the intrinsics guide) matches with swapped pairs, element 1
+    first with unswapped ones, and the SDM's partial sums (even and odd sums over a tile's
+    16 pairs, then added) in neither; an emulated build is never used."""
+    order, why = N.run_amx_probe(emulated_amx[0], native_kernels("avx512_bf16").path,
+                                 env={"BATCHGEN_AMX_EMULATE_MODE": mode})
+    assert order is None and verdict in why, why
+
+
+EMULATED_AMX_ENGINE = """
+import ctypes
+import engine.kernels.native as N
+path = N._build("avx512_bf16", extra_flags=("-DBATCHGEN_AMX_EMULATE",))
+N._isa_choice = "amx"  # as if verified: the engine's projections go through gemm_amx.cpp, tiles emulated
+N._libraries["amx"] = N.NativeKernels(ctypes.CDLL(str(path)), "amx", path, "swapped")
+"""
+
+
+def test_engine_on_emulated_amx_tiles_is_the_same_bits(emulated_amx):
+    """The engine's bfloat16 path through the AMX kernel (packing at load, gemm_amx.cpp in
+    every projection and the head) samples the same tokens and logprob bits as avx512_bf16,
+    with the tiles emulated (guide reading, swapped pairs)."""
+    out = {}
+    for name, code, isa in [("amx", EMULATED_AMX_ENGINE + ENGINE_RUN, "avx512_bf16"),
+                            ("avx512_bf16", ENGINE_RUN, "avx512_bf16")]:
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "BATCHGEN_ISA": isa, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (out["amx"]["isa"], out["amx"]["amx_order"]) == ("amx", "swapped")
+    assert out["amx"]["hash"] == out["avx512_bf16"]["hash"]
+
+
+# ---- on AMX hardware
+amx_hardware = pytest.mark.skipif(not HAS_AMX, reason=NO_AMX)
+
+
+@amx_hardware
+def test_amx_verification_runs_to_a_verdict():
+    """The probe runs to the end on AMX hardware: a crash, a refused tile state or an
+    incomplete report is a bug here; a mismatch or a slower AMX is the hardware's answer
+    (then the process uses avx512_bf16)."""
+    order, why = N.amx_verdict()
+    print(f"AMX verdict: {order}: {why}")
+    assert order is not None or "either pair order" in why or "not faster" in why, why
+
+
+def _verified_amx():
+    order, why = N.amx_verdict()
+    if order is None:
+        pytest.skip(f"AMX is not verified on this machine: {why}")
+    amx = native_kernels("amx")
+    assert amx.amx_order == order, "verified, but this process was refused the tile state (see the INFO log)"
+    return amx
+
+
+@amx_hardware
+@pytest.mark.parametrize("M,K_,N_", SHAPES + [(16, 32, 16), (17, 66, 47), (257, 2048, 33), (40, 576, 1)])
+def test_amx_gives_every_builds_bits(M, K_, N_):
+    """The amx build's bfloat16 GEMMs (on tiles) equal every other build's bit for bit, on 1-3
+    threads, float32 or bfloat16 in and out, with special values."""
+    amx = _verified_amx()
+    g = torch.Generator().manual_seed(M + K_ + N_)
+    x = torch.randn(M, K_, generator=g)
+    w = torch.randn(N_, K_, generator=g)
+    x[0, :4] = torch.tensor([1e-39, -1e-40, float("inf"), 3e-38])[:K_]
+    w = w.to(torch.bfloat16)
+    b = torch.randn(N_, generator=g)
+    for threads in (1, 2, 3):
+        for xin, out in [(x, torch.float32), (x.to(torch.bfloat16), torch.bfloat16)]:
+            got = run(amx, xin, w, b, out, threads)
+            assert amx.pack(w).amx_order == amx.amx_order
+            for isa in ISAS:
+                if isa != "amx":
+                    want = run(native_kernels(isa), xin, w, b, out, threads)
+                    assert N._bits_equal(got, want), (isa, threads, out)
+
+
+ENGINE_RUN = """
+import hashlib, json, struct
+import torch
+from engine import SamplingParams, load_engine
+from engine.kernels.native import native_isa, native_kernels
+torch.set_num_threads(2)
+eng = load_engine("tiny-random", device="cpu", dtype="bfloat16", max_seq_len=256)
+res = eng.generate([[5, 6, 7, 8, 9], [3] * 40, list(range(40, 90))],
+                   SamplingParams(num_samples=3, max_tokens=16, top_k=20, seed=5, stop_token_ids=[]),
+                   prompt_ids=["a", "b", "c"])
+h = hashlib.sha256()
+for row in res:
+    for s in row:
+        h.update(json.dumps(s.tokens).encode() + struct.pack(f"{len(s.logprobs)}f", *s.logprobs))
+print(json.dumps({"isa": native_isa(), "amx_order": native_kernels().amx_order, "hash": h.hexdigest()}))
+"""
+
+
+@amx_hardware
+def test_engine_in_bfloat16_is_the_same_bits_on_amx():
+    """An engine run in bfloat16 (tiny-random, 3 prompts x 3 samples x 16 tokens) samples the
+    same tokens and logprob bits with BATCHGEN_ISA=amx (tiles) as with avx512_bf16."""
+    _verified_amx()
+    out = {}
+    for isa in ("amx", "avx512_bf16"):
+        r = subprocess.run([sys.executable, "-c", ENGINE_RUN], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "BATCHGEN_ISA": isa, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[isa] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["amx"]["isa"] == "amx" and out["amx"]["amx_order"] is not None
+    assert out["avx512_bf16"]["isa"] == "avx512_bf16"
+    assert out["amx"]["hash"] == out["avx512_bf16"]["hash"]

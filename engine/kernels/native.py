@@ -1,8 +1,9 @@
-"""The engine's compiled CPU kernels (engine/csrc/), one shared library: the matrix multiply
-of every projection and the head (gemm.cpp), prefill and decode attention over the KV arena
-(prefill_attention.cpp, decode_attention.cpp), the fused per-row operations of a
-Llama-family layer (layer_ops.cpp: RMSNorm with its residual add, rotary embedding, SwiGLU
-gating), and the sampler's passes over the vocabulary (sampling_ops.cpp: top-k, logsumexp).
+"""The engine's compiled CPU kernels (engine/kernels/csrc/), one shared library: the matrix multiply
+of every projection and the head (gemm.cpp; gemm_amx.cpp in the `amx` build), prefill and
+decode attention over the KV arena (prefill_attention.cpp, decode_attention.cpp), the fused
+per-row operations of a Llama-family layer (layer_ops.cpp: RMSNorm with its residual add,
+rotary embedding, SwiGLU gating), and the sampler's passes over the vocabulary
+(sampling_ops.cpp: top-k, logsumexp).
 
 Why compiled: a library GEMM's or attention kernel's rows move with the row count and the
 instruction set (gemm.cpp's header), so the engine owns the reduction order of its products;
@@ -16,18 +17,25 @@ Instruction sets (`ISAS`): the library is built for one of
 - `avx512`: and AVX-512 F/BW/DQ/VL (Skylake-SP, Ice Lake): 16-lane GEMM tiles;
 - `avx512_bf16`: and AVX-512 BF16 (Cooper Lake, Sapphire Rapids, Zen 4-5): bfloat16
   products with vdpbf16ps, which the other builds compute bit for bit with two fused
-  multiply-adds.
+  multiply-adds;
+- `amx`: and AMX-TILE, AMX-BF16 (Sapphire Rapids and later): bfloat16-weight GEMMs on AMX
+  tiles (gemm_amx.cpp; float32 ones as in avx512_bf16). Not trusted on paper: the first
+  process on a machine runs `amx_verdict()`'s probe in a subprocess, which compares both
+  pair packings bit for bit with the avx512_bf16 build on random and special operands;
+  AMX is used only with a packing that matches on every case and runs faster, else the
+  process uses avx512_bf16 (a crash, a timeout or a refused tile state included). The
+  verdict is logged at INFO and kept on disk.
 `native_isa()` picks the widest the CPU has (CPUID flags, from /proc/cpuinfo) that torch's
-own dispatch also allows, so `ATEN_CPU_CAPABILITY=avx2` limits both; `BATCHGEN_ISA` names one
-(it must be supported). A build's results are bit-identical to every other build's: the
-choice changes speed, never a sample.
+own dispatch also allows, so `ATEN_CPU_CAPABILITY=avx2` limits both (and `amx` only once
+verified); `BATCHGEN_ISA` names one (it must be supported, and `amx` verified). A build's
+results are bit-identical to every other build's: the choice changes speed, never a sample.
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`;
 a few seconds, no torch headers) into a cache directory keyed by the sources' hash, the
 ISA's flags and the compiler (`$BATCHGEN_CACHE_DIR`, else `$XDG_CACHE_HOME/batchgen`, else
 `~/.cache/batchgen`), and loaded with ctypes. Where it cannot be built or loaded (no
 compiler, not x86-64 with AVX2, `BATCHGEN_NATIVE=0`), `native_kernels()` returns None and the
-engine uses torch's operations (engine/attention.py, engine/models/layers.py,
+engine uses torch's operations (engine/kernels/attention.py, engine/models/layers.py,
 engine/models/base.py): the same results to about 1e-6, slower, and batch-invariant only as
 far as torch's kernels happen to be on that machine (README, "Batch invariance").
 """
@@ -41,6 +49,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -61,7 +70,16 @@ ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                                                          "avx512vl")),
     "avx512_bf16": (("-mavx2", "-mfma", "-mf16c", *_AVX512, "-mavx512bf16"),
                     ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16")),
+    # the avx512_bf16 build plus gemm_amx.cpp's kernel for bfloat16 weights, used only once
+    # verified (`amx_verdict`)
+    "amx": (("-mavx2", "-mfma", "-mf16c", *_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+            ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "amx_tile",
+             "amx_bf16")),
 }
+# gemm_amx.cpp's pair orders (its `swap`): "swapped" packs each pair (odd, even), which is the
+# chain if TDPBF16PS adds element 0's product first (the intrinsics guide's pseudo-code);
+# "unswapped" packs (even, odd), the chain if it adds element 1's first.
+AMX_ORDERS = ("swapped", "unswapped")
 
 _lock = threading.Lock()
 _libraries: dict[str, "NativeKernels | None"] = {}  # by ISA; None: tried and unavailable
@@ -96,6 +114,7 @@ class PackedWeight:
     k: int
     dtype: torch.dtype
     bias: torch.Tensor | None
+    amx_order: str | None = None  # packed in gemm_amx.cpp's B tiles with this pair order
 
     @property
     def nbytes(self) -> int:
@@ -107,10 +126,33 @@ class NativeKernels:
     can check more cheaply: shapes, contiguity, dtypes and bounds are the caller's (the
     docstrings say what). All run on `threads` threads (OpenMP, the runtime torch uses) and
     are batch-invariant: a row's result depends only on that row (see the sources).
-    `isa`: the instruction set the library was built for (`ISAS`); `path`: its file."""
+    `isa`: the instruction set the library was built for (`ISAS`); `path`: its file;
+    `amx_order`: in the `amx` build, the verified pair order (`AMX_ORDERS`) with which
+    bfloat16 weights are packed for and multiplied on AMX tiles (gemm_amx.cpp), None to keep
+    them on vdpbf16ps (gemm.cpp) as the avx512_bf16 build does."""
 
-    def __init__(self, lib: ctypes.CDLL, isa: str, path: Path):
+    def __init__(self, lib: ctypes.CDLL, isa: str, path: Path, amx_order: str | None = None):
         self.isa, self.path = isa, path
+        if amx_order is not None and amx_order not in AMX_ORDERS:
+            raise ValueError(f"amx_order must be one of {AMX_ORDERS} or None, got {amx_order!r}")
+        self.has_amx = hasattr(lib, "batchgen_gemm_amx")  # gemm_amx.cpp is compiled in
+        if amx_order is not None and not self.has_amx:
+            raise ValueError(f"{path.name} has no AMX kernel")
+        self.amx_order = amx_order
+        if self.has_amx:
+            self._amx_request = lib.batchgen_amx_request
+            self._amx_request.argtypes = []
+            self._amx_request.restype = _int
+            self._amx_packed_bytes = lib.batchgen_gemm_amx_packed_bytes
+            self._amx_packed_bytes.argtypes = [_i64, _i64]
+            self._amx_packed_bytes.restype = _i64
+            self._amx_pack = lib.batchgen_gemm_amx_pack
+            self._amx_pack.argtypes = [_p, _i64, _i64, _i64, _int, _p]
+            self._amx_pack.restype = None
+            self._gemm_amx = lib.batchgen_gemm_amx
+            self._gemm_amx.argtypes = [_p, _int, _i64, _i64, _i64, _p, _i64, _p, _p, _i64, _int, _int, _int]
+            self._gemm_amx.restype = _int
+            self.amx_emulated = bool(lib.batchgen_amx_emulated())
         self._gemm = lib.batchgen_gemm
         self._gemm.argtypes = [_p, _int, _i64, _i64, _i64, _p, _i64, _p, _p, _i64, _int, _int, _int]
         self._gemm.restype = None
@@ -161,10 +203,14 @@ class NativeKernels:
         w = weight.detach()
         if w.stride(1) != 1:
             w = w.contiguous()
+        b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        if w.dtype == torch.bfloat16 and self.amx_order is not None:
+            data = torch.empty(self._amx_packed_bytes(n, k), dtype=torch.uint8)
+            self._amx_pack(w.data_ptr(), w.stride(0), n, k, int(self.amx_order == "swapped"), data.data_ptr())
+            return PackedWeight(data, n, k, w.dtype, b, self.amx_order)
         code = _GEMM_DTYPES[w.dtype]
         data = torch.empty(self._packed_bytes(n, k, code), dtype=torch.uint8)
         self._pack(w.data_ptr(), w.stride(0), n, k, code, data.data_ptr())
-        b = None if bias is None else bias.detach().to(torch.float32).contiguous()
         return PackedWeight(data, n, k, w.dtype, b)
 
     def gemm(self, x: torch.Tensor, w: PackedWeight, out_dtype: torch.dtype, threads: int) -> torch.Tensor:
@@ -173,9 +219,19 @@ class NativeKernels:
         bfloat16 first, as `.to(torch.bfloat16)` rounds); returns (M, N) of out_dtype
         (float32, or bfloat16 for a bfloat16 weight). Each element is one fused multiply-add
         chain over K in order (gemm.cpp), so a row's bits depend on that row alone, on any
-        ISA and thread count."""
+        ISA and thread count. A weight packed for AMX tiles (`amx_order`) runs on them
+        (gemm_amx.cpp; RuntimeError if Linux refuses the tile state)."""
         M = x.shape[0]
         y = torch.empty(M, w.n, dtype=out_dtype)
+        if w.amx_order is not None:
+            if not self.has_amx:
+                raise ValueError(f"gemm: a weight packed for AMX tiles, and {self.path.name} has no AMX kernel")
+            rc = _call("batchgen::gemm_amx", self._gemm_amx, x.data_ptr(), _GEMM_DTYPES[x.dtype], x.stride(0), M,
+                       w.k, w.data.data_ptr(), w.n, _ptr(w.bias), y.data_ptr(), w.n, _GEMM_DTYPES[out_dtype], threads,
+                       int(w.amx_order == "swapped"))
+            if rc != 0:
+                raise RuntimeError(f"gemm: Linux refused the AMX tile state ({os.strerror(rc)})")
+            return y
         _call("batchgen::gemm", self._gemm, x.data_ptr(), _GEMM_DTYPES[x.dtype], x.stride(0), M, w.k,
               w.data.data_ptr(), w.n, _ptr(w.bias), y.data_ptr(), w.n, _GEMM_DTYPES[w.dtype],
               _GEMM_DTYPES[out_dtype], threads)
@@ -189,7 +245,7 @@ class NativeKernels:
     def decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seg: torch.Tensor,
                          group_ptr: torch.Tensor, order: torch.Tensor, threads: int,
                          new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Decode attention of every row (engine/csrc/decode_attention.cpp).
+        """Decode attention of every row (engine/kernels/csrc/decode_attention.cpp).
 
         q: (B, Hq, D) float32 whose last two dims are contiguous (rows may be strided, as
         the q part of a fused qkv projection is); kc, vc: one layer's contiguous (positions,
@@ -219,7 +275,7 @@ class NativeKernels:
     def prefill_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, starts: torch.Tensor,
                           lengths: torch.Tensor, window: int | None, threads: int) -> torch.Tensor:
         """Causal prefill attention of every prompt token to its prompt's keys, read from
-        the arena (engine/csrc/prefill_attention.cpp).
+        the arena (engine/kernels/csrc/prefill_attention.cpp).
 
         q: (B, T, Hq, D) float32 with its last two dims contiguous (tokens and prompts may be
         strided, as the q part of a fused qkv projection is); kc, vc: one layer's contiguous
@@ -289,7 +345,9 @@ class NativeKernels:
 def native_kernels(isa: str | None = None) -> NativeKernels | None:
     """The compiled library for `isa` (default `native_isa()`), built and loaded once per
     process and ISA; None where it is unavailable (the reason is logged once at INFO). Tests
-    load a narrower ISA beside the native one to compare their bits."""
+    load a narrower ISA beside the native one to compare their bits. The `amx` build's
+    bfloat16 GEMMs use AMX tiles only with the pair order `amx_verdict()` verified (and once
+    Linux grants the tile state); else they run on vdpbf16ps, as in the avx512_bf16 build."""
     if isa is None:
         isa = native_isa()
         if isa is None:
@@ -299,7 +357,14 @@ def native_kernels(isa: str | None = None) -> NativeKernels | None:
             if isa not in _libraries:
                 try:
                     path = _build(isa)
-                    _libraries[isa] = NativeKernels(ctypes.CDLL(str(path)), isa, path)
+                    lib = ctypes.CDLL(str(path))
+                    order = amx_verdict()[0] if isa == "amx" else None
+                    rc = lib.batchgen_amx_request() if order is not None else 0
+                    if rc != 0:  # e.g. ENOSPC: a sigaltstack too small for the tile state
+                        log.info("batchgen: Linux refused the AMX tile state in this process (%s); bfloat16 GEMMs "
+                                 "on vdpbf16ps", os.strerror(rc))
+                        order = None
+                    _libraries[isa] = NativeKernels(lib, isa, path, order)
                 except (_Unavailable, OSError, AttributeError) as e:  # OSError, AttributeError: a bad library
                     log.info("batchgen: compiled kernels (%s) unavailable (%s); using torch's kernels", isa, e)
                     _libraries[isa] = None
@@ -337,8 +402,10 @@ def supported_isas() -> list[str]:
 
 def native_isa() -> str | None:
     """The ISA the engine's kernels use in this process: `$BATCHGEN_ISA` when set, else the
-    widest of `supported_isas()`; None when there is none (or `BATCHGEN_NATIVE=0`). Raises
-    ValueError for a `BATCHGEN_ISA` this machine cannot run. Decided once per process."""
+    widest of `supported_isas()`, except `amx` unless `amx_verdict()` verified it (then
+    `avx512_bf16`, the reason logged at INFO); None when there is none (or
+    `BATCHGEN_NATIVE=0`). Raises ValueError for a `BATCHGEN_ISA` this machine cannot run,
+    and for `BATCHGEN_ISA=amx` where AMX is unverified. Decided once per process."""
     global _isa_choice
     if _isa_choice is False:
         want = os.environ.get("BATCHGEN_ISA")
@@ -350,10 +417,234 @@ def native_isa() -> str | None:
                 raise ValueError(f"BATCHGEN_ISA={want!r}: not one of {', '.join(ISAS)}")
             if want not in have:
                 raise ValueError(f"BATCHGEN_ISA={want!r}: this machine supports {have or 'none of them'}")
+            if want == "amx":
+                order, why = amx_verdict()
+                if order is None:
+                    raise ValueError(f"BATCHGEN_ISA=amx: AMX is not verified on this machine ({why})")
             _isa_choice = want
         else:
             _isa_choice = have[-1] if have else None
+            if _isa_choice == "amx":
+                order, why = amx_verdict()
+                if order is None:
+                    log.info("batchgen: using avx512_bf16, not amx: %s", why)
+                    _isa_choice = "avx512_bf16"
     return _isa_choice
+
+
+# ---------------------------------------------------------------- AMX verification
+_AMX_VERDICT: "tuple[str | None, str] | None" = None
+_AMX_PROBE_TIMEOUT = 300.0  # seconds for the probe's subprocess (importing torch included)
+_AMX_SHAPES = [(m, k, n) for m in (1, 3, 16, 17, 40) for k in (2, 30, 64, 66, 576) for n in (1, 15, 16, 47)]
+_AMX_KINDS = ("random", "special", "exponents", "cancel", "tiny")
+
+
+def amx_verdict() -> tuple[str | None, str]:
+    """(the pair order of `AMX_ORDERS` with which the `amx` build's bfloat16 GEMMs give the
+    avx512_bf16 build's bits, or None; why), decided once per machine.
+
+    The AMX instructions are never executed in this process before a verdict: the first
+    process that asks runs `_amx_probe` in a subprocess (`python -c`, BATCHGEN_ISA=amx),
+    which requests the tile state from Linux, multiplies random and special operands
+    (denormals, infinities, NaN, huge and tiny exponents, exact cancellations, products
+    that flush to -0) at 100 shapes (M 1-40, K 2-576 around the tile's 32, N 1-47 around
+    its 16) and two larger ones on one and two threads, with and without bias, float32 and
+    bfloat16 in and out, in both pair orders, compares every output bit for bit with the
+    avx512_bf16 build (NaN equal to NaN), and times a 128 x 2048 x 1024 product each way.
+    `decide_amx` turns its report into the verdict: AMX only with an order that matched on
+    every case and ran faster than vdpbf16ps; never after a crash, a timeout, a refused
+    tile state or a mismatch. The verdict is logged at INFO and kept on disk beside the
+    compiled libraries, keyed by the CPU model and both libraries (delete the
+    amx-verdict-*.json file to probe again)."""
+    global _AMX_VERDICT
+    if _AMX_VERDICT is None:
+        _AMX_VERDICT = _amx_verdict()
+        log.info("batchgen: AMX %s: %s", "verified" if _AMX_VERDICT[0] else "not used", _AMX_VERDICT[1])
+    return _AMX_VERDICT
+
+
+def _amx_verdict() -> tuple[str | None, str]:
+    if "amx" not in supported_isas():
+        return None, "this CPU has no AMX (amx_tile, amx_bf16), or torch's dispatch is limited below AVX-512"
+    if os.environ.get("BATCHGEN_AMX_PROBING"):
+        return None, "inside the AMX probe"
+    try:
+        amx, ref = _build("amx"), _build("avx512_bf16")
+    except _Unavailable as e:
+        return None, f"the libraries could not be built ({e})"
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines() if line.startswith("model name")), "")
+    key = hashlib.sha256(f"{model}|amx|{amx.name}|{ref.name}".encode()).hexdigest()[:16]
+    verdict = _cache_dir() / f"amx-verdict-{key}.json"
+    try:
+        saved = json.loads(verdict.read_text())
+        return (saved["order"] if saved["order"] in AMX_ORDERS else None), str(saved["why"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    order, why = run_amx_probe(amx, ref)
+    why = f"{why} ({model or 'this CPU'})"
+    try:
+        verdict.parent.mkdir(parents=True, exist_ok=True)
+        tmp = verdict.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"order": order, "why": why}))
+        os.replace(tmp, verdict)
+    except OSError:
+        pass
+    return order, why
+
+
+def run_amx_probe(amx: Path, ref: Path, timeout: float | None = None,
+                  env: dict[str, str] | None = None) -> tuple[str | None, str]:
+    """`_amx_probe(amx, ref)` in a subprocess, and `decide_amx`'s verdict on what it reports
+    (a crash, even a SIGILL or SIGSEGV inside the tiles, stays in the subprocess)."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, **(env or {}), "BATCHGEN_ISA": "amx", "BATCHGEN_AMX_PROBING": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    code = "import sys; from engine.kernels.native import _amx_probe_main; _amx_probe_main(sys.argv[1], sys.argv[2])"
+    timeout = _AMX_PROBE_TIMEOUT if timeout is None else timeout
+    try:
+        r = subprocess.run([sys.executable, "-c", code, str(amx), str(ref)], env=env, capture_output=True,
+                           text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return decide_amx(None, timed_out=True, timeout=timeout)
+    except OSError as e:
+        return decide_amx(None, returncode=-1, output=f"could not start: {e}")
+    report = None
+    lines = r.stdout.strip().splitlines()
+    if lines:
+        try:
+            report = json.loads(lines[-1])
+        except ValueError:
+            report = None
+    return decide_amx(report, returncode=r.returncode, output=(r.stderr or r.stdout)[-600:])
+
+
+def decide_amx(report: dict | None, returncode: int = 0, timed_out: bool = False, timeout: float = 0.0,
+               output: str = "") -> tuple[str | None, str]:
+    """The verdict (order or None, why) on the AMX probe's report (`_amx_probe`'s dict, None
+    when it printed none) and how its subprocess ended."""
+    if timed_out:
+        return None, f"the AMX probe did not finish in {timeout:.0f} s"
+    if returncode != 0:
+        how = f"signal {-returncode}" if returncode < 0 else f"exit status {returncode}"
+        tail = " ".join(output.strip().splitlines()[-3:])
+        return None, f"the AMX probe crashed ({how}){': ' + tail if tail else ''}"
+    if not isinstance(report, dict):
+        return None, "the AMX probe reported nothing"
+    if report.get("permission", -1) != 0:
+        return None, (f"Linux refused the AMX tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): "
+                      f"{report.get('error') or report.get('permission')})")
+    orders, cases = report.get("orders") or {}, int(report.get("cases") or 0)
+    if cases <= 0 or any(o not in orders for o in AMX_ORDERS):
+        return None, "the AMX probe's report is incomplete"
+    match = [o for o in AMX_ORDERS if orders[o].get("mismatches") == 0]
+    if not match:
+        diffs = "; ".join(f"{o} pairs: {orders[o].get('mismatches')} of {cases} cases differ "
+                          f"(first: {orders[o].get('first')})" for o in AMX_ORDERS)
+        return None, f"AMX does not give avx512_bf16's bits in either pair order: {diffs}"
+    order = match[0]
+    if report.get("emulated"):
+        return None, (f"emulated tiles (a BATCHGEN_AMX_EMULATE test build) give avx512_bf16's bits with {order} pairs "
+                      f"on all {cases} cases; a test build is never used")
+    ms = report.get("ms") or {}
+    amx_ms, ref_ms = ms.get(order), ms.get("avx512_bf16")
+    if not isinstance(amx_ms, (int, float)) or not isinstance(ref_ms, (int, float)):
+        return None, "the AMX probe's report has no timings"
+    timing = (f"a 128x2048x1024 product took {amx_ms:.2f} ms on AMX tiles and {ref_ms:.2f} ms with vdpbf16ps on "
+              f"one thread")
+    if amx_ms >= ref_ms:
+        return None, f"AMX gives avx512_bf16's bits ({order} pairs, {cases} cases) but is not faster: {timing}"
+    return order, f"AMX gives avx512_bf16's bits with {order} pairs on all {cases} cases; {timing}"
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b bit for bit, except that any NaN equals any NaN."""
+    view = torch.int32 if a.dtype == torch.float32 else torch.int16
+    same = a.view(view) == b.view(view)
+    return bool((same | (a.isnan() & b.isnan())).all())
+
+
+def _amx_operands(kind: str, M: int, K: int, N: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float32 and w (N, K) bfloat16 of one kind of probe case."""
+    def pow2(shape, lo, hi):
+        e = torch.randint(lo, hi, shape, generator=g).to(torch.float32)
+        s = torch.randint(0, 2, shape, generator=g).to(torch.float32) * 2 - 1
+        return s * torch.exp2(e)
+
+    if kind == "random":
+        x = torch.randn(M, K, generator=g) * 2.0 ** float(torch.randint(-4, 5, (1,), generator=g))
+        w = torch.randn(N, K, generator=g)
+    elif kind == "special":
+        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+        vals = torch.tensor([1e-39, -1e-39, 1e-40, float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 3e38, -3e38,
+                             1e-30, -1e-30, 1e30, 2.0 ** -126, -(2.0 ** -126), 2.0 ** 127])
+        for t in (x, w):
+            hit = torch.rand(t.shape, generator=g) < 0.1
+            t[hit] = vals[torch.randint(0, len(vals), (int(hit.sum()),), generator=g)]
+    elif kind == "exponents":  # sums that overflow, underflow, flush and absorb
+        x, w = pow2((M, K), -140, 128) * (1 + torch.rand(M, K, generator=g)), pow2((N, K), -140, 128)
+    elif kind == "cancel":  # exact powers of two: each order of the adds rounds differently
+        x, w = pow2((M, K), -20, 21), pow2((N, K), -2, 3)
+        x[:, 1::4] = x[:, 0::4][:, :x[:, 1::4].shape[1]]
+        w[:, 1::4] = -w[:, 0::4][:, :w[:, 1::4].shape[1]]  # pairs 0, 2, 4, ...: the two products cancel
+    else:  # "tiny": every product is under 2^-126 and flushes to a signed zero: outputs +0 or -0
+        x, w = pow2((M, K), -80, -64), pow2((N, K), -80, -64)
+    return x, w.to(torch.bfloat16)
+
+
+def _amx_probe(amx_path: str, ref_path: str) -> dict:
+    """The AMX probe (run in a subprocess by `run_amx_probe`): the report `decide_amx` reads."""
+    amx_lib = ctypes.CDLL(amx_path)
+    rc = amx_lib.batchgen_amx_request()
+    if rc != 0:
+        return {"permission": rc, "error": os.strerror(rc)}
+    ref = NativeKernels(ctypes.CDLL(ref_path), "avx512_bf16", Path(ref_path))
+    builds = {o: NativeKernels(amx_lib, "amx", Path(amx_path), o) for o in AMX_ORDERS}
+    report: dict = {"permission": 0, "emulated": builds["swapped"].amx_emulated,
+                    "orders": {o: {"mismatches": 0, "first": None} for o in AMX_ORDERS}}
+    g = torch.Generator().manual_seed(20261201)
+    cases = 0
+    # (M, K, N, kind, alt, threads); alt 0: float32 in and out, with bias; 1: bfloat16, none
+    shapes = [(*s, kind, (i + j) % 2, 1) for i, s in enumerate(_AMX_SHAPES) for j, kind in enumerate(_AMX_KINDS)]
+    shapes += [(300, 1024, 100, kind, alt, t) for kind, alt in (("random", 0), ("cancel", 1)) for t in (1, 2)]
+    shapes += [(64, 2048, 33, "exponents", 0, 2)]
+    for M, K, N, kind, alt, threads in shapes:
+        x, w = _amx_operands(kind, M, K, N, g)
+        b = torch.randn(N, generator=g) if alt == 0 else None
+        xin = x if alt == 0 else x.to(torch.bfloat16)  # float32 activations rounded by the kernel, or bfloat16
+        out = torch.float32 if alt == 0 or kind in ("tiny", "cancel") else torch.bfloat16
+        want = ref.gemm(xin, ref.pack(w, b), out, threads)
+        cases += 1
+        for o, kern in builds.items():
+            got = kern.gemm(xin, kern.pack(w, b), out, threads)
+            if not _bits_equal(got, want):
+                rep = report["orders"][o]
+                rep["mismatches"] += 1
+                if rep["first"] is None:
+                    view = torch.int32 if out == torch.float32 else torch.int16
+                    bad = ((got.view(view) != want.view(view)) & ~(got.isnan() & want.isnan())).nonzero()[0].tolist()
+                    rep["first"] = (f"{kind} M={M} K={K} N={N} at {bad}: "
+                                    f"{got[bad[0], bad[1]].item()!r} against {want[bad[0], bad[1]].item()!r}")
+    report["cases"] = cases
+    M, K, N = _PROBE_SHAPE
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).to(torch.bfloat16)
+    timed = {"avx512_bf16": (ref, ref.pack(w))} | {o: (k, k.pack(w)) for o, k in builds.items()
+                                                   if report["orders"][o]["mismatches"] == 0}
+    if len(timed) == 1:  # no order to time
+        return report
+    times = {name: float("inf") for name in timed}
+    for i in range(4):  # interleaved, the first round to warm up
+        for name, (kern, p) in timed.items():
+            t0 = time.thread_time()
+            kern.gemm(x, p, torch.float32, 1)
+            if i:
+                times[name] = min(times[name], time.thread_time() - t0)
+    report["ms"] = {name: t * 1e3 for name, t in times.items()}
+    return report
+
+
+def _amx_probe_main(amx_path: str, ref_path: str) -> None:
+    torch.set_num_threads(2)
+    print(json.dumps(_amx_probe(amx_path, ref_path)), flush=True)
 
 
 _BF16_PROBE: "tuple[bool, str] | None" = None
@@ -429,11 +720,14 @@ def _cache_dir() -> Path:
     return Path(base) / "batchgen"
 
 
-def _build(isa: str) -> Path:
-    """Path of the shared library for `isa`, compiled if the cache lacks it (raises _Unavailable)."""
+def _build(isa: str, require_cpu: bool = True, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Path of the shared library for `isa`, compiled if the cache lacks it (raises
+    _Unavailable). require_cpu=False builds for an ISA this CPU cannot run (to check that
+    it compiles; loading it is safe, calling it is not); extra_flags: more compiler flags
+    (tests: -DBATCHGEN_AMX_EMULATE), in the file's name and key."""
     if os.environ.get("BATCHGEN_NATIVE", "1") == "0":
         raise _Unavailable("BATCHGEN_NATIVE=0")
-    if isa not in supported_isas():
+    if require_cpu and isa not in supported_isas():
         raise _Unavailable(f"this CPU does not run {isa} (it runs {supported_isas() or 'none of ' + str(list(ISAS))})")
     cxx = os.environ.get("CXX") or "c++"
     if shutil.which(cxx) is None:
@@ -443,11 +737,12 @@ def _build(isa: str) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise _Unavailable(f"{cxx} --version failed: {e}") from None
     sources = sorted(CSRC.glob("*.cpp"))
-    flags = (*FLAGS, *ISAS[isa][0])
+    flags = (*FLAGS, *ISAS[isa][0], *extra_flags)
     key = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in sources + sorted(CSRC.glob("*.h")))
                          + " ".join(flags).encode()
                          + version.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"batchgen_kernels-{isa}-{key}.so"
+    tag = isa + "".join("-" + f.lstrip("-").split("=")[0].lower() for f in extra_flags)
+    target = _cache_dir() / f"batchgen_kernels-{tag}-{key}.so"
     if target.exists():
         return target
     try:

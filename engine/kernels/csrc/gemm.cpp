@@ -17,7 +17,9 @@
 // holds one output column, so the vector width (8 lanes on AVX2, 16 on AVX-512), the
 // register tile, the thread split and the row count change which element is computed when,
 // never how: a row's bits are the same on every x86-64 CPU with FMA, for any batch, on any
-// number of threads.
+// number of threads. The `amx` build adds gemm_amx.cpp: the bfloat16 chain on AMX tiles
+// (TDPBF16PS), with its own packed layout, used only where engine/kernels/native.py verified it
+// bit for bit against this file's vdpbf16ps kernel at first use.
 //
 // Layout (BLIS's, Van Zee & van de Geijn 2015): the weight is packed once into panels of NR
 // output columns, panel p holding columns [p NR, p NR + NR) (zero past N) as K rows of NR

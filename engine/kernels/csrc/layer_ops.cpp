@@ -4,7 +4,7 @@
 // elementwise parts 16 lanes wide with the same operations per element (the same bits); a
 // row's sum of squares keeps its 8-lane order in every build.
 //
-// Built and loaded by engine/native.py with decode_attention.cpp, called through ctypes from
+// Built and loaded by engine/kernels/native.py with decode_attention.cpp, called through ctypes from
 // engine/models/layers.py. In a decode step each is a single pass over a few hundred
 // kilobytes that torch runs as 3-10 separate kernels (and as many temporaries): for SmolLM2
 // at 128 rows these operations and the KV writes took 31 ms of a step as torch ops, 11 ms fused

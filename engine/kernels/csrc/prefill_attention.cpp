@@ -22,7 +22,7 @@
 // prefill has just written (float32, or bfloat16 widened as read), so a prompt attends to
 // what its samples' decode steps will read.
 //
-// Built and loaded by engine/native.py, called from engine/attention.py (prefill_native).
+// Built and loaded by engine/kernels/native.py, called from engine/kernels/attention.py (prefill_native).
 #include "simd.h"
 
 #include <immintrin.h>

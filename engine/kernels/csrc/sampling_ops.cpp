@@ -1,6 +1,6 @@
 // The two passes over the vocabulary a CPU decode step makes per row after the LM head:
 // the top-k candidates of the logits (top_k sampling) and their logsumexp (raw logprobs).
-// Called by engine/sampling.py through engine/native.py. For 128 rows x 49,152 on 2 cores
+// Called by engine/sampling.py through engine/kernels/native.py. For 128 rows x 49,152 on 2 cores
 // torch.topk (k = 50) and log_softmax take 5.7 and 4.6 ms, these 1.7-1.9 ms each (a SmolLM2
 // step is ~290 ms). Each reads a row from memory once; its second pass finds it in L2.
 //

@@ -1,0 +1,406 @@
+// bfloat16 GEMMs on AMX tiles (Sapphire Rapids and later): y = x W^T (+ bias) with the chain
+// that gemm.cpp defines for a bfloat16 weight, compiled only into the `amx` build (the
+// others see an empty file). float32 weights, and bfloat16 ones packed in gemm.cpp's panel
+// layout, stay on gemm.cpp's AVX-512 kernels in that build.
+//
+// The chain: each output starts at +0 and takes, for the pairs j = 0, 1, ... of K in order,
+// acc = fma(x[2j], w[2j], fma(x[2j+1], w[2j+1], acc)) under DAZ and FTZ (odd product first),
+// then the bias in float32. TDPBF16PS, as the Intel intrinsics guide writes it, adds for
+// each dword pair k = 0 .. 15 of a tile row the element-0 product and then the element-1
+// product to the output, each add rounded (RNE, DAZ, FTZ, MXCSR ignored). A bfloat16 x
+// bfloat16 product is exact in float32 (8-bit significands), so only the order of the
+// rounded adds matters, and packing both operands with each pair swapped, (x[2j+1], x[2j]),
+// makes element 0 the odd product: the chain, bit for bit. The SDM's pseudo-code for the
+// same instruction differs (an even and an odd partial sum over the tile's 16 pairs, added
+// together, then to the output), which no packing turns into the chain; and the hardware is
+// what it is. So nothing here is trusted: engine/kernels/native.py runs both packings
+// (`swap` 1 and 0) against the avx512_bf16 build in a subprocess before a process uses this
+// path, and uses it only with a packing that gives the same bits on every case.
+//
+// Layout. The weight (N, K) is packed once into B tiles: columns in blocks of 16, K in
+// blocks of 16 pairs (32 elements); a tile is 16 pair-rows x 16 columns x 2 bfloat16 (64
+// bytes a row, TDPBF16PS's "VNNI" operand), the tiles of a column block in K order, column
+// blocks in pairs (a panel of 32 columns, zeros past N). K is padded to a multiple of 32
+// with -0 in the weight and +0 in the activations: each padded product is -0, and
+// acc + (-0) = acc for every acc (+0 + (-0) = +0, -0 + (-0) = -0), so the padding leaves
+// the chain's bits alone (a +0 * +0 padding would turn a flushed -0 output into +0).
+// The activations are rounded to bfloat16 (as gemm.cpp rounds them) into a per-call buffer
+// of rows padded to a multiple of 16, pairs swapped like the weight's, K padded with +0.
+// A unit of work is (a block of up to 256 rows, a panel of 32 columns); threads (OpenMP)
+// take contiguous ranges of units, as gemm.cpp's do. In a unit, 32 rows at a time (16 for
+// the last tile of rows) go through four C tiles (2 x 2: tmm0-3) over all of K in order,
+// with A tiles tmm4-5 and B tiles tmm6-7; the C tiles are stored to the stack and the
+// epilogue adds the bias and stores the rows and columns that exist (float32, or bfloat16
+// rounded as torch rounds), as gemm.cpp's store_tile does. A row's bits depend only on the
+// row: a lane of a C tile is one (row, column) chain, whatever the tile's other rows hold.
+//
+// Linux hands out the tile state only on request: arch_prctl(ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA) once per process (the permission covers every thread, present and
+// future); without it the first tile instruction kills the process with SIGILL. Each
+// thread loads the 64-byte tile configuration (palette 1) at the start of its share of a
+// call and releases the tiles at its end.
+//
+// BATCHGEN_AMX_EMULATE (a test build only, on any AVX-512 BF16 CPU): the same kernel with
+// the tile instructions computed by scalar code after the pseudo-code named by the
+// environment variable BATCHGEN_AMX_EMULATE_MODE: "guide" (default; the intrinsics guide:
+// element 0 then element 1, chained), "odd" (element 1 first) or "sdm" (the SDM's partial
+// sums). It checks everything but the instructions themselves: the packing, the padding,
+// the tails, the threads, the epilogue, and native.py's verification's verdicts.
+#if (defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(BATCHGEN_AMX_EMULATE)
+
+#include "simd.h"
+
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+using batchgen::f32_to_bf16;
+
+constexpr int64_t TP = 16;        // pairs per tile row (64 bytes)
+constexpr int64_t TN = 16;        // columns per tile
+constexpr int64_t TM = 16;        // rows per tile
+constexpr int64_t NP = 2 * TN;    // columns per panel (two C tiles across)
+constexpr int64_t MC = 256;       // rows per block of work
+constexpr int64_t TILE_ELEMS = TP * TN * 2;  // bfloat16 per B tile (1 KiB)
+constexpr uint16_t NEG_ZERO = 0x8000;
+
+enum Dtype : int { F32 = 0, BF16 = 1 };
+
+// The 64-byte tile configuration of ldtilecfg (palette 1).
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
+
+// tmm0-3: C (16 rows x 16 float32), tmm4-5: A (16 rows x 16 pairs), tmm6-7: B (16 pair-rows
+// x 16 columns), each 16 rows of 64 bytes.
+TileConfig tile_config() {
+    TileConfig c;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    return c;
+}
+
+// GCC's AMX intrinsics are asm statements that do not tell the compiler they read or write
+// memory (ldtilecfg: 8 of the 64 bytes): a compiler barrier around them keeps the buffers'
+// stores before a load and their loads after a store.
+#define BG_BARRIER() __asm__ volatile("" ::: "memory")
+
+#if defined(BATCHGEN_AMX_EMULATE)
+struct EmuTile {
+    int rows = 0, colsb = 0;
+    alignas(64) unsigned char d[16][64];
+};
+thread_local EmuTile emu[8];
+
+void emu_config(const TileConfig* c) {
+    for (int t = 0; t < 8; t++) {
+        emu[t].rows = c->rows[t];
+        emu[t].colsb = c->colsb[t];
+        std::memset(emu[t].d, 0, sizeof(emu[t].d));
+    }
+}
+void emu_load(int t, const void* base, int64_t stride) {
+    std::memset(emu[t].d, 0, sizeof(emu[t].d));
+    for (int r = 0; r < emu[t].rows; r++) std::memcpy(emu[t].d[r], (const char*)base + r * stride, emu[t].colsb);
+}
+void emu_store(int t, void* base, int64_t stride) {
+    for (int r = 0; r < emu[t].rows; r++) std::memcpy((char*)base + r * stride, emu[t].d[r], emu[t].colsb);
+}
+void emu_zero(int t) { std::memset(emu[t].d, 0, sizeof(emu[t].d)); }
+
+int emu_mode() {  // 0 guide, 1 odd, 2 sdm
+    static const int mode = [] {
+        const char* m = std::getenv("BATCHGEN_AMX_EMULATE_MODE");
+        if (m != nullptr && std::strcmp(m, "odd") == 0) return 1;
+        if (m != nullptr && std::strcmp(m, "sdm") == 0) return 2;
+        return 0;
+    }();
+    return mode;
+}
+
+inline float emu_bf16(const unsigned char* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline float emu_fma(float a, float b, float c) {
+    return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
+}
+inline float emu_add(float a, float b) { return _mm_cvtss_f32(_mm_add_ss(_mm_set_ss(a), _mm_set_ss(b))); }
+
+void emu_dp(int c, int a, int b) {
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr((csr & ~0x6000u) | 0x8040u);  // RNE, FTZ, DAZ
+    const int mode = emu_mode();
+    EmuTile &C = emu[c], &A = emu[a], &B = emu[b];
+    for (int m = 0; m < C.rows; m++)
+        for (int n = 0; n < C.colsb / 4; n++) {
+            float acc;
+            std::memcpy(&acc, C.d[m] + 4 * n, 4);
+            float even = 0.f, odd = 0.f;
+            for (int k = 0; k < A.colsb / 4; k++) {
+                const float a0 = emu_bf16(A.d[m] + 4 * k), a1 = emu_bf16(A.d[m] + 4 * k + 2);
+                const float b0 = emu_bf16(B.d[k] + 4 * n), b1 = emu_bf16(B.d[k] + 4 * n + 2);
+                if (mode == 0) {
+                    acc = emu_fma(a1, b1, emu_fma(a0, b0, acc));
+                } else if (mode == 1) {
+                    acc = emu_fma(a0, b0, emu_fma(a1, b1, acc));
+                } else {
+                    even = emu_fma(a0, b0, even);
+                    odd = emu_fma(a1, b1, odd);
+                }
+            }
+            if (mode == 2) acc = emu_add(acc, emu_add(even, odd));
+            std::memcpy(C.d[m] + 4 * n, &acc, 4);
+        }
+    _mm_setcsr(csr);
+}
+
+#define BG_TILE_CONFIG(cfg) emu_config(cfg)
+#define BG_TILE_RELEASE() ((void)0)
+#define BG_TILE_ZERO(t) emu_zero(t)
+#define BG_TILE_LOAD(t, p, s) emu_load(t, p, s)
+#define BG_TILE_STORE(t, p, s) emu_store(t, p, s)
+#define BG_TILE_DP(c, a, b) emu_dp(c, a, b)
+constexpr bool kEmulated = true;
+#else
+#define BG_TILE_CONFIG(cfg) _tile_loadconfig(cfg)
+#define BG_TILE_RELEASE() _tile_release()
+#define BG_TILE_ZERO(t) _tile_zero(t)
+#define BG_TILE_LOAD(t, p, s) _tile_loadd(t, p, s)
+#define BG_TILE_STORE(t, p, s) _tile_stored(t, p, s)
+#define BG_TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+constexpr bool kEmulated = false;
+#endif
+
+// ---------------------------------------------------------------- permission
+constexpr long kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023;  // <asm/prctl.h>
+constexpr int kXtiledata = 18;                                          // XFEATURE_XTILEDATA
+
+int request_tiles() {
+    static std::once_flag once;
+    static int result = 0;
+    std::call_once(once, [] {
+        if (kEmulated) return;
+        if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtiledata) != 0) {
+            result = errno != 0 ? errno : EPERM;
+            return;
+        }
+        unsigned long granted = 0;
+        if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &granted) != 0) {
+            result = errno != 0 ? errno : EPERM;
+            return;
+        }
+        if (!(granted & (1ul << kXtiledata))) result = EPERM;
+    });
+    return result;
+}
+
+// ---------------------------------------------------------------- kernel
+// C tiles for R (1 or 2) tiles of rows: rows [0, 16 R) of a (lda elements apart, K padded to
+// KB blocks of 32) times the B tiles of two column blocks (b0, b1: KB tiles each, in K
+// order), stored to c[2 r + j] (16 x 16 float32).
+template <int R>
+void tile_block(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1, int64_t KB,
+                float (*c)[TM][TN]) {
+    BG_TILE_ZERO(0);
+    BG_TILE_ZERO(1);
+    if (R == 2) {
+        BG_TILE_ZERO(2);
+        BG_TILE_ZERO(3);
+    }
+    BG_BARRIER();
+    for (int64_t kb = 0; kb < KB; kb++) {
+        BG_TILE_LOAD(6, b0 + kb * TILE_ELEMS, 64);
+        BG_TILE_LOAD(7, b1 + kb * TILE_ELEMS, 64);
+        BG_TILE_LOAD(4, a + kb * 2 * TP, lda * 2);
+        BG_TILE_DP(0, 4, 6);
+        BG_TILE_DP(1, 4, 7);
+        if (R == 2) {
+            BG_TILE_LOAD(5, a + TM * lda + kb * 2 * TP, lda * 2);
+            BG_TILE_DP(2, 5, 6);
+            BG_TILE_DP(3, 5, 7);
+        }
+    }
+    BG_TILE_STORE(0, c[0], TN * 4);
+    BG_TILE_STORE(1, c[1], TN * 4);
+    if (R == 2) {
+        BG_TILE_STORE(2, c[2], TN * 4);
+        BG_TILE_STORE(3, c[3], TN * 4);
+    }
+    BG_BARRIER();
+}
+
+// The epilogue of one C tile: rows [0, rows), columns [0, cols) plus the bias (float32 adds,
+// as gemm.cpp's store_tile), stored as float32 or bfloat16.
+void store_c(const float (*c)[TN], int rows, int cols, const float* bias, void* y, int64_t ldy, int out_dtype) {
+    const __mmask16 mask = cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
+    const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    alignas(64) float t[TN];
+    for (int r = 0; r < rows; r++) {
+        __m512 v = _mm512_load_ps(c[r]);
+        if (bias != nullptr) v = _mm512_add_ps(v, bv);
+        if (out_dtype == F32) {
+            _mm512_mask_storeu_ps((float*)y + r * ldy, mask, v);
+        } else {
+            _mm512_store_ps(t, v);
+            uint16_t* yr = (uint16_t*)y + r * ldy;
+            for (int j = 0; j < cols; j++) yr[j] = f32_to_bf16(t[j]);
+        }
+    }
+}
+
+// Rows [r0, r1) of the activation buffer: row m < M from x (bfloat16, or float32 rounded),
+// pairs swapped when `swap`, +0 from K to Kp; rows past M all +0.
+void fill_rows(const void* x, int x_dtype, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int swap, int64_t r0,
+               int64_t r1, uint16_t* a) {
+    const int s = swap ? 1 : 0;
+    for (int64_t m = r0; m < r1; m++) {
+        uint16_t* row = a + m * Kp;
+        if (m >= M) {
+            std::memset(row, 0, Kp * 2);
+            continue;
+        }
+        if (x_dtype == F32) {
+            const float* src = (const float*)x + m * ldx;
+            for (int64_t k = 0; k < K; k += 2) {
+                row[k] = f32_to_bf16(src[k + s]);
+                row[k + 1] = f32_to_bf16(src[k + 1 - s]);
+            }
+        } else {
+            const uint16_t* src = (const uint16_t*)x + m * ldx;
+            for (int64_t k = 0; k < K; k += 2) {
+                row[k] = src[k + s];
+                row[k + 1] = src[k + 1 - s];
+            }
+        }
+        std::memset(row + K, 0, (Kp - K) * 2);
+    }
+}
+
+thread_local std::vector<uint16_t> abuf;  // the activations of a call, in A-tile order
+
+inline int64_t k_blocks(int64_t K) { return (K / 2 + TP - 1) / TP; }
+inline int64_t panels(int64_t N) { return (N + NP - 1) / NP; }
+
+}  // namespace
+
+extern "C" {
+
+// 1 when this build computes AMX tiles in software (the BATCHGEN_AMX_EMULATE test build).
+int batchgen_amx_emulated(void) { return kEmulated ? 1 : 0; }
+
+// Asks Linux for the AMX tile state (once per process; the answer is kept): 0 when granted,
+// else the errno of arch_prctl (EINVAL or EOPNOTSUPP where the CPU or kernel has no AMX).
+// Executes no AMX instruction.
+int batchgen_amx_request(void) { return request_tiles(); }
+
+// Bytes of the AMX-packed form of a bfloat16 weight (N, K), K even.
+int64_t batchgen_gemm_amx_packed_bytes(int64_t N, int64_t K) {
+    return panels(N) * 2 * k_blocks(K) * TILE_ELEMS * 2;
+}
+
+// Pack the bfloat16 weight w (N, K), rows ldw elements apart, K even, into B tiles (out:
+// batchgen_gemm_amx_packed_bytes bytes): pair j of column n as (w[n, 2j+1], w[n, 2j]) when
+// swap, else (w[n, 2j], w[n, 2j+1]); -0 past K, +0 past N. Executes no AMX instruction.
+void batchgen_gemm_amx_pack(const void* w, int64_t ldw, int64_t N, int64_t K, int swap, void* out) {
+    const uint16_t* src = (const uint16_t*)w;
+    uint16_t* dst = (uint16_t*)out;
+    const int64_t KB = k_blocks(K), K2 = K / 2, blocks = panels(N) * 2;
+    const int s = swap ? 1 : 0;
+    for (int64_t p = 0; p < blocks; p++)
+        for (int64_t kb = 0; kb < KB; kb++)
+            for (int64_t j = 0; j < TP; j++)
+                for (int64_t c = 0; c < TN; c++) {
+                    const int64_t n = p * TN + c, J = kb * TP + j;
+                    uint16_t* d = dst + (p * KB + kb) * TILE_ELEMS + (j * TN + c) * 2;
+                    if (J >= K2) {
+                        d[0] = d[1] = NEG_ZERO;
+                    } else if (n >= N) {
+                        d[0] = d[1] = 0;
+                    } else {
+                        d[0] = src[n * ldw + 2 * J + s];
+                        d[1] = src[n * ldw + 2 * J + 1 - s];
+                    }
+                }
+}
+
+// y (M, N), rows ldy apart, = x (M, K), rows ldx apart, bfloat16 (x_dtype 1) or float32
+// (0: rounded to bfloat16 first, as torch rounds), times the AMX-packed weight (packed with
+// the same `swap`), plus bias (N,) float32 when not null; out_dtype 0 float32, 1 bfloat16.
+// Returns 0, or the errno of the tile-state request (then nothing is computed).
+int batchgen_gemm_amx(const void* x, int x_dtype, int64_t ldx, int64_t M, int64_t K, const void* packed, int64_t N,
+                      const float* bias, void* y, int64_t ldy, int out_dtype, int threads, int swap) {
+    const int rc = request_tiles();
+    if (rc != 0) return rc;
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t KB = k_blocks(K), Kp = KB * 2 * TP, Mp = (M + TM - 1) / TM * TM;
+    const int64_t P = panels(N), blocks = (M + MC - 1) / MC, units = blocks * P;
+    const int64_t osize = out_dtype == F32 ? 4 : 2;
+    const double flops = 2.0 * (double)M * (double)N * (double)K;
+    const int team = flops < 4e6 ? 1 : (int)std::min<int64_t>(threads, std::max<int64_t>(units, 1));
+    abuf.resize(Mp * Kp);
+    uint16_t* a = abuf.data();
+    const uint16_t* b = (const uint16_t*)packed;
+#pragma omp parallel num_threads(team)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        fill_rows(x, x_dtype, ldx, M, K, Kp, swap, Mp / TM * t / nt * TM, Mp / TM * (t + 1) / nt * TM, a);
+#pragma omp barrier
+        const int64_t lo = units * t / nt, hi = units * (t + 1) / nt;
+        if (lo < hi) {
+            const TileConfig cfg = tile_config();
+            BG_BARRIER();
+            BG_TILE_CONFIG(&cfg);
+            alignas(64) float c[4][TM][TN];
+            for (int64_t u = lo; u < hi; u++) {
+                const int64_t blk = u / P, p = u % P;
+                const int64_t m0 = blk * MC, m1 = std::min(M, m0 + MC), n0 = p * NP;
+                const uint16_t* b0 = b + 2 * p * KB * TILE_ELEMS;
+                const uint16_t* b1 = b0 + KB * TILE_ELEMS;
+                for (int64_t m = m0; m < m1; m += 2 * TM) {
+                    const int R = m1 - m > TM ? 2 : 1;
+                    if (R == 2)
+                        tile_block<2>(a + m * Kp, Kp, b0, b1, KB, c);
+                    else
+                        tile_block<1>(a + m * Kp, Kp, b0, b1, KB, c);
+                    for (int r = 0; r < R; r++)
+                        for (int j = 0; j < 2; j++) {
+                            const int rows = (int)std::min<int64_t>(TM, m1 - m - r * TM);
+                            const int64_t nc = n0 + j * TN;
+                            const int cols = (int)std::min<int64_t>(TN, N - nc);
+                            if (rows <= 0 || cols <= 0) continue;
+                            store_c(c[2 * r + j], rows, cols, bias == nullptr ? nullptr : bias + nc,
+                                    (char*)y + ((m + r * TM) * ldy + nc) * osize, ldy, out_dtype);
+                        }
+                }
+            }
+            BG_TILE_RELEASE();
+        }
+    }
+    return 0;
+}
+
+}  // extern "C"
+
+#endif
