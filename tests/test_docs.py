@@ -8,6 +8,7 @@ would run (`make -n`).
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -166,8 +167,11 @@ def test_ci_runs_make_test():
 def _make_n(*args: str) -> list[str]:
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    res = subprocess.run(["make", "-n", *args, "VENV=/nonexistent/venv"], cwd=ROOT,
-                         capture_output=True, text=True, check=True)
+    # a make of its own: under `make test` the inherited MAKEFLAGS/MAKELEVEL would make this
+    # a sub-make, which prints "Entering directory" lines
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    res = subprocess.run(["make", "--no-print-directory", "-n", *args, "VENV=/nonexistent/venv"], cwd=ROOT,
+                         capture_output=True, text=True, check=True, env=env)
     return [ln for ln in res.stdout.splitlines() if ln.strip()]
 
 
