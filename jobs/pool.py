@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping
 from cluster.dispatcher import UnitDispatcher
 from cluster.unit import PromptTask
 from jobs.config import load_job_spec
-from jobs.plan.planner import check_local_gpus, check_model_path
+from jobs.plan.planner import check_local_gpus, check_model_path, with_chat_template_date
 from jobs.pool_task import PoolTask
 from jobs.runner import connect_ray
 
@@ -52,6 +52,7 @@ def pool_setup(config: Any, overrides: Iterable[str] | Mapping[str, Any] = (), *
         spec = load_job_spec(spec, {"model.path": str(model)})
     check_model_path(spec)
     check_local_gpus(spec)
+    spec = with_chat_template_date(spec, None)  # the pool's creation date, for all its calls
     task = PoolTask(spec)
     c = spec.cluster
     options = dict(num_workers=int(c.num_workers), num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker,

@@ -141,7 +141,8 @@ class PoolTask(JobTask):
         if id_column is not None and prompt_ids is not None:
             raise ValueError(f"prompt ids given twice: prompt_ids and the table's column {id_column!r}")
         layout = RowLayout(format=job.format, column=job.column, id_column=id_column,
-                           sampling_column=job.sampling_column, passthrough=job.passthrough)
+                           sampling_column=job.sampling_column, passthrough=job.passthrough,
+                           chat_template_date=job.chat_template_date)
         columns = {c: table.column(c).to_pylist() for c in layout.columns()}
         if id_column is None:
             id_column = ID_COLUMN if ID_COLUMN not in columns else "_prompt_id"
@@ -153,7 +154,8 @@ class PoolTask(JobTask):
                       prompt_ids: Any) -> tuple[RowLayout, tuple[pa.Field, ...], dict[str, list[Any]]]:
         fmt = _list_format(prompts)
         column = DEFAULT_COLUMNS[fmt]
-        layout = RowLayout(format=fmt, column=column, id_column=ID_COLUMN)
+        layout = RowLayout(format=fmt, column=column, id_column=ID_COLUMN,
+                           chat_template_date=self.layout.chat_template_date)
         return layout, (), {column: prompts, ID_COLUMN: _ids(prompt_ids, len(prompts))}
 
     # ------------------------------------------------------------ worker side

@@ -5,7 +5,8 @@
     run_job(load_spec("configs/demo.yaml"))      # 0 on success
 
 Order of work (every check that can refuse the job happens before Ray starts):
-1. plan_job (jobs/plan/planner.py): input files, schemas, units, fingerprint with the
+1. the day chat templates render at (the config's, the existing output's, or today in UTC),
+   then plan_job (jobs/plan/planner.py): input files, schemas, units, fingerprint with the
    checkpoint's content hashes (cached in the output directory) (SpecError / InputError,
    exit 2); a local run asking for more GPUs than the machine has is refused (SpecError,
    exit 2);
@@ -136,11 +137,12 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
     from jobs.outputs.lease import OutputLease
     from jobs.outputs.output_dir import OutputDir
     from jobs.plan.fingerprint import load_hash_cache, save_hash_cache
-    from jobs.plan.planner import check_local_gpus, plan_job
+    from jobs.plan.planner import check_local_gpus, plan_job, with_chat_template_date
 
     t0 = time.time()
     out = OutputDir(spec.output.path)
     cache = load_hash_cache(out)
+    spec = with_chat_template_date(spec, None if overwrite else out.manifest_or_none())
     plan = plan_job(spec, hash_cache=cache)
     check_local_gpus(spec)
     out.ensure_writable()

@@ -49,6 +49,7 @@ file and the dotted key, e.g. "configs/x.yaml: sampling.top_p: must be in (0, 1]
 """
 from __future__ import annotations
 
+import datetime
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -123,6 +124,7 @@ class ModelSpec(_Section):
     max_seq_len: Any = None
     batch_invariant: bool = True
     prefix_sharing: bool = True
+    chat_template_date: Any = None
 
     @field_validator("path", "tokenizer")
     @classmethod
@@ -133,6 +135,19 @@ class ModelSpec(_Section):
     @classmethod
     def _seq_len(cls, v: Any) -> Any:
         return v if v is None else _check_int(v, 1, " >= 1 (or null for the model's context window)")
+
+    @field_validator("chat_template_date")
+    @classmethod
+    def _chat_date(cls, v: Any) -> str | None:
+        # YAML reads an unquoted 2026-11-26 as a date, a quoted one as a string: both are fine
+        if v is None or isinstance(v, datetime.date) and not isinstance(v, datetime.datetime):
+            return None if v is None else v.isoformat()
+        if isinstance(v, str):
+            try:
+                return datetime.date.fromisoformat(v).isoformat()
+            except ValueError:
+                pass
+        raise ValueError(f"must be a date, YYYY-MM-DD (or null for the job's creation date in UTC), got {v!r}")
 
     @field_validator("kv_cache_gb")
     @classmethod
@@ -345,7 +360,9 @@ class JobSpec(_Section):
         Included: model identity (see model_identity; jobs/plan/fingerprint.py adds the files' content
         hashes), the resolved dtype and device kind (cpu / cuda: kernels differ), max_seq_len,
         batch_invariant (without it a near-tie may resolve differently in another batch),
-        sampling, tools, input format/column/id_column/passthrough/sampling_column, unit_rows.
+        sampling, tools, input format/column/id_column/passthrough/sampling_column, unit_rows,
+        and for chat prompts the day their template renders at (model.chat_template_date, as
+        resolved by jobs/plan/planner.py's `with_chat_template_date`).
         Per-row sampling values live in the input files, which plan_job fingerprints.
         Excluded: output.path, the cluster's address/width/resources, the device index,
         max_num_seqs, kv_cache_gb (sampling is keyed per sample, so batch composition and
@@ -363,7 +380,14 @@ class JobSpec(_Section):
             "input": {"format": self.input.format, "column": self.input.column, "id_column": self.input.id_column,
                       "passthrough": list(self.input.passthrough), "sampling_column": self.input.sampling_column},
             "unit_rows": self.cluster.unit_rows,
-        }
+        } | self._chat_identity()
+
+    def _chat_identity(self) -> dict[str, Any]:
+        """The day chat templates render at, for the formats that render them (a template
+        may print it; text and token prompts never see it)."""
+        if self.input.format not in ("chat", "openai_batch"):
+            return {}
+        return {"chat_template_date": self.model.chat_template_date}
 
 
 def _listing(path: str) -> list[list[Any]] | str:

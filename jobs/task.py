@@ -49,7 +49,7 @@ class JobTask:
         self.params = spec.sampling_params()
         self.output_path = canonical_output(output_path if output_path is not None else spec.output.path)
         self.fingerprint = plan.fingerprint
-        self.layout = RowLayout.of(spec.input)
+        self.layout = RowLayout.of(spec)
         self.file_names = {f.path: f.name for f in plan.files}
         self.file_names.update(staged or {})
         self.reader = reader_for(spec, self.file_names, plan.reader_state)

@@ -46,7 +46,7 @@ class FakeTok:
     def decode(self, ids):
         return bytes(i - 10 for i in ids if i >= 10).decode(errors="replace")
 
-    def render_chat(self, messages):
+    def render_chat(self, messages, date=None):
         out = [1]
         for m in messages:
             out += [2] + self.encode(m["content"]) + [3]

@@ -124,10 +124,11 @@ def smollm2():
 def run_in_process(engine, spec):
     """The job's units through one engine without Ray (what a worker does), then the responses."""
     from jobs.outputs.output_dir import OutputDir
-    from jobs.plan.planner import plan_job
+    from jobs.plan.planner import plan_job, with_chat_template_date
     from jobs.task import JobTask
     from engine.params import RequestOutput, error_output
 
+    spec = with_chat_template_date(spec, None)  # as the runner does for a new output
     plan = plan_job(spec)
     OutputDir(spec.output.path).prepare(plan, spec)
     task = JobTask(spec, plan)

@@ -19,7 +19,7 @@ def test_defaults_from_empty_file(tmp_path):
     d = spec.to_dict()
     assert d["model"] == {"path": "smollm2", "dtype": "auto", "device": "auto", "tokenizer": None, "max_num_seqs": 256,
                           "kv_cache_gb": None, "max_seq_len": None, "batch_invariant": True,
-                          "prefix_sharing": True}
+                          "prefix_sharing": True, "chat_template_date": None}
     assert d["input"] == {"path": "prompts.parquet", "format": "text", "column": "prompt", "id_column": None,
                           "passthrough": [], "sampling_column": None}
     assert d["output"] == {"path": "out/demo", "lease_timeout_s": 120}

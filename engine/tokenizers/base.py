@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Any
 
 
 class Tokenizer(ABC):
@@ -122,6 +123,9 @@ class Tokenizer(ABC):
         ValueError for an id outside the vocabulary."""
 
     @abstractmethod
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    def render_chat(self, messages: list[dict], *, date: Any = None) -> list[int]:
         """Token ids priming the assistant's reply to `messages` ([{"role", "content"}, ...]).
-        Raises ValueError naming what is wrong, or for a tokenizer without a chat format."""
+        date: the day a chat template that prints the date sees (a datetime.date or
+        "YYYY-MM-DD"; None: today in UTC), so that a job renders the same tokens on every
+        worker, day and retry. Raises ValueError naming what is wrong, or for a tokenizer
+        without a chat format."""

@@ -8,7 +8,7 @@ templates shipped in `tokenizer_config.json`, `chat_template.jinja` and GGUF fil
   code) with `trim_blocks=True`, `lstrip_blocks=True` and the `loopcontrols` extension
   (`{% break %}`, `{% continue %}`); `{% generation %}...{% endgeneration %}` blocks (assistant
   masks in training templates) render their body.
-- globals `raise_exception(message)`, `strftime_now(format)` (local time), a `dict` that only
+- globals `raise_exception(message)`, `strftime_now(format)`, a `dict` that only
   builds dicts, and a `namespace` that refuses underscore-prefixed attributes; the `tojson`
   filter is `json.dumps(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`
   (no HTML escaping, unlike jinja's own).
@@ -21,12 +21,18 @@ templates shipped in `tokenizer_config.json`, `chat_template.jinja` and GGUF fil
   `reasoning_content` (and `thinking`, if unset).
 
 Templates are compiled once per source text (`compile_template`, cached).
+
+Where batchgen differs: transformers' `strftime_now` reads the local clock, so a template that
+prints today's date (Llama 3.x puts it in the system prompt) renders other tokens under
+another time zone, on another day, on a retry or a resume. Here the caller passes the
+moment (`now`): a job renders every prompt at its one date (`model.chat_template_date`), and
+a call without one gets the current time in UTC.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import date, datetime, timezone
 from functools import lru_cache
 from typing import Any
 
@@ -63,8 +69,15 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
+def chat_moment(day: "date | str | None") -> datetime:
+    """The moment a template's `strftime_now` formats: midnight UTC of `day` (a date or an
+    ISO "YYYY-MM-DD" string), or the current time in UTC for None. Raises ValueError for a
+    string that is not an ISO date."""
+    if day is None:
+        return datetime.now(timezone.utc)
+    if isinstance(day, str):
+        day = date.fromisoformat(day)
+    return datetime(day.year, day.month, day.day, tzinfo=timezone.utc)
 
 
 class _DictBuilder:
@@ -103,7 +116,6 @@ def _environment() -> ImmutableSandboxedEnvironment:
                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _DictBuilder()
     env.globals["namespace"] = _Namespace
     return env
@@ -165,26 +177,29 @@ def normalize_messages(messages: Any) -> list[dict]:
 
 
 def render_chat_template(source: str, messages: Any, special_tokens: Mapping[str, str], *,
-                         add_generation_prompt: bool = True) -> str:
+                         add_generation_prompt: bool = True, date: "date | str | None" = None) -> str:
     """The text of `messages` rendered by the template `source`.
 
     messages: [{"role": ..., "content": ..., ...}, ...] (any keys the template reads).
     special_tokens: template variables such as {"bos_token": "<s>", "eos_token": "</s>"}.
     add_generation_prompt: end with the header that opens the assistant's reply.
+    date: the day `strftime_now` formats (midnight UTC; `chat_moment`), None for now in UTC.
     Raises ChatTemplateError (a ValueError) with the template's message when it raises
     (`raise_exception`, an undefined or invalid operation, a sandbox violation) or does not
     compile, or when `messages` is not a non-empty list of dicts.
     """
     template = compile_template(source)
     chat = normalize_messages(messages)
+    moment = chat_moment(date)
     variables = {k: _plain(v) for k, v in special_tokens.items()}
     try:
         return template.render(messages=chat, tools=None, documents=None,
-                               add_generation_prompt=add_generation_prompt, **variables)
+                               add_generation_prompt=add_generation_prompt,
+                               strftime_now=lambda fmt: moment.strftime(fmt), **variables)
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"chat template error: {e.message or e}") from None
     except Exception as e:  # noqa: BLE001 - any failure inside a template is the template's (or the data's)
         raise ChatTemplateError(f"chat template error: {type(e).__name__}: {e}") from None
 
 
-__all__ = ["ChatTemplateError", "compile_template", "normalize_messages", "render_chat_template"]
+__all__ = ["ChatTemplateError", "chat_moment", "compile_template", "normalize_messages", "render_chat_template"]

@@ -231,12 +231,14 @@ class HFTokenizer:
                 return bytes(table[c] for c in text)
         return text.replace("\u2581", " ").encode("utf-8")
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    def render_chat(self, messages: list[dict], *, date: Any = None) -> list[int]:
         """Token ids priming the assistant's reply: the model's chat template rendered with
         add_generation_prompt=True, then encoded (transformers' apply_chat_template(messages,
         add_generation_prompt=True, tokenize=True)).
 
         messages: [{"role": ..., "content": ...}, ...]; the template decides what it accepts.
+        date: the day the template's `strftime_now` sees (a date or "YYYY-MM-DD"; None: now,
+        in UTC; engine/tokenizers/chat_template.py says why).
         Raises ValueError: the template's own message when it raises (e.g. roles that do not
         alternate), a Jinja error, or "... has no chat template ..." without a template.
         """
@@ -245,7 +247,7 @@ class HFTokenizer:
             raise ValueError(f"tokenizer {self.name} has no chat template"
                              + (f" named 'default' (it has {names})" if names else "")
                              + "; send token ids or plain text prompts instead")
-        text = render_chat_template(self._template, messages, self._map, add_generation_prompt=True)
+        text = render_chat_template(self._template, messages, self._map, add_generation_prompt=True, date=date)
         return self.encode(text)
 
 

@@ -29,8 +29,8 @@ def reader_for(spec: Any, names: Mapping[str, str] | None = None, reader_state: 
     if spec.input.format == "openai_batch":
         from jobs.inputs.openai_batch import BatchReader
 
-        return BatchReader(reader_state)
+        return BatchReader(reader_state, spec.model.chat_template_date)
     from jobs.inputs.parquet import ParquetReader
     from jobs.inputs.prompts import RowLayout
 
-    return ParquetReader(RowLayout.of(spec.input), names)
+    return ParquetReader(RowLayout.of(spec), names)

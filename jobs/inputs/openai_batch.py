@@ -286,10 +286,12 @@ def _iter_lines(stream: Any, first_line: int = 1, offset: int = 0, hasher: Any =
 
 class BatchReader:
     """The InputReader of OpenAI batch files (jobs/inputs/reader.py). state: the scan's
-    BatchPlan (None before the scan: then it can only scan)."""
+    BatchPlan (None before the scan: then it can only scan); chat_date: the day chat
+    templates render at (model.chat_template_date)."""
 
-    def __init__(self, state: BatchPlan | None = None) -> None:
+    def __init__(self, state: BatchPlan | None = None, chat_date: str | None = None) -> None:
         self.state = state
+        self.chat_date = chat_date
 
     def scan(self, spec: Any) -> InputScan:
         """Read the file once: its request lines, cut into units of cluster.unit_rows lines
@@ -357,7 +359,7 @@ class BatchReader:
         tokens = None
         if error is None:
             if parsed.kind == "chat":
-                tokens, why = tokenize(parsed.prompt, "chat", tokenizer, None, vocab)
+                tokens, why = tokenize(parsed.prompt, "chat", tokenizer, None, vocab, self.chat_date)
             elif isinstance(parsed.prompt, str):
                 tokens, why = tokenize(parsed.prompt, "text", tokenizer, bos, vocab)
             else:

@@ -7,10 +7,12 @@ error names the file, the row and the column):
   tokenizers (whose bos_token_id is <|endoftext|>) get no BOS, as GPT-2 was used. A fake
   tokenizer may say explicitly with a boolean `prepend_bos` attribute.
   Errors: null, empty string, encodes to nothing.
-- chat: `tokenizer.render_chat(messages)` after checking the structure here (a non-empty
+- chat: `tokenizer.render_chat(messages, date=...)` after checking the structure here (a non-empty
   list of {role, content} with string values). Roles and their order are the model's rule:
   render_chat raises for what its format refuses (nanochat's alternation, an exception
-  raised by a Hugging Face chat template) and the row's error carries its message.
+  raised by a Hugging Face chat template) and the row's error carries its message. A
+  template that prints the date sees the job's one date (`model.chat_template_date`, carried
+  by the RowLayout), never the worker's clock.
 - tokens: the ids as-is; null/empty lists, null elements, negative ids and ids >=
   tokenizer.vocab_size are errors.
 Columns (`requests_from_columns`, for a table's rows):
@@ -32,20 +34,24 @@ from jobs.inputs.row_params import row_params
 
 @dataclass(frozen=True, slots=True)
 class RowLayout:
-    """How a table's rows are read: the prompt format (text, chat, tokens) and the job's
-    column roles (input.column, id_column, sampling_column, passthrough)."""
+    """How a table's rows are read: the prompt format (text, chat, tokens), the job's column
+    roles (input.column, id_column, sampling_column, passthrough), and the day chat templates
+    render at (model.chat_template_date, "YYYY-MM-DD"; None: today in UTC)."""
 
     format: str
     column: str
     id_column: str | None = None
     sampling_column: str | None = None
     passthrough: tuple[str, ...] = ()
+    chat_template_date: str | None = None
 
     @classmethod
-    def of(cls, inp: Any) -> "RowLayout":
-        """The layout of a spec's `input` section."""
+    def of(cls, spec: Any) -> "RowLayout":
+        """The layout of a spec's `input` section, at its model.chat_template_date."""
+        inp = spec.input
         return cls(format=inp.format, column=inp.column, id_column=inp.id_column,
-                   sampling_column=inp.sampling_column, passthrough=tuple(inp.passthrough))
+                   sampling_column=inp.sampling_column, passthrough=tuple(inp.passthrough),
+                   chat_template_date=spec.model.chat_template_date)
 
     def columns(self) -> list[str]:
         """The columns a row is read from, each once: the prompt, the id, the sampling struct,
@@ -100,10 +106,11 @@ def check_messages(messages: Any) -> str | None:
     return None
 
 
-def tokenize(value: Any, fmt: str, tokenizer: Any, bos: int | None,
-             vocab: int | None) -> tuple[list[int] | None, str | None]:
+def tokenize(value: Any, fmt: str, tokenizer: Any, bos: int | None, vocab: int | None,
+             chat_date: str | None = None) -> tuple[list[int] | None, str | None]:
     """(token ids, None) or (None, why) for one prompt of format `fmt` (text, chat or tokens);
-    `bos`: text_bos(tokenizer) for text prompts, `vocab`: the tokenizer's vocab_size."""
+    `bos`: text_bos(tokenizer) for text prompts, `vocab`: the tokenizer's vocab_size,
+    `chat_date`: the day a chat template renders at."""
     if fmt == "text":
         if value is None:
             return None, "prompt is null"
@@ -123,7 +130,7 @@ def tokenize(value: Any, fmt: str, tokenizer: Any, bos: int | None,
         if why is not None:
             return None, why
         try:
-            ids = list(tokenizer.render_chat(msgs))
+            ids = list(tokenizer.render_chat(msgs, date=chat_date))
         except (ValueError, TypeError, KeyError) as e:
             return None, f"cannot render the conversation: {e}"
         if not ids:
@@ -173,7 +180,7 @@ def requests_from_columns(layout: RowLayout, params: Any, columns: dict[str, lis
             error = error or why
         tokens = None
         if error is None:
-            tokens, why = tokenize(value, layout.format, tokenizer, bos, vocab)
+            tokens, why = tokenize(value, layout.format, tokenizer, bos, vocab, layout.chat_template_date)
             if why is not None:
                 error = f"{where} column {layout.column!r}: {why}"
                 tokens = None

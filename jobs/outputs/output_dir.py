@@ -134,6 +134,14 @@ class OutputDir(OutputChecks):
             raise OutputError(f"{self.shown}: {MANIFEST} is not a batchgen manifest (no fingerprint/units)")
         return data
 
+    def manifest_or_none(self) -> dict[str, Any] | None:
+        """The manifest dict, or None if there is none or it is unreadable (`prepare` says
+        why when it matters)."""
+        try:
+            return self.read_manifest()
+        except OutputError:
+            return None
+
     def _remove_batchgen_files(self) -> None:
         keep = (LEASE, CACHE_FILE)  # this driver's lease; hashes keyed by file
         for rel, _ in self._entries():

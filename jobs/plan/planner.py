@@ -10,9 +10,13 @@ written; `batchgen plan` (jobs/plan/report.py) prints the plan.
 
 check_local_gpus is the other check a job makes of its machine before it starts: a local
 run asking for more GPUs than the machine has.
+
+with_chat_template_date fixes the one day a job's chat templates render at, before planning:
+the config's, else the day the output was created (its manifest), else today in UTC.
 """
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +92,19 @@ def plan_job(spec: Any, hash_cache: HashCache | None = None) -> JobPlan:
                    passthrough_fields=scan.passthrough_fields, warnings=scan.warnings,
                    rows_decoded=scan.rows_decoded, expected_rows=scan.expected_rows,
                    reader_state=scan.reader_state)
+
+
+def with_chat_template_date(spec: Any, manifest: dict | None) -> Any:
+    """`spec` with model.chat_template_date set: the config's value when it gives one, else
+    the date the existing output was created with (`manifest`, the output's manifest, None
+    for a new output or one being overwritten), else today's date in UTC. Every worker,
+    retry, second copy and resume of the job then renders chat prompts at that one date (a
+    Llama 3.x template prints it), and the fingerprint holds it (for chat formats)."""
+    if spec.model.chat_template_date is not None:
+        return spec
+    kept = ((manifest or {}).get("fingerprint_data") or {}).get("chat_template_date")
+    day = kept if isinstance(kept, str) else datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"chat_template_date": day})})
 
 
 def check_model_path(spec: Any) -> None:

@@ -16,7 +16,7 @@ from jobs import uri
 from jobs.outputs.lease import OutputLease
 from jobs.outputs.output_dir import OutputDir, describe_differences
 from jobs.plan.fingerprint import load_hash_cache
-from jobs.plan.planner import check_local_gpus, plan_job
+from jobs.plan.planner import check_local_gpus, plan_job, with_chat_template_date
 
 SHOW_FILES = 10
 
@@ -30,6 +30,7 @@ def describe_plan(spec: Any) -> tuple[str, int]:
 
     Raises SpecError / InputError (exit code 2) as `run` does."""
     out = OutputDir(spec.output.path)
+    spec = with_chat_template_date(spec, out.manifest_or_none())
     plan = plan_job(spec, hash_cache=load_hash_cache(out))
     check_local_gpus(spec)
     lines = [f"config:        {spec.source}",
@@ -45,6 +46,9 @@ def describe_plan(spec: Any) -> tuple[str, int]:
     lines.append(f"rows decoded:  {plan.rows_decoded:,} for {plan.num_prompts:,} prompts ({ratio:.2f}x)"
                  + (f"; {_n(len(staged), 'file')} re-chunked into output.path/_batchgen/staged first" if staged else ""))
     lines.append(f"model:         {spec.model.path} ({spec.resolved_device()}, {spec.resolved_dtype()})")
+    if spec.input.format in ("chat", "openai_batch"):
+        lines.append(f"chat date:     {spec.model.chat_template_date} (model.chat_template_date: chat templates "
+                     f"render at this day)")
     lines.append(f"fingerprint:   {plan.fingerprint}")
     code = 0
     manifest = None
