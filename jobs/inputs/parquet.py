@@ -25,6 +25,12 @@ stable for a given input.
 The scan reads footers in parallel and checks duplicate ids in bounded memory (jobs/ids.py),
 so 10 million prompts in 100 files plan in seconds and well under a gigabyte.
 
+A file's identity in the fingerprint is its name, size, rows, the sha256 of its footer (the
+schema, every row group's and column chunk's offsets, sizes, encodings and statistics) and
+its modification time where the filesystem gives one (local files, S3): a file replaced by
+another of the same size and rows changes its footer or its time, and a resume of the
+output is refused naming the file, rather than mixing rows of two inputs.
+
 Errors: jobs.errors.InputError (exit code 2) naming the file and the column for anything
 that stops the job: no input, unreadable/corrupt Parquet, a missing or mistyped column,
 files whose schemas disagree, a duplicate prompt id. Per-row problems (null or empty
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import fnmatch
 import glob as globlib
+import hashlib
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +57,7 @@ from jobs import uri
 from jobs.errors import InputError
 from jobs.ids import find_duplicate
 from jobs.inputs.prompts import RowLayout, requests_from_columns
-from jobs.inputs.reader import InputFile, InputScan, open_input, resolve, source_for
+from jobs.inputs.reader import InputFile, InputScan, modified_ns, open_input, resolve, source_for
 from jobs.inputs.row_groups import cut_file
 from jobs.inputs.row_params import check_sampling_column_type, rows_per_unit
 from jobs.outputs.schema import type_str
@@ -92,7 +99,7 @@ class ParquetReader:
                                                   spec.sampling.num_samples))
         pt_schema = files[0].schema if files else pa.schema([])
         return InputScan(root=root, files=files, units=[u for its in file_units for u in its],
-                         fingerprint_files=[[f.name, f.size, f.num_rows] for f in files],
+                         fingerprint_files=[[f.name, f.size, f.num_rows, f.content] for f in files],
                          passthrough_fields=[pt_schema.field(c) for c in spec.input.passthrough],
                          rows_decoded=rows_decoded, expected_rows=expected, warnings=warnings)
 
@@ -110,7 +117,7 @@ class ParquetReader:
 
 
 def _cut_files(spec: Any, found: list[tuple[str, str, int]],
-               footers: list[tuple[int, pa.Schema, tuple[int, ...]]]
+               footers: list[tuple[int, pa.Schema, tuple[int, ...], dict]]
                ) -> tuple[list[InputFile], list[list[WorkUnit]], int, list[str]]:
     """Each file checked against the spec and against the first file (the columns the job
     reads must have the same types in all), and cut into units: (files, units per file,
@@ -123,7 +130,7 @@ def _cut_files(spec: Any, found: list[tuple[str, str, int]],
         needed.append(spec.input.sampling_column)
     file_units: list[list[WorkUnit]] = []
     count = rows_decoded = 0
-    for (source, name, size), (num_rows, schema, groups) in zip(found, footers):
+    for (source, name, size), (num_rows, schema, groups, content) in zip(found, footers):
         check_input_schema(spec, name, schema)
         types = {c: _normalize(schema.field(c).type) if c == spec.input.column else type_str(schema.field(c).type)
                  for c in dict.fromkeys(needed)}
@@ -144,7 +151,7 @@ def _cut_files(spec: Any, found: list[tuple[str, str, int]],
                            for k, (a, b) in enumerate(cut.ranges)])
         count += len(cut.ranges)
         files.append(InputFile(path=source, name=name, size=size, num_rows=num_rows, schema=schema,
-                               row_groups=groups, staged=cut.staged))
+                               row_groups=groups, staged=cut.staged, content=content))
     return files, file_units, rows_decoded, warnings
 
 
@@ -277,17 +284,35 @@ def check_input_schema(spec: Any, name: str, schema: pa.Schema) -> None:
         check_sampling_column_type(name, inp.sampling_column, schema.field(inp.sampling_column).type)
 
 
-def _read_footer(source: str, name: str) -> tuple[int, pa.Schema, tuple[int, ...]]:
-    """(rows, Arrow schema, rows of each row group) from one file's Parquet footer."""
+def _read_footer(source: str, name: str) -> tuple[int, pa.Schema, tuple[int, ...], dict]:
+    """(rows, Arrow schema, rows of each row group, content identity) from one file's Parquet
+    footer; the identity is {"footer_sha256", "mtime_ns"} (see the module docstring)."""
     try:
         with open_input(source) as f:
+            content = {"footer_sha256": _footer_sha256(f), "mtime_ns": modified_ns(source)}
             md = pq.ParquetFile(f).metadata
             return md.num_rows, md.schema.to_arrow_schema(), tuple(md.row_group(i).num_rows
-                                                                  for i in range(md.num_row_groups))
+                                                                  for i in range(md.num_row_groups)), content
     except InputError:
         raise
     except (pa.ArrowException, OSError, ValueError) as e:
         raise InputError(f"{name}: not a readable Parquet file ({uri.redact(source)}): {e}") from None
+
+
+def _footer_sha256(f: pa.NativeFile) -> str:
+    """sha256 of a Parquet file's footer: its last 8 + n bytes (the thrift metadata of length
+    n, then n as 4 little-endian bytes and the magic "PAR1"). Raises ValueError for a file
+    too short or without the magic."""
+    size = f.size()
+    if size < 12:
+        raise ValueError(f"{size} bytes, too short for a Parquet file")
+    f.seek(size - 8)
+    tail = f.read(8)
+    n = int.from_bytes(tail[:4], "little")
+    if tail[4:] != b"PAR1" or n > size - 12:
+        raise ValueError("no Parquet footer at its end (truncated, or another format)")
+    f.seek(size - 8 - n)
+    return hashlib.sha256(f.read(n) + tail).hexdigest()
 
 
 # ---------------------------------------------------------------- reading

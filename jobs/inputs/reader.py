@@ -40,7 +40,9 @@ class InputFile:
     name: its path relative to the input root (used in prompt ids and the fingerprint);
     size: bytes; num_rows: rows (request lines of a batch file); schema: its Arrow schema
     (empty for a batch file); row_groups: rows of each Parquet row group; staged: read from
-    a re-chunked copy (jobs/inputs/row_groups.py, jobs/inputs/staging.py).
+    a re-chunked copy (jobs/inputs/row_groups.py, jobs/inputs/staging.py); content: what
+    identifies its bytes beyond size and rows, for the fingerprint (a Parquet file: its
+    footer's sha256 and modification time; see jobs/inputs/parquet.py).
     """
 
     path: str
@@ -50,6 +52,7 @@ class InputFile:
     schema: pa.Schema
     row_groups: tuple[int, ...] = ()
     staged: bool = False
+    content: dict = field(default_factory=dict)  # what identifies its bytes beyond size and rows
 
 
 @dataclass
@@ -134,3 +137,13 @@ def open_input(source: str) -> pa.NativeFile:
     """Open an input file (a WorkUnit.source / InputFile.path) for random access reads."""
     fs, p, _ = resolve(source)
     return fs.open_input_file(p)
+
+
+def modified_ns(source: str) -> int | None:
+    """The file's modification time in nanoseconds where its filesystem gives one (local
+    files, S3's LastModified), None elsewhere and for package:// files, whose time is the
+    install's, not the content's. Raises OSError / ArrowException as the filesystem does."""
+    if source.startswith(PACKAGE_PREFIX):
+        return None
+    fs, p, _ = resolve(source)
+    return fs.get_file_info(p).mtime_ns

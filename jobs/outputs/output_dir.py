@@ -58,9 +58,16 @@ def describe_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             lines.append(f"input file {name}: removed")
         elif name not in of:
             lines.append(f"input file {name}: added")
-        elif of[name] != nf[name]:
+        elif of[name][:2] != nf[name][:2]:
             lines.append(f"input file {name}: {of[name][0]} bytes/{of[name][1]} rows -> "
                          f"{nf[name][0]} bytes/{nf[name][1]} rows")
+        elif of[name] != nf[name]:
+            old_c, new_c = (of[name][2:] or [None])[0], (nf[name][2:] or [None])[0]
+            what = [k for k in sorted(set(old_c or {}) | set(new_c or {}))
+                    if (old_c or {}).get(k) != (new_c or {}).get(k)] if isinstance(old_c, dict) else ["content"]
+            lines.append(f"input file {name}: changed since the output was written, with the same size and "
+                         f"rows ({', '.join(what) or 'content'} differ): restore it, or write to another "
+                         f"output.path")
     return lines
 
 

@@ -6,8 +6,9 @@ another job is refused.
 
 The data: FINGERPRINT_VERSION, the spec fields that decide the rows
 (JobSpec.fingerprint_dict: model identity, resolved dtype and device kind, sampling, tools,
-input columns, unit_rows), each input file's identity from its reader (name, size, rows; an
-OpenAI batch file's sha256 too), and the checkpoint's content hashes.
+input columns, unit_rows), each input file's identity from its reader (name, size, rows; a
+Parquet file's footer sha256 and modification time, an OpenAI batch file's sha256), and the
+checkpoint's content hashes.
 
 Content hashes: names and sizes do not identify weights (a retrained checkpoint usually has
 the same file sizes), so the data holds the SHA-256 of every file under `model.path` (and
@@ -29,7 +30,8 @@ from jobs.outputs.layout import CACHE_FILE
 CHUNK = 8 << 20
 # 2: checkpoint content hashes, resolved device kind and dtype, row-group units; the stop
 # token kept in `tokens`, the stop_reason column, per-row sampling parameters
-FINGERPRINT_VERSION = 2
+# 3: each Parquet input's footer sha256 and modification time; chat jobs' template date
+FINGERPRINT_VERSION = 3
 
 
 def fingerprint_of(data: dict[str, Any]) -> str:
