@@ -182,6 +182,7 @@ def _run_units(spec: Any, plan: Any, out: Any, todo: list, lease: Any, t0: float
     UnitFailed becomes JobFailed."""
     from cluster.dispatcher import UnitDispatcher
     from cluster.unit import UnitFailed
+    from jobs.inputs.prompts import RowLayout
     from jobs.inputs.staging import stage_inputs
     from jobs.task import JobTask
 
@@ -189,9 +190,8 @@ def _run_units(spec: Any, plan: Any, out: Any, todo: list, lease: Any, t0: float
     total_rows = sum(plan.unit_rows(u, n) for u in plan.units)
     done_rows = total_rows - sum(plan.unit_rows(u, n) for u in todo)
     c = spec.cluster
-    columns = list(dict.fromkeys([spec.input.column] + ([spec.input.id_column] if spec.input.id_column else [])
-                                 + list(spec.input.passthrough)))
-    todo, staged, staged_rows = stage_inputs(plan, out, c.unit_rows, columns, todo)
+    # a staged copy holds exactly the columns a unit's rows are read from
+    todo, staged, staged_rows = stage_inputs(plan, out, c.unit_rows, RowLayout.of(spec).columns(), todo)
     task = (task_factory or JobTask)(spec, plan, staged=staged)
     started = connect_ray(spec)
     bar = _Progress(total_rows, done_rows, disable=None if progress is None else not progress)

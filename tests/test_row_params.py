@@ -141,3 +141,27 @@ def _compare_alone(eng, spec, by_id):
             assert r["text"] == completion_text(eng.tokenizer, s.tokens, s.stop_reason)
             if isinstance(s.stop_reason, str):
                 assert r["stop_reason"] == s.stop_reason and s.stop_reason not in r["text"]
+
+
+def test_a_staged_input_keeps_its_sampling_column(ray_local, tmp_path):
+    """A file whose one row group is larger than 2 x unit_rows is staged (re-chunked into the
+    output directory) before the units run; the copy keeps the sampling column with the
+    prompt, id and passthrough columns, so each row still gets what it asked for (it used to
+    be dropped, and every unit failed reading the copy)."""
+    from jobs.outputs.output_dir import OutputDir
+    from jobs.runner import run_job
+
+    rows = ROWS * 3  # 21 rows in one row group: staged at unit_rows 8
+    (tmp_path / "in").mkdir()
+    inp = tmp_path / "in" / "prompts.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(len(rows))], "prompt": [p for p, _ in rows],
+                             "params": pa.array([v for _, v in rows], type=PARAMS_TYPE)}), inp)
+    spec = spec_for(inp, tmp_path / "out")
+    assert run_job(spec, progress=False, echo=False) == 0
+    od = OutputDir(str(tmp_path / "out"))
+    assert od.verify() == [] and list((tmp_path / "out" / "_batchgen" / "staged").iterdir())
+    counts: dict[str, int] = {}
+    for i in sorted(od.committed_units()):
+        for pid in od.read_part(i).column("prompt_id").to_pylist():
+            counts[pid] = counts.get(pid, 0) + 1
+    assert [counts[f"r{i}"] for i in range(len(rows))] == EXPECTED_ROWS * 3
