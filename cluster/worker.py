@@ -75,7 +75,29 @@ def _load_engine(task: UnitTask, num_threads: int | None) -> Any:
         return factory()
     from engine import load_engine
 
-    return load_engine(**task.engine_kwargs, num_threads=num_threads)
+    return load_engine(**task.engine_kwargs, num_threads=num_threads, kv_share=node_share())
+
+
+def node_share() -> float:
+    """This actor's share of its node, for its engine's default KV budget: the fraction of a
+    GPU it was given (0.5 when two workers share one; 1 for a whole GPU), else its CPUs over
+    the node's (1/8 for one of eight one-CPU workers on an 8-CPU node). 1 outside Ray, or
+    where Ray does not say."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return 1.0
+        ctx = ray.get_runtime_context()
+        assigned = ctx.get_assigned_resources()
+        if assigned.get("GPU"):
+            return min(1.0, float(assigned["GPU"]))
+        node = next((n for n in ray.nodes() if n.get("NodeID") == ctx.get_node_id()), None)
+        total = float((node or {}).get("Resources", {}).get("CPU", 0.0))
+        cpus = float(assigned.get("CPU", 0.0))
+        return min(1.0, cpus / total) if cpus > 0 and total > 0 else 1.0
+    except Exception:  # noqa: BLE001 - a budget for one worker is the old behaviour, never a failed start
+        return 1.0
 
 
 class GenerationWorker:
@@ -137,15 +159,16 @@ class GenerationWorker:
 
     def engine_state(self) -> dict:
         """What this worker's engine holds now: pid, the weights swapped in last (None: the
-        task's checkpoint), and its KV cache (storage address and slots), which a weights
-        swap leaves in place."""
+        task's checkpoint), and its KV cache (storage address and slots, which a weights
+        swap leaves in place, and the budget it was sized from, in bytes)."""
         with self._cv:
             engine, weights = self.engine, self.weights
         kv = getattr(engine, "kv", None)
         k = getattr(kv, "k", None)
         return {"worker": self.name, "pid": os.getpid(), "weights": weights,
                 "kv_cache_ptr": None if k is None else k.data_ptr(),
-                "kv_cache_slots": getattr(kv, "num_slots", None)}
+                "kv_cache_slots": getattr(kv, "num_slots", None),
+                "kv_budget_bytes": getattr(engine, "kv_budget_bytes", None)}
 
     def stage_weights(self, path: str, step: int | None = None) -> dict:
         """Load checkpoint `path` and check it fits this worker's model (Engine.stage_weights),

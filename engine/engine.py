@@ -24,7 +24,7 @@ import torch
 
 from engine.decode_batch import DecodeBatch
 from engine.kernels.kv_layout import KVLayout
-from engine.kv_cache import KVCache, StepBatch, default_kv_bytes
+from engine.kv_cache import KVCache, StepBatch, default_kv_bytes, kv_budget_basis
 from engine.models.base import CausalLM
 from engine.params import RequestOutput, Sample, SamplingParams, error_output
 from engine.sampling import request_key, row_kinds, sample_step
@@ -40,13 +40,16 @@ class Engine:
     Args:
         model: a CausalLM (engine/models). tokenizer: engine.tokenizers.base.Tokenizer.
         max_num_seqs: most samples decoding at once (the decode batch), before memory bounds it.
-        kv_cache_bytes: KV cache budget in bytes (default: 90% of free GPU memory, or a
-            quarter of host RAM on CPU, where pages are only committed when written).
+        kv_cache_bytes: KV cache budget in bytes (default: `kv_share` of 90% of the GPU's
+            free memory, or of 50% of the host's available memory; engine/kv_cache.py
+            `default_kv_bytes`; host pages are only committed when written).
             Memory is reserved by need: a prompt's KV once, plus what each sample can
             generate (min(max_tokens, max_seq_len - prompt length) positions).
         max_seq_len: the longest sequence, prompt + generated, in tokens (default and
             maximum: the model's context window).
         max_prefill_tokens: bound on one prefill batch (prompts x longest prompt, tokens).
+        kv_share: this engine's share of its device, in (0, 1], for the default budget (a Ray
+            worker's share of its node: cluster/worker.py `node_share`).
         batch_invariant: on CPU, make every sample's logits, and so its tokens and logprobs,
             bit-identical whatever batch it runs in (engine/kernels/attention.py; the projections are
             oneDNN's batch-invariant kernels either way). False runs the batched attention
@@ -62,7 +65,7 @@ class Engine:
 
     def __init__(self, model: CausalLM, tokenizer, *, max_num_seqs: int = 256, kv_cache_bytes: int | None = None,
                  max_seq_len: int | None = None, max_prefill_tokens: int = 8192, batch_invariant: bool = True,
-                 prefix_sharing: bool = True):
+                 prefix_sharing: bool = True, kv_share: float = 1.0):
         self.model = model
         self.tokenizer = tokenizer
         info = model.info
@@ -75,11 +78,15 @@ class Engine:
         self.block_bytes = bs * pos_bytes
         need = Scheduler.min_blocks(self.max_seq_len, bs, prefix_sharing)
         useful = max(need, max_num_seqs * (2 * -(-self.max_seq_len // bs) + 1))
-        budget = kv_cache_bytes if kv_cache_bytes is not None else default_kv_bytes(self.device)
+        budget = kv_cache_bytes if kv_cache_bytes is not None else default_kv_bytes(self.device, kv_share)
+        self.kv_budget_bytes = budget
         num_blocks = min(useful, budget // self.block_bytes)
         if num_blocks < need:
-            raise ValueError(f"KV cache budget of {budget} bytes cannot hold one sequence of {self.max_seq_len} "
-                             f"tokens ({need * self.block_bytes} bytes); raise kv_cache_bytes or lower max_seq_len")
+            why = (f"KV cache budget of {budget} bytes" if kv_cache_bytes is not None else
+                   f"default KV cache budget of {budget} bytes ({kv_budget_basis(self.device, kv_share)})")
+            raise ValueError(f"the {why} cannot hold one sequence of {self.max_seq_len} tokens "
+                             f"({need * self.block_bytes} bytes); set a KV budget (model.kv_cache_gb), lower "
+                             f"max_seq_len, or run fewer workers per node")
         self.kv = KVCache(info.n_layer, info.n_kv_head, info.head_dim, max_num_seqs, self.max_seq_len,
                           self.dtype, self.device, info.state_dims, batch_invariant=batch_invariant,
                           num_positions=num_blocks * bs, state_dtype=model.act_dtype)
@@ -417,13 +424,16 @@ def teacher_forced_logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
 def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str = "auto", *, tokenizer=None,
                 step: int | None = None, max_num_seqs: int = 256, kv_cache_bytes: int | None = None,
                 max_seq_len: int | None = None, max_prefill_tokens: int = 8192,
-                num_threads: int | None = None, batch_invariant: bool = True, prefix_sharing: bool = True) -> Engine:
+                num_threads: int | None = None, batch_invariant: bool = True, prefix_sharing: bool = True,
+                kv_share: float = 1.0) -> Engine:
     """Load a checkpoint (engine/loading/checkpoint.py: "smollm2", "tiny-random", HF Llama family
     or GPT-2, GGUF, nanochat) into an Engine.
 
     device: "auto" | "cpu" | "cuda[:n]"; dtype: "auto" | "float32" | "bfloat16".
     num_threads: CPU threads for torch in this process (a worker's share of the cores);
         None leaves torch's default.
+    kv_share: this engine's share of its device's free memory for the default KV budget
+        (engine/kv_cache.py `default_kv_bytes`; a Ray worker passes its share of the node).
     Raises FileNotFoundError / CheckpointError for bad checkpoints (see
     engine/loading/checkpoint.py).
     """
@@ -434,4 +444,4 @@ def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str =
     model, tok = load_checkpoint(path, device=device, dtype=dtype, tokenizer=tokenizer, step=step)
     return Engine(model, tok, max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes, max_seq_len=max_seq_len,
                   max_prefill_tokens=max_prefill_tokens, batch_invariant=batch_invariant,
-                  prefix_sharing=prefix_sharing)
+                  prefix_sharing=prefix_sharing, kv_share=kv_share)

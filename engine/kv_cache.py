@@ -188,12 +188,45 @@ class KVCache:
         self.copy_state(src, dst)
 
 
-def default_kv_bytes(device: torch.device) -> int:
-    """KV budget when none is given: 90% of free GPU memory, or a quarter of host RAM."""
+# The part of what is free that a default KV budget takes: on a GPU the rest is activations
+# and the allocator's slack; on the host the rest is activations, Ray's object store, the
+# input and output tables, and everything else the machine runs.
+FREE_FRACTION = {"cuda": 0.9, "cpu": 0.5}
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free for a new allocation: the GPU's free memory (torch.cuda.mem_get_info), or
+    the host's MemAvailable (/proc/meminfo: free pages plus reclaimable caches), else a
+    quarter of physical RAM where that is unreadable, else 16 GiB."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.9)
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
     except (ValueError, OSError, AttributeError):
-        return 4 << 30
+        return 16 << 30
+
+
+def default_kv_bytes(device: torch.device, share: float = 1.0) -> int:
+    """KV budget (bytes) when none is given: a fraction of the device's free memory
+    (`FREE_FRACTION`: 90% on a GPU, 50% on the host) times `share`, this engine's share of the
+    device: a worker's share of its node (its CPUs over the node's, or the fraction of a GPU
+    it was given; cluster/worker.py), so the workers placed on one node or one GPU divide
+    what is free instead of each taking all of it. Raises ValueError for a share outside
+    (0, 1]."""
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"share must be in (0, 1], got {share!r}")
+    return int(free_memory_bytes(device) * FREE_FRACTION.get(device.type, 0.5) * share)
+
+
+def kv_budget_basis(device: torch.device, share: float = 1.0) -> str:
+    """How `default_kv_bytes` came to its number, for messages."""
+    where = "this GPU" if device.type == "cuda" else "this host"
+    return (f"{FREE_FRACTION.get(device.type, 0.5):.0%} of the {free_memory_bytes(device)} bytes free on {where}"
+            + ("" if share == 1.0 else f", times this worker's share of it, {share:.3g}"))
