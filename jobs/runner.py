@@ -19,7 +19,9 @@ Order of work (every check that can refuse the job happens before Ray starts):
    joins a cluster (left running). A Ray instance already initialised in this process is
    reused as is.
 6. cluster.dispatcher.UnitDispatcher with a tqdm bar over rows (unit deadlines from
-   cluster.unit_timeout_s; the lease checked every loop); UnitFailed becomes JobFailed (exit 1);
+   cluster.unit_timeout_s; the lease checked every loop, and before staging and every write of
+   the driver's own: a lost lease, taken over or whose heartbeats keep failing, stops the job
+   with JobFailed, exit 1, and its workers); UnitFailed becomes JobFailed (exit 1);
 7. summary (from the output directory, so it covers every run of a resumed job) printed
    and written to _SUCCESS; the lease is released.
 """
@@ -160,8 +162,11 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
         if todo:
             results, tokens_this_run, staged_rows = _run_units(spec, plan, out, todo, lease, t0, progress,
                                                                task_factory)
+        # nothing more is written once the lease is lost (taken over, or our heartbeats fail)
+        lease.check()
         # a worker killed while writing leaves a temporary file; no writer is left now
         out.cleanup_temp_files()
+        lease.check()
         summary = _finish(out, plan, len(results), tokens_this_run, staged_rows, t0)
     finally:
         lease.release()
@@ -189,7 +194,9 @@ def _run_units(spec: Any, plan: Any, out: Any, todo: list, lease: Any, t0: float
     c = spec.cluster
     columns = list(dict.fromkeys([spec.input.column] + ([spec.input.id_column] if spec.input.id_column else [])
                                  + list(spec.input.passthrough)))
+    lease.check()
     todo, staged, staged_rows = stage_inputs(plan, out, c.unit_rows, columns, todo)
+    lease.check()
     task = (task_factory or JobTask)(spec, plan, staged=staged)
     started = connect_ray(spec)
     bar = _Progress(total_rows, done_rows, disable=None if progress is None else not progress)
