@@ -149,8 +149,8 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
     lease = OutputLease(out, plan.fingerprint, spec.output.lease_timeout_s)
     lease.acquire()
     try:
+        lease.start()  # heartbeats from now on: preparing (an --overwrite on a store) may take a while
         mode = out.prepare(plan, spec, overwrite=overwrite)
-        lease.start()
         save_hash_cache(out, cache)
         out.cleanup_temp_files()
         committed = out.committed_units()
