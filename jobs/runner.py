@@ -20,7 +20,9 @@ Order of work (every check that can refuse the job happens before Ray starts):
    joins a cluster (left running). A Ray instance already initialised in this process is
    reused as is.
 6. cluster.dispatcher.UnitDispatcher with a tqdm bar over rows (unit deadlines from
-   cluster.unit_timeout_s; the lease checked every loop); UnitFailed becomes JobFailed (exit 1);
+   cluster.unit_timeout_s; the lease checked every loop, and before staging and every write of
+   the driver's own: a lost lease, taken over or whose heartbeats keep failing, stops the job
+   with JobFailed, exit 1, and its workers); UnitFailed becomes JobFailed (exit 1);
 7. summary (from the output directory, so it covers every run of a resumed job) printed
    and written to _SUCCESS; the lease is released.
 """
@@ -149,8 +151,8 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
     lease = OutputLease(out, plan.fingerprint, spec.output.lease_timeout_s)
     lease.acquire()
     try:
+        lease.start()  # heartbeats from now on: preparing (an --overwrite on a store) may take a while
         mode = out.prepare(plan, spec, overwrite=overwrite)
-        lease.start()
         save_hash_cache(out, cache)
         out.cleanup_temp_files()
         committed = out.committed_units()
@@ -162,8 +164,11 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
         if todo:
             results, tokens_this_run, staged_rows = _run_units(spec, plan, out, todo, lease, t0, progress,
                                                                task_factory)
+        # nothing more is written once the lease is lost (taken over, or our heartbeats fail)
+        lease.check()
         # a worker killed while writing leaves a temporary file; no writer is left now
         out.cleanup_temp_files()
+        lease.check()
         summary = _finish(out, plan, len(results), tokens_this_run, staged_rows, t0)
     finally:
         lease.release()
@@ -190,8 +195,10 @@ def _run_units(spec: Any, plan: Any, out: Any, todo: list, lease: Any, t0: float
     total_rows = sum(plan.unit_rows(u, n) for u in plan.units)
     done_rows = total_rows - sum(plan.unit_rows(u, n) for u in todo)
     c = spec.cluster
+    lease.check()
     # a staged copy holds exactly the columns a unit's rows are read from
     todo, staged, staged_rows = stage_inputs(plan, out, c.unit_rows, RowLayout.of(spec).columns(), todo)
+    lease.check()
     task = (task_factory or JobTask)(spec, plan, staged=staged)
     started = connect_ray(spec)
     bar = _Progress(total_rows, done_rows, disable=None if progress is None else not progress)

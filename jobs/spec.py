@@ -199,7 +199,8 @@ class InputSpec(_Section):
 
 class OutputSpec(_Section):
     """Where the dataset goes. lease_timeout_s: a driver holds a lease on the output
-    (jobs/outputs/lease.py); another driver may take it over once it has had no heartbeat this long."""
+    (jobs/outputs/lease.py); another driver may take it over once it has watched it unchanged
+    this long, and a driver whose heartbeats keep failing stops after half of it."""
 
     path: NonEmptyStr = "out/demo"
     lease_timeout_s: Any = 120

@@ -197,6 +197,50 @@ def test_workers_that_keep_dying_fail_the_job(ray_local, inputs, tmp_path):
     assert time.time() - t < 150
 
 
+# ------------------------------------------------------------------ the driver loses its storage
+
+class SlowUnits(JobTask):
+    """Each unit works 1 s longer before it commits: the job outlasts the lease's give-up time."""
+
+    def write_unit(self, unit, requests, outputs, tokenizer=None):
+        time.sleep(1.0)  # work, not synchronisation
+        return super().write_unit(unit, requests, outputs, tokenizer)
+
+
+def test_driver_whose_lease_heartbeats_fail_stops_committing(ray_local, inputs, tmp_path, monkeypatch):
+    """The driver loses its access to the output directory (every read and write of its
+    filesystem fails, as on a dropped mount) just as its workers start; the workers can still
+    write. Its lease heartbeats fail, and before another driver could take the lease over
+    (lease_timeout_s 5: it gives up 2.5 s after its last heartbeat) it stops the job: JobFailed
+    (exit 1) naming the failed heartbeats and the error, the workers stopped with units left
+    uncommitted, no _SUCCESS."""
+    from jobs.errors import JobFailed
+    from jobs import runner
+    from jobs.outputs import output_dir
+    from test_lease import BrokenFS
+
+    fs = BrokenFS()
+    real_resolve, real_connect = output_dir.resolve_output, runner.connect_ray
+    monkeypatch.setattr(output_dir, "resolve_output", lambda path: (fs, real_resolve(path)[1]))
+
+    def connect_then_lose_storage(spec):
+        started = real_connect(spec)
+        fs.broken.set()
+        return started
+
+    monkeypatch.setattr(runner, "connect_ray", connect_then_lose_storage)
+    out = tmp_path / "out"
+    spec = job_spec(inputs, out, num_workers=1)
+    spec = spec.model_copy(update={"output": spec.output.model_copy(update={"lease_timeout_s": 5})})
+    t = time.monotonic()
+    with pytest.raises(JobFailed, match=r"output lease heartbeats have failed for \d+s.*Input/output error.*"
+                                        r"\(injected\).*stops committing") as e:
+        runner.run_job(spec, task_factory=SlowUnits)
+    assert e.value.exit_code == 1
+    assert time.monotonic() - t < 60
+    assert len(list(out.glob("part-*.parquet"))) < 12 and not (out / "_SUCCESS").exists()
+
+
 # ------------------------------------------------------------------ kill the driver, rerun
 
 @pytest.mark.slow

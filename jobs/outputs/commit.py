@@ -5,10 +5,18 @@ first copy to commit wins (a unit may run twice: retries, deadlines):
 - local filesystem: written to a temporary name in the same directory, then hard-linked to
   the final name, which fails if it exists (then the temporary file is dropped); where
   hard links are not supported, renamed unless the final file exists;
-- object store: the whole file is serialised in memory, then written with one PUT of the
-  final object, which S3 makes visible whole or not at all; skipped if the object exists.
-  (Two copies finishing within the same moment may both PUT: the later one replaces the
-  earlier, whole, with the same rows.)
+- S3 (AWS S3, MinIO and other stores that implement conditional writes): the whole file is
+  serialised in memory, then written with one PUT of the final object carrying
+  `If-None-Match: *`: the store makes it visible whole or not at all, and refuses it (412)
+  if the object exists, so a second copy can never replace a committed part. pyarrow's
+  S3FileSystem cannot send that header: this one request goes through botocore, with the
+  endpoint, region, credentials and addressing of the pyarrow filesystem
+  (`conditional_writes`). Whether a store honours the header is learnt once per process and
+  store, from a probe object written twice next to the file and removed;
+- a store that ignores or refuses the header, other object stores (gs://, hdfs://), and S3
+  where botocore is missing or the filesystem assumes a role (role_arn): one PUT, skipped if
+  the object exists, with a warning once per process and store: two copies finishing within
+  the same moment may both PUT, the later replacing the earlier, whole, with the same rows.
 The output lease is created the same way (jobs/outputs/lease.py).
 
 Replacements (`replace_whole`: the manifest, _SUCCESS, the lease's heartbeats): a temporary
@@ -16,8 +24,13 @@ file and a rename locally, one PUT on an object store.
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
+import threading
+import time
 import uuid
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -26,6 +39,8 @@ import pyarrow.parquet as pq
 from jobs import uri
 from jobs.errors import OutputError
 from jobs.outputs.layout import part_name
+
+log = logging.getLogger("batchgen")
 
 
 def resolve_output(path: str) -> tuple[pafs.FileSystem, str]:
@@ -66,6 +81,9 @@ def commit_file(fs: pafs.FileSystem, final: str, data: pa.Buffer | bytes, tmp_pr
     temporary file is named `<tmp_prefix>-<uuid><final's extension>`. Raises OSError /
     pyarrow errors if the write fails (a local temporary file is removed)."""
     if not uri.is_local(fs):
+        client = conditional_writes(fs, final)
+        if client is not None:
+            return _put_if_absent(client, final, data)
         if exists(fs, final):
             return False
         put_whole(fs, final, data)
@@ -116,3 +134,160 @@ def write_part(output_path: str, index: int, table: pa.Table) -> str:
     pq.write_table(table, sink, compression="zstd")
     commit_file(fs, join(base, part_name(index)), sink.getvalue(), f".tmp-part-{index:06d}")
     return join(base, part_name(index)) if uri.is_local(fs) else uri.join(output_path, part_name(index))
+
+
+# ---------------------------------------------------------------------- conditional PUTs on S3
+
+_VERDICTS: dict[tuple[str, str], Any] = {}  # (store, bucket) -> a botocore client, or None: check then write
+_VERDICTS_LOCK = threading.Lock()
+CONFLICT_RETRIES = 5  # 409 ConditionalRequestConflict: another conditional write of the key was in flight
+
+
+def _s3_options(fs: pafs.FileSystem) -> dict[str, Any]:
+    """The options pyarrow's S3FileSystem was built with (what it pickles)."""
+    return dict(fs.__reduce__()[1][0])
+
+
+def _store_name(opts: dict[str, Any], region: str) -> str:
+    ep = opts.get("endpoint_override")
+    return f"S3 endpoint {ep}" if ep else f"AWS S3 ({region or 'default region'})"
+
+
+def _botocore_client(fs: pafs.FileSystem, opts: dict[str, Any]) -> Any:
+    """A botocore S3 client that talks to the store of `fs` as pyarrow does: its endpoint and
+    scheme, region, credentials (explicit ones, or the standard AWS chain as pyarrow), bucket
+    addressing (virtual-hosted unless an endpoint is set, as pyarrow), timeouts, proxy and CA
+    file. Raises ImportError without botocore, ValueError for options it cannot carry over."""
+    import botocore.session
+    from botocore import UNSIGNED
+    from botocore.config import Config
+
+    if opts.get("role_arn"):
+        raise ValueError("the filesystem assumes a role (role_arn), which batchgen does not pass to botocore")
+    kw: dict[str, Any] = {"region_name": fs.region or None}
+    ep, scheme = opts.get("endpoint_override") or "", opts.get("scheme") or "https"
+    if ep:
+        kw["endpoint_url"] = ep if "://" in ep else f"{scheme}://{ep}"
+    elif scheme == "http":
+        kw["use_ssl"] = False
+    if opts.get("access_key"):
+        kw.update(aws_access_key_id=opts["access_key"], aws_secret_access_key=opts.get("secret_key"),
+                  aws_session_token=opts.get("session_token") or None)
+    if opts.get("tls_ca_file_path"):
+        kw["verify"] = opts["tls_ca_file_path"]
+    cfg: dict[str, Any] = {
+        "s3": {"addressing_style": "virtual" if opts.get("force_virtual_addressing") or not ep else "path"},
+        "retries": {"mode": "standard"},
+        # no default CRC checksums (botocore >= 1.36): stores that predate them reject the request
+        "request_checksum_calculation": "when_required", "response_checksum_validation": "when_required",
+    }
+    if opts.get("anonymous"):
+        cfg["signature_version"] = UNSIGNED
+    for name, key in (("connect_timeout", "connect_timeout"), ("request_timeout", "read_timeout")):
+        if (opts.get(name) or -1) > 0:
+            cfg[key] = opts[name]
+    proxy = opts.get("proxy_options") or {}
+    if proxy.get("host"):
+        auth = f"{proxy['username']}:{proxy.get('password') or ''}@" if proxy.get("username") else ""
+        port = f":{proxy['port']}" if (proxy.get("port") or -1) > 0 else ""
+        url = f"{proxy.get('scheme') or 'http'}://{auth}{proxy['host']}{port}"
+        cfg["proxies"] = {"http": url, "https": url}
+    try:
+        config = Config(**cfg)
+    except TypeError:  # botocore < 1.36: no checksum settings (and no default checksums either)
+        cfg.pop("request_checksum_calculation"), cfg.pop("response_checksum_validation")
+        config = Config(**cfg)
+    return botocore.session.get_session().create_client("s3", config=config, **kw)
+
+
+def _error_code(e: Exception) -> tuple[str, int]:
+    response = getattr(e, "response", None) or {}
+    return (str((response.get("Error") or {}).get("Code") or ""),
+            int((response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0))
+
+
+def _put_if_absent(client: Any, final: str, data: pa.Buffer | bytes) -> bool:
+    """PUT `data` at `final` (bucket/key) with If-None-Match: *; False if the object exists.
+    Raises OSError if the write fails."""
+    bucket, key = final.split("/", 1)
+    body = data.to_pybytes() if isinstance(data, pa.Buffer) else bytes(data)
+    for attempt in range(CONFLICT_RETRIES):
+        try:
+            client.put_object(Bucket=bucket, Key=key, Body=body, IfNoneMatch="*")
+            return True
+        except Exception as e:  # noqa: BLE001 - botocore's errors, mapped below
+            code, status = _error_code(e)
+            if code == "PreconditionFailed" or status == 412:
+                return False  # committed already: first commit wins
+            if (code == "ConditionalRequestConflict" or status == 409) and attempt + 1 < CONFLICT_RETRIES:
+                time.sleep(0.05 * 2 ** attempt)  # back off, then ask again: the other write decides it
+                continue
+            raise OSError(f"conditional PUT of s3://{bucket}/{key} failed: {e}") from e
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _probe(client: Any, final: str) -> str | None:
+    """None if the store honours If-None-Match on PUT, else why not: writes a probe object
+    next to `final` twice, conditionally (the second must be refused), then removes it."""
+    bucket, key = final.split("/", 1)
+    probe = f"{key.rsplit('/', 1)[0] + '/' if '/' in key else ''}.batchgen-probe-if-none-match-{uuid.uuid4().hex}"
+    try:
+        for attempt in ("first", "second"):
+            try:
+                client.put_object(Bucket=bucket, Key=probe, Body=b"probe", IfNoneMatch="*")
+            except Exception as e:  # noqa: BLE001
+                code, status = _error_code(e)
+                if attempt == "second" and (code == "PreconditionFailed" or status == 412):
+                    return None
+                return f"a conditional PUT was refused: {code or type(e).__name__} {status or ''}".rstrip()
+        return "a second conditional PUT of the same new object succeeded"
+    finally:
+        try:
+            client.delete_object(Bucket=bucket, Key=probe)
+        except Exception as e:  # noqa: BLE001 - best effort
+            log.warning("could not remove the probe object s3://%s/%s: %s", bucket, probe, e)
+
+
+def conditional_writes(fs: pafs.FileSystem, final: str) -> Any:
+    """The botocore client that commits `final` (a path in `fs`, an object store) with
+    If-None-Match: *, or None where commits check then write (see the module docstring).
+    Learnt once per process and store (endpoint, options and bucket); a store without it is
+    warned about once, naming it."""
+    bucket = final.split("/", 1)[0]
+    s3_type = getattr(pafs, "S3FileSystem", None)  # absent from a pyarrow built without S3
+    is_s3 = s3_type is not None and isinstance(fs, s3_type)
+    if is_s3:
+        opts = _s3_options(fs)
+        store = (json.dumps(opts, sort_keys=True, default=str), bucket)
+    else:
+        opts, store = {}, (type(fs).__name__, bucket)
+    with _VERDICTS_LOCK:
+        if store in _VERDICTS:
+            return _VERDICTS[store]
+        client, why = None, None
+        if not is_s3:
+            name, why = f"{fs.type_name} filesystem", "batchgen makes conditional writes on S3 only"
+        else:
+            name = _store_name(opts, fs.region)
+            try:
+                client = _botocore_client(fs, opts)
+            except ImportError:
+                why = "botocore, which sends the header, is not installed (pip install botocore)"
+            except ValueError as e:
+                why = str(e)
+            except Exception as e:  # noqa: BLE001 - e.g. an endpoint botocore rejects: as if unsupported
+                why = f"botocore could not be set up for it: {e}"
+            if client is not None:
+                try:
+                    why = _probe(client, final)
+                except Exception as e:  # noqa: BLE001 - the store could not be asked: as if it refused
+                    why = f"the probe failed: {e}"
+                if why is not None:
+                    client = None
+        if why is not None:
+            log.warning("%s, bucket %s, does not honour If-None-Match for batchgen (%s): unit commits there check "
+                        "whether the object exists, then write it, so two copies of a unit finishing in the same "
+                        "moment may both write it, the later replacing the earlier, whole, with the same rows",
+                        name, bucket, why)
+        _VERDICTS[store] = client
+        return client

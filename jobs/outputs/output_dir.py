@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from jobs import uri
 from jobs.errors import OutputError
-from jobs.outputs.commit import canonical_output, join, put_whole, replace_whole, resolve_output
+from jobs.outputs.commit import canonical_output, conditional_writes, join, put_whole, replace_whole, resolve_output
 from jobs.outputs.layout import CACHE_FILE, LEASE, MANIFEST, PART_RE, SUCCESS, TMP_RE, part_name
 from jobs.outputs.schema import COUNT_KEYS, META_COUNTS, batchgen_version, output_schema, type_str
 from jobs.outputs.verify import READ_THREADS, OutputChecks
@@ -161,8 +161,9 @@ class OutputDir(OutputChecks):
 
     # ------------------------------------------------------------ lifecycle
     def ensure_writable(self) -> None:
-        """Create the directory and check that it takes a file (writes and removes a probe).
-        Raises OutputError (exit code 2) naming the path and the reason."""
+        """Create the directory and check that it takes a file (writes and removes a probe);
+        on an object store, learn whether it takes conditional writes (a warning if not:
+        jobs/outputs/commit.py). Raises OutputError (exit code 2) naming the path and the reason."""
         shown = uri.redact(self.path)
         try:
             self.fs.create_dir(self.base, recursive=True)
@@ -177,6 +178,8 @@ class OutputDir(OutputChecks):
             self.fs.delete_file(self._p(probe))
         except (OSError, pa.ArrowException) as e:
             raise OutputError(f"output.path {shown}: directory is not writable: {e}") from None
+        if not uri.is_local(self.fs):
+            conditional_writes(self.fs, self._p(probe))
 
     def prepare(self, plan: Any, spec: Any, overwrite: bool = False) -> str:
         """Make the directory ready for `plan`; returns "new", "resume" or "overwrite".

@@ -9,7 +9,6 @@ fingerprint. Reads the checkpoint hash cache of the output directory but never w
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from jobs import uri
@@ -74,9 +73,14 @@ def describe_plan(spec: Any) -> tuple[str, int]:
     if current is None:
         lines.append("lease:         free")
     else:
-        why = lease.stale(current, time.time())
-        lines.append(f"lease:         held by {current.get('holder')} (job {str(current.get('fingerprint'))[:12]})"
-                     + (f"; stale ({why}): `run` would take it over" if why else "; `run` would stop (exit 2)"))
-        if why is None:
+        verdict, why = lease.judge(current)
+        held = f"lease:         held by {current.get('holder')} (job {str(current.get('fingerprint'))[:12]})"
+        if verdict == "stale":
+            lines.append(f"{held}; stale ({why}): `run` would take it over")
+        elif verdict == "live":
+            lines.append(f"{held}; live ({why}): `run` would stop (exit 2)")
             code = 2
+        else:
+            lines.append(f"{held}, {why}: `run` would watch it, then stop (exit 2) if it changes or take it "
+                         f"over if not")
     return "\n".join(lines), code

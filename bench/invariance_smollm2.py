@@ -1,0 +1,102 @@
+"""Batch invariance on a real model, measured: SmolLM2-135M-Instruct on 12 GSM8K chat prompts x
+4 samples x 48 tokens (temperature 1, top_k 50), run with max_num_seqs 64, 3 and 1 and prefix
+sharing on and off, in float32 and bfloat16: every sample's tokens and logprob bits must be
+the same in every run of a dtype (issue 18's acceptance). With --limited the same runs go
+again in a subprocess with torch, oneDNN and the compiled kernels limited to AVX2, and must
+give the native run's bits.
+
+    python bench/invariance_smollm2.py [--limited] [--threads 2]
+
+Prints the machine line, one line per run (its hash and seconds), and a verdict per dtype.
+Exit status 1 when any run differs.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+
+LIMITED = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "BATCHGEN_ISA": "avx2"}
+RUNS = [(seqs, sharing) for seqs in (64, 3, 1) for sharing in (True, False)]
+
+
+def run_all(threads: int) -> dict:
+    """{dtype: [(max_num_seqs, prefix_sharing, sha256, seconds), ...]} in this process."""
+    import torch
+
+    from engine import SamplingParams, load_engine
+
+    torch.set_num_threads(threads)
+    questions = [json.loads(line)["question"] for line in (ROOT / "jobs" / "data" / "gsm8k_demo.jsonl").open()][:12]
+    params = SamplingParams(num_samples=4, max_tokens=48, temperature=1.0, top_k=50, seed=7)
+    out: dict = {}
+    for dtype in ("float32", "bfloat16"):
+        out[dtype] = []
+        for seqs, sharing in RUNS:
+            eng = load_engine("smollm2", device="cpu", dtype=dtype, max_seq_len=1024, max_num_seqs=seqs,
+                              prefix_sharing=sharing)
+            prompts = [eng.tokenizer.render_chat([{"role": "user", "content": q}], date="2026-01-01")
+                       for q in questions]
+            t0 = time.perf_counter()
+            res = eng.generate(prompts, params, prompt_ids=[str(i) for i in range(len(prompts))])
+            dt = time.perf_counter() - t0
+            h = hashlib.sha256()
+            for row in res:
+                for s in row:
+                    h.update(json.dumps(s.tokens).encode() + struct.pack(f"{len(s.logprobs)}f", *s.logprobs))
+            out[dtype].append((seqs, sharing, h.hexdigest(), dt))
+            del eng
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--limited", action="store_true", help="also run limited to AVX2 in a subprocess")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # the subprocess's output
+    args = ap.parse_args()
+    if args.json:
+        print(json.dumps(run_all(args.threads)))
+        return 0
+    import torch
+    from machine import describe
+
+    torch.set_num_threads(args.threads)
+    print(describe())
+    results = {"native": run_all(args.threads)}
+    if args.limited:
+        env = {**os.environ, **LIMITED, "PYTHONPATH": str(ROOT)}
+        r = subprocess.run([sys.executable, __file__, "--json", "--threads", str(args.threads)], env=env,
+                           capture_output=True, text=True, cwd=ROOT)
+        if r.returncode != 0:
+            print(r.stderr[-3000:])
+            return 1
+        results["avx2"] = json.loads(r.stdout.strip().splitlines()[-1])
+    ok = True
+    for dtype in ("float32", "bfloat16"):
+        hashes = set()
+        for where, res in results.items():
+            for seqs, sharing, h, dt in res[dtype]:
+                print(f"{dtype:9s} {where:6s} max_num_seqs {seqs:3d} prefix_sharing {str(sharing):5s} "
+                      f"{h[:16]}  {dt:6.1f} s")
+                hashes.add(h)
+        same = len(hashes) == 1
+        ok &= same
+        n = sum(len(res[dtype]) for res in results.values())
+        print(f"{dtype}: {'all ' + str(n) + ' runs bit-identical' if same else f'{len(hashes)} different results'} "
+              f"(48 samples x 48 tokens each)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

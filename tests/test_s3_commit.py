@@ -1,0 +1,194 @@
+"""Unit commits on S3 (jobs/outputs/commit.py): the first copy to commit wins, against a real
+S3 API server (moto, in its own process on 127.0.0.1, tests/test_s3.py's fixture).
+
+Between the server and batchgen sits a small HTTP proxy that forwards every request. It
+stages the race a check-then-write commit loses: when copy B's PUT of part-000000.parquet
+reaches it, it first lets copy A commit the same part (through the proxy, as any client),
+then forwards B's PUT. With `strip`, it drops the If-None-Match header on the way, as a store
+that does not implement conditional writes ignores it.
+"""
+from __future__ import annotations
+
+import http.client
+import http.server
+import logging
+import threading
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+pytest.importorskip("moto")
+pytest.importorskip("botocore")
+
+from conftest import free_port  # noqa: E402
+from jobs import uri  # noqa: E402
+from jobs.outputs.commit import write_part  # noqa: E402
+from test_s3 import s3  # noqa: E402,F401 - the moto server fixture
+
+HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
+       "content-length"}
+
+
+class Proxy:
+    """A forwarding HTTP proxy on 127.0.0.1 in front of `upstream` (host:port).
+
+    strip: drop If-None-Match from every request. before_put: {key suffix: callable}, each
+    called once, before the first PUT whose path ends with that suffix is forwarded.
+    `puts`: (path, the If-None-Match header as sent upstream) of every forwarded PUT."""
+
+    def __init__(self, upstream: str, strip: bool = False):
+        self.upstream, self.strip = upstream, strip
+        self.before_put: dict[str, object] = {}
+        self.puts: list[tuple[str, str | None]] = []
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    data = b""
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0], 16)
+                        if size == 0:
+                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                                pass
+                            return data
+                        data += self.rfile.read(size)
+                        self.rfile.readline()
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def _forward(self):
+                body = self._body()
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
+                if proxy.strip:
+                    headers = {k: v for k, v in headers.items() if k.lower() != "if-none-match"}
+                if self.command == "PUT":
+                    path = self.path.split("?", 1)[0]
+                    for suffix in [s for s in proxy.before_put if path.endswith(s)]:
+                        proxy.before_put.pop(suffix)()
+                    proxy.puts.append((path, next((v for k, v in headers.items() if k.lower() == "if-none-match"),
+                                                  None)))
+                conn = http.client.HTTPConnection(proxy.upstream, timeout=60)
+                try:
+                    headers["Content-Length"] = str(len(body))
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    self.send_response(resp.status, resp.reason)
+                    for k, v in resp.getheaders():
+                        if k.lower() not in HOP:
+                            self.send_header(k, v)
+                    length = resp.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
+                    self.send_header("Content-Length", length or "0")
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                finally:
+                    conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self.port = free_port()
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy_for(s3):
+    """proxy_for(strip) -> (Proxy, output URI through it); a fresh proxy (so a fresh endpoint,
+    whose conditional-write support is learnt anew) per call."""
+    options, _ = s3
+    upstream = dict(kv.split("=", 1) for kv in options.split("&"))["endpoint_override"]
+    made = []
+
+    def make(strip: bool, name: str):
+        p = Proxy(upstream, strip=strip)
+        made.append(p)
+        return p, f"s3://bkt/commits/{name}?endpoint_override=127.0.0.1:{p.port}&scheme=http"
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def _table(copy: str) -> pa.Table:
+    return pa.table({"copy": [copy] * 3})
+
+
+def _read_part(out: str) -> list[str]:
+    fs, base = uri.filesystem_for(out)
+    with fs.open_input_file(f"{base}/part-000000.parquet") as f:
+        return pq.read_table(f).column("copy").to_pylist()
+
+
+def test_a_second_copy_cannot_replace_a_committed_part(proxy_for, caplog):
+    """Two copies of unit 0 (a retry or a deadline's second copy) finish together: copy B
+    looks, finds no part, and before its PUT lands copy A commits. On a store that honours
+    If-None-Match (moto, as AWS S3 and MinIO) B's write is refused by the store and A's part
+    stays, whole; no warning."""
+    proxy, out = proxy_for(strip=False, name="honoured")
+    proxy.before_put["/part-000000.parquet"] = lambda: write_part(out, 0, _table("A"))
+    with caplog.at_level(logging.WARNING):
+        write_part(out, 0, _table("B"))
+    assert _read_part(out) == ["A"] * 3, "copy B replaced the part copy A had committed"
+    part_puts = [h for p, h in proxy.puts if p.endswith("/part-000000.parquet")]
+    assert part_puts == ["*", "*"]  # both copies wrote conditionally
+    assert not [r for r in caplog.records if "If-None-Match" in r.getMessage()]
+
+
+def test_a_store_that_ignores_if_none_match_gets_check_then_write_with_a_warning(proxy_for, caplog):
+    """A store that ignores If-None-Match (the proxy drops it) is found out once per store
+    and process (the driver when it checks the output is writable), by a probe object
+    written twice and removed: commits fall back to
+    checking then writing, with a warning that says what that leaves open (a copy finishing
+    in the same moment may replace the part, whole, with the same rows). A part that exists
+    is still never written again."""
+    from jobs.outputs.output_dir import OutputDir
+
+    proxy, out = proxy_for(strip=True, name="ignored")
+    with caplog.at_level(logging.WARNING):
+        OutputDir(out).ensure_writable()  # the driver, before any work: it says so once
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("does not honour If-None-Match" in w and "127.0.0.1" in w and "bkt" in w for w in warnings), \
+        warnings
+    proxy.before_put["/part-000000.parquet"] = lambda: write_part(out, 0, _table("A"))
+    write_part(out, 0, _table("B"))
+    assert _read_part(out) == ["B"] * 3  # the race a check-then-write cannot close: the later PUT won
+    n = len(proxy.puts)
+    write_part(out, 0, _table("C"))  # committed already: looked at, not written
+    assert _read_part(out) == ["B"] * 3 and len(proxy.puts) == n
+    fs, base = uri.filesystem_for(out)
+    from pyarrow import fs as pafs
+
+    left = [i.path for i in fs.get_file_info(pafs.FileSelector(base, recursive=True))]
+    assert left == [f"{base}/part-000000.parquet"], left  # the probe objects are gone
+
+
+def test_two_drivers_creating_the_lease_on_s3_at_once(proxy_for):
+    """Creating the output lease is a conditional write too: driver B finds no lease, and
+    before its PUT lands driver A creates one; B is refused (exit 2, naming A), A's lease stays."""
+    from jobs.errors import OutputError
+    from jobs.outputs.lease import OutputLease
+    from jobs.outputs.output_dir import OutputDir
+
+    proxy, out = proxy_for(strip=False, name="lease")
+    od = OutputDir(out)
+    od.ensure_writable()
+    a, b = OutputLease(od, "a" * 64, 120), OutputLease(od, "b" * 64, 120)
+    proxy.before_put["/_batchgen/lease.json"] = a.acquire
+    with pytest.raises(OutputError, match=r"in use by another batchgen driver: .*\(job aaaaaaaaaaaa.*took the lease "
+                                          r"at the same time") as e:
+        b.acquire()
+    assert e.value.exit_code == 2
+    assert a.read()["token"] == a.token
+    a.release()
