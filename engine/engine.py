@@ -186,7 +186,8 @@ class Engine:
         return done
 
     def _prefill(self, group: list[Admission]) -> torch.Tensor:
-        """Prefill the prompts of `group` into their stored runs; (len(group), V) last logits."""
+        """Prefill the prompts of `group` into their stored runs; (len(group), V) last logits,
+        owned (the next chunk's prefill and the decode step do not overwrite them)."""
         lengths = [len(a.request.prompt_tokens) for a in group]
         T = max(lengths)
         tokens = torch.zeros(len(group), T, dtype=torch.long)
@@ -200,7 +201,7 @@ class Engine:
                           last_index=torch.tensor(lengths, device=dev) - 1, prefill=True, layout=layout)
         logits = self.model.forward_step(tokens.to(dev), batch, self.kv)  # (P, V)
         self.num_prefill_tokens += sum(lengths)
-        return logits
+        return self.model.owned_logits(logits)  # kept across the step's other prefill chunks
 
     def _admit(self, admissions: list[Admission]) -> None:
         """Prefill new prompts, start every admitted sample and draw its first token."""
@@ -411,7 +412,7 @@ def teacher_forced_logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
     batch = StepBatch(slots=torch.zeros(1, dtype=torch.long, device=dev), positions=torch.arange(L, device=dev)[None],
                       last_index=torch.tensor([L - 1], device=dev), prefill=True,
                       layout=KVLayout.for_prefill([0], [L], dev), all_logits=True)
-    return model.forward_step(torch.tensor([tokens], device=dev), batch, kv)[0].float()
+    return model.owned_logits(model.forward_step(torch.tensor([tokens], device=dev), batch, kv)[0].float())
 
 
 def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str = "auto", *, tokenizer=None,

@@ -105,3 +105,34 @@ def test_dtype_auto_is_bfloat16_only_on_native_gpus(monkeypatch):
     monkeypatch.setattr(checkpoint, "bfloat16_is_faster", lambda: (True, "probe"))
     assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+
+
+@pytest.fixture
+def head_buffer_path(monkeypatch):
+    """The head's path on a GPU in float32, forced on CPU: no compiled kernels (what
+    BATCHGEN_NATIVE=0 decides) and no oneDNN, so `project_head` multiplies into the buffer
+    it reuses from call to call (engine/models/base.py). Models loaded inside the test take it."""
+    import engine.kernels.native as native
+
+    monkeypatch.setattr(native, "_isa_choice", None)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+
+
+def test_prefill_chunks_keep_each_prompts_last_logits(head_buffer_path):
+    """Prompts of 4 and 50 tokens admitted in one step are prefilled in two chunks (their
+    lengths differ too much to pad together), and each chunk's logits come out of the
+    head's reused buffer: each prompt's first token (and every later one) is still the one
+    it gets alone, for samples admitted with the prefill and for a sample admitted later
+    from the stored logits (3 slots for 2 x 2 samples)."""
+    from engine.engine import Engine
+
+    eng = load_engine("tiny-random", device="cpu", dtype="float32", max_seq_len=256)
+    long, short = list(range(40, 90)), [5, 6, 7, 8]
+    p = SamplingParams(num_samples=2, max_tokens=4, temperature=0, stop_token_ids=[])
+    alone = [[s.tokens for s in eng.generate([x], p)[0]] for x in (long, short)]
+    assert eng.model._head_out is not None  # the reused buffer is what this test is about
+    assert alone[0][0][0] != alone[1][0][0]
+    for slots in (8, 3):
+        e = Engine(eng.model, eng.tokenizer, max_seq_len=256, max_num_seqs=slots)
+        together = [[s.tokens for s in row] for row in e.generate([long, short], p)]
+        assert together == alone, f"max_num_seqs {slots}"
