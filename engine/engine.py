@@ -56,6 +56,9 @@ class Engine:
             per step for all of them (cascade attention); False gives each sample its own
             copy of the prompt's KV (more memory, more reads; the logits differ in the last
             bits, the tokens only at rare near-ties).
+    Attribute batched_sampling: the sampler's GPU path (engine/sampling.py: every row of a
+    kind in one pass, no host synchronisation), True on a GPU; on CPU tensors it gives the
+    CPU path's bits, so tests set it there.
     Raises ValueError if the budget cannot hold one sequence of max_seq_len tokens.
     Not thread-safe: one thread drives an engine (cluster/worker.py serialises access).
     """
@@ -87,6 +90,7 @@ class Engine:
                                    prefix_sharing)
         self.running: dict[int, Sequence] = {}
         self._batch: DecodeBatch | None = None  # the running rows on the device; None: rebuild
+        self.batched_sampling = self.device.type != "cpu"
         self._ready: list[RequestOutput] = []
         self.tools = self._tool_tokens(tokenizer)
         # the checkpoint's own end tokens (Llama family: eos_token_id) when it names any
@@ -267,7 +271,8 @@ class Engine:
         pos = torch.tensor([s.position + 1 for s in seqs], dtype=torch.long)
         dev = self.device
         toks, lps = sample_step(logits, temp.to(dev), top_k.to(dev), top_p.to(dev), min_p.to(dev), keys.to(dev),
-                                pos.to(dev), kinds, [p.logprobs_mode == "processed" for p in ps])
+                                pos.to(dev), kinds, [p.logprobs_mode == "processed" for p in ps],
+                                batched=self.batched_sampling)
         host = torch.stack([toks.double(), lps.double()]).tolist()
         for seq, t, lp in zip(seqs, host[0], host[1]):
             seq.append(int(t), lp, self.tools, self.tokenizer, self.max_seq_len)
@@ -281,7 +286,7 @@ class Engine:
         db = self._batch
         logits = self.model.forward_step(db.tokens[:, None], db.step_batch(), self.kv)
         toks, lps = sample_step(logits, db.temperature, db.top_k, db.top_p, db.min_p, db.keys, db.positions + 1,
-                                db.kinds, db.processed)
+                                db.kinds, db.processed, batched=self.batched_sampling)
         host = torch.stack([toks.double(), lps.double()]).tolist()  # the step's one device-to-host copy
         forced: list[tuple[int, int]] = []
         changed = False
