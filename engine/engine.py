@@ -59,6 +59,9 @@ class Engine:
             per step for all of them (cascade attention); False gives each sample its own
             copy of the prompt's KV (more memory, more reads; the logits differ in the last
             bits, the tokens only at rare near-ties).
+    Attribute batched_sampling: the sampler's GPU path (engine/sampling.py: every row of a
+    kind in one pass, no host synchronisation), True on a GPU; on CPU tensors it gives the
+    CPU path's bits, so tests set it there.
     Raises ValueError if the budget cannot hold one sequence of max_seq_len tokens.
     Not thread-safe: one thread drives an engine (cluster/worker.py serialises access).
     """
@@ -94,6 +97,7 @@ class Engine:
                                    prefix_sharing)
         self.running: dict[int, Sequence] = {}
         self._batch: DecodeBatch | None = None  # the running rows on the device; None: rebuild
+        self.batched_sampling = self.device.type != "cpu"
         self._ready: list[RequestOutput] = []
         self.tools = self._tool_tokens(tokenizer)
         # the checkpoint's own end tokens (Llama family: eos_token_id) when it names any
@@ -193,7 +197,8 @@ class Engine:
         return done
 
     def _prefill(self, group: list[Admission]) -> torch.Tensor:
-        """Prefill the prompts of `group` into their stored runs; (len(group), V) last logits."""
+        """Prefill the prompts of `group` into their stored runs; (len(group), V) last logits,
+        owned (the next chunk's prefill and the decode step do not overwrite them)."""
         lengths = [len(a.request.prompt_tokens) for a in group]
         T = max(lengths)
         tokens = torch.zeros(len(group), T, dtype=torch.long)
@@ -207,7 +212,7 @@ class Engine:
                           last_index=torch.tensor(lengths, device=dev) - 1, prefill=True, layout=layout)
         logits = self.model.forward_step(tokens.to(dev), batch, self.kv)  # (P, V)
         self.num_prefill_tokens += sum(lengths)
-        return logits
+        return self.model.owned_logits(logits)  # kept across the step's other prefill chunks
 
     def _admit(self, admissions: list[Admission]) -> None:
         """Prefill new prompts, start every admitted sample and draw its first token."""
@@ -273,7 +278,8 @@ class Engine:
         pos = torch.tensor([s.position + 1 for s in seqs], dtype=torch.long)
         dev = self.device
         toks, lps = sample_step(logits, temp.to(dev), top_k.to(dev), top_p.to(dev), min_p.to(dev), keys.to(dev),
-                                pos.to(dev), kinds, [p.logprobs_mode == "processed" for p in ps])
+                                pos.to(dev), kinds, [p.logprobs_mode == "processed" for p in ps],
+                                batched=self.batched_sampling)
         host = torch.stack([toks.double(), lps.double()]).tolist()
         for seq, t, lp in zip(seqs, host[0], host[1]):
             seq.append(int(t), lp, self.tools, self.tokenizer, self.max_seq_len)
@@ -287,7 +293,7 @@ class Engine:
         db = self._batch
         logits = self.model.forward_step(db.tokens[:, None], db.step_batch(), self.kv)
         toks, lps = sample_step(logits, db.temperature, db.top_k, db.top_p, db.min_p, db.keys, db.positions + 1,
-                                db.kinds, db.processed)
+                                db.kinds, db.processed, batched=self.batched_sampling)
         host = torch.stack([toks.double(), lps.double()]).tolist()  # the step's one device-to-host copy
         forced: list[tuple[int, int]] = []
         changed = False
@@ -418,7 +424,7 @@ def teacher_forced_logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
     batch = StepBatch(slots=torch.zeros(1, dtype=torch.long, device=dev), positions=torch.arange(L, device=dev)[None],
                       last_index=torch.tensor([L - 1], device=dev), prefill=True,
                       layout=KVLayout.for_prefill([0], [L], dev), all_logits=True)
-    return model.forward_step(torch.tensor([tokens], device=dev), batch, kv)[0].float()
+    return model.owned_logits(model.forward_step(torch.tensor([tokens], device=dev), batch, kv)[0].float())
 
 
 def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str = "auto", *, tokenizer=None,

@@ -55,6 +55,10 @@ _MUL1, _MUL2 = 0x7FEB352D, 0x846CA68B - 2**32
 _TOKEN_HASH: dict[tuple[int, torch.device], torch.Tensor] = {}
 _VOCAB_BUFFERS = threading.local()  # per thread: two engines stepping in two threads do not share
 _CHUNK = 1 << 19  # elements per chunk of the whole-vocabulary race (2 MiB of int32: it stays in cache)
+# The GPU path (`batched`): elements per pass of a whole-vocabulary race or sort, so that its
+# scratch (16 bytes an element: the int32 hash, its scratch and the float64 noise) stays
+# within 256 MiB; a pass is a fixed number of kernels, whatever its rows.
+_BATCHED_CHUNK = 1 << 24
 
 
 def _mix32_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
@@ -114,12 +118,27 @@ def race_noise_vocab(keys: torch.Tensor, positions: torch.Tensor, V: int) -> tor
     return out
 
 
-def _vocab_noise_chunks(keys: torch.Tensor, positions: torch.Tensor, V: int):
+def _vocab_noise_chunks(keys: torch.Tensor, positions: torch.Tensor, V: int, batched: bool = False):
     """Yield (a, b, noise, spare) for consecutive row ranges: noise is rows a..b-1 of
     race_noise_vocab's (B, V) and spare a float64 scratch of its shape, both in buffers the
     next chunk overwrites. A chunk holds about _CHUNK elements, so each of the race's ~40
-    passes over it stays in cache."""
+    passes over it stays in cache.
+
+    batched (the GPU path): chunks of up to _BATCHED_CHUNK elements (every row at once for
+    most batches), each in fresh tensors (a GPU's caching allocator hands the same memory
+    back at the next step), and spare None. The same values."""
     B, dev = keys.shape[0], keys.device
+    if batched:
+        step = max(1, _BATCHED_CHUNK // V)
+        first = _token_hash(V, dev)
+        for a in range(0, B, step):
+            b = min(B, a + step)
+            h = torch.empty(b - a, V, dtype=torch.int32, device=dev).copy_(first)  # never a view of `first`
+            noise = _race_noise_from(h, torch.empty_like(h), torch.empty(h.shape, dtype=torch.float64, device=dev),
+                                     keys[a:b], positions[a:b])
+            del h  # its memory serves the next allocation (the scaled logits)
+            yield a, b, noise, None
+        return
     step = max(1, _CHUNK // V)  # rows per chunk
     bufs = getattr(_VOCAB_BUFFERS, "race", None)
     if bufs is None or bufs[0].shape != (step, V) or bufs[0].device != dev:
@@ -137,7 +156,7 @@ def _vocab_noise_chunks(keys: torch.Tensor, positions: torch.Tensor, V: int):
 
 
 def _race_plain(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                processed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                processed: bool, batched: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The race over the whole vocabulary (no truncation), a cache-sized chunk of rows at a time.
 
     Per row: x = float64(logits / T), token = argmax(x - log E) (E from race_noise_vocab),
@@ -145,13 +164,23 @@ def _race_plain(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
     are made and consumed while they are in cache (one pass over (B, V) float64 buffers
     that do not fit was 13% of the sampler). Rows are independent: a row's bits do not
     depend on the chunk it lands in (_row_sums for the chunk of one row).
+
+    batched (the GPU path): every row in one pass of about 70 operations (up to
+    _BATCHED_CHUNK elements a pass), instead of 3 rows a pass for a 152k vocabulary; the
+    float32 quotient is widened by the subtraction itself (no float64 copy of x unless
+    `processed`). The same bits.
     """
     B, V = logits.shape
     tokens = torch.empty(B, dtype=torch.long, device=logits.device)
     lps = torch.empty(B, dtype=torch.float32, device=logits.device) if processed else None
-    for a, b, noise, x in _vocab_noise_chunks(keys, positions, V):
-        x.copy_(logits[a:b] / temperature[a:b, None])  # float32 division, then exact widening
-        torch.argmax(torch.sub(x, noise, out=noise), dim=-1, out=tokens[a:b])  # x - log E
+    for a, b, noise, x in _vocab_noise_chunks(keys, positions, V, batched):
+        if x is None:  # batched
+            q = logits[a:b] / temperature[a:b, None]  # float32 division
+            torch.argmax(torch.sub(q, noise, out=noise), dim=-1, out=tokens[a:b])  # float64(q) - log E
+            x = q.double() if lps is not None else None
+        else:
+            x.copy_(logits[a:b] / temperature[a:b, None])  # float32 division, then exact widening
+            torch.argmax(torch.sub(x, noise, out=noise), dim=-1, out=tokens[a:b])  # x - log E
         if lps is not None:
             lps[a:b] = x.gather(1, tokens[a:b, None])[:, 0] - _logsumexp_rows(x)
     return tokens, lps
@@ -170,7 +199,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 def sample_with_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                          min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                         processed: bool = False, kinds: list[tuple] | None = None
+                         processed: bool = False, kinds: list[tuple] | None = None, batched: bool | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Choose one token per row and, with `processed`, its log-probability under the
     distribution it was drawn from.
@@ -196,29 +225,68 @@ def sample_with_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k:
     Cost: one top-k (or, without top_k, one sort when top_p/min_p is on) over the vocabulary
     and the rest over the K candidates, except plain sampling, which races the whole
     vocabulary without sorting.
+
+    batched: the GPU path (None: on any device but the CPU). The CPU path works in
+    cache-sized chunks of rows (3 rows of a 152k vocabulary per chunk of about 70
+    operations) and reads a few device values on the host (whether any row uses top_p or
+    min_p, how many candidates survive); on a GPU that was thousands of kernel launches
+    and several synchronisations per step. The batched path samples each kind of row in
+    one pass of a fixed number of operations (passes of up to _BATCHED_CHUNK elements),
+    reads nothing back (it applies top_p and min_p rows' masks unconditionally, and races
+    every candidate column, the dropped ones at -inf) and copies the rows of each kind to
+    the device asynchronously. Every row's arithmetic is the CPU path's, so on CPU tensors
+    it gives the same bits (tests/test_gpu_path.py).
     """
     if kinds is None:
         kinds = row_kinds(temperature, top_k, top_p, min_p)
+    if batched is None:
+        batched = logits.device.type != "cpu"
     groups: dict[tuple, list[int]] = {}
     for i, kind in enumerate(kinds):
         groups.setdefault(kind, []).append(i)
-    B, dev = logits.shape[0], logits.device
-    if len(groups) == 1 and (kinds[0][0] != "sorted" or B <= _CHUNK_ROWS):
-        return _sample_group(kinds[0], logits, temperature, top_p, min_p, keys, positions, processed)
+    B, V = logits.shape
+    dev = logits.device
+    if len(groups) == 1 and B <= _rows_per_pass(kinds[0], V, batched):
+        return _sample_group(kinds[0], logits, temperature, top_p, min_p, keys, positions, processed, batched)
     tokens = torch.empty(B, dtype=torch.long, device=dev)
     lps = torch.empty(B, dtype=torch.float32, device=dev) if processed else None
+    order = _to_device(torch.tensor([i for rows in groups.values() for i in rows]), dev) if batched else None
+    start = 0
     for kind, rows in groups.items():
-        # Sorted rows run _CHUNK_ROWS at a time: their (rows, V) float64 buffers then stay in
-        # cache (256 rows at once were 3x slower per row than 64); plain rows chunk themselves.
-        step = _CHUNK_ROWS if kind[0] == "sorted" else len(rows)
+        step = min(len(rows), _rows_per_pass(kind, V, batched))
         for i in range(0, len(rows), step):
-            r = torch.tensor(rows[i:i + step], device=dev)
+            if order is not None:  # already on the device: no host-to-device copy here
+                r = order[start + i:start + min(i + step, len(rows))]
+            else:
+                r = torch.tensor(rows[i:i + step], device=dev)
             t, lp = _sample_group(kind, logits.index_select(0, r), temperature[r], top_p[r], min_p[r], keys[r],
-                                  positions[r], processed)
+                                  positions[r], processed, batched)
             tokens[r] = t
             if lps is not None:
                 lps[r] = lp
+        start += len(rows)
     return tokens, lps
+
+
+def _rows_per_pass(kind: tuple, V: int, batched: bool) -> int:
+    """Most rows of `kind` sampled in one call of _sample_group. Sorted rows on the CPU run
+    _CHUNK_ROWS at a time: their (rows, V) float64 buffers then stay in cache (256 rows at
+    once were 3x slower per row than 64); on the GPU path, as many as fit _BATCHED_CHUNK
+    elements. Plain rows chunk themselves (_vocab_noise_chunks); the others work on K
+    candidates."""
+    if kind[0] != "sorted":
+        return 1 << 62
+    return max(1, _BATCHED_CHUNK // V) if batched else _CHUNK_ROWS
+
+
+def _to_device(host: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor on `dev` without a host synchronisation: on CUDA through pinned memory,
+    copied asynchronously (a plain .to() waits for the GPU to finish its queued work)."""
+    if dev.type == "cpu":
+        return host
+    if dev.type == "cuda":
+        host = host.pin_memory()
+    return host.to(dev, non_blocking=True)
 
 
 _CHUNK_ROWS = 32
@@ -244,15 +312,16 @@ def row_kinds(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
 
 def _sample_group(kind: tuple, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                  processed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rows that share `kind` (see sample_with_logprobs)."""
+                  processed: bool, batched: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows that share `kind` (see sample_with_logprobs; `batched` reads no device value on
+    the host)."""
     B, V = logits.shape
     if kind[0] == "greedy":
         tokens = torch.argmax(logits, dim=-1)
         return tokens, (torch.zeros(B, dtype=torch.float32, device=logits.device) if processed else None)
     t = temperature[:, None]
     if kind[0] == "plain":  # no truncation: race over the whole vocabulary
-        return _race_plain(logits, temperature, keys, positions, processed)
+        return _race_plain(logits, temperature, keys, positions, processed, batched)
     if kind[0] == "top_k":
         # Dividing by a positive temperature keeps the order, so the top-k of the raw
         # logits are the candidates; only they are scaled.
@@ -263,19 +332,23 @@ def _sample_group(kind: tuple, logits: torch.Tensor, temperature: torch.Tensor, 
     logp = torch.log_softmax(vals / t, dim=-1)
     keep = torch.ones_like(logp, dtype=torch.bool)
     p_on = top_p < 1.0
-    if bool(p_on.any()):
+    # (the batched path applies both masks without asking: a row with top_p 1 or min_p 0
+    # keeps every candidate either way)
+    if batched or bool(p_on.any()):
         p = torch.exp(logp)
         before = torch.cumsum(p, dim=-1) - p  # mass strictly before this token
         keep = keep & ((before < top_p[:, None]) | ~p_on[:, None])
     m_on = min_p > 0.0
-    if bool(m_on.any()):
+    if batched or bool(m_on.any()):
         keep = keep & ((logp >= logp[:, :1] + torch.log(min_p.clamp_min(1e-30))[:, None]) | ~m_on[:, None])
     keep[:, 0] = True  # the most likely token always survives
     lpd = logp.double().masked_fill(~keep, float("-inf"))
     # Only survivors can win the race, and they come first (top_p and min_p keep a prefix of
     # the sorted candidates), so the noise is hashed for the columns up to the last survivor:
-    # the same winner, without hashing the whole vocabulary for top_p / min_p.
-    width = int((keep * torch.arange(1, keep.shape[1] + 1, device=keep.device)).max())
+    # the same winner, without hashing the whole vocabulary for top_p / min_p. The batched
+    # path races every column (the dropped ones at -inf - log E = -inf, never the winner)
+    # rather than read the width back.
+    width = keep.shape[1] if batched else int((keep * torch.arange(1, keep.shape[1] + 1, device=keep.device)).max())
     race = lpd[:, :width] - race_noise(keys, positions, idx[:, :width])
     choice = torch.argmax(race, dim=-1, keepdim=True)
     tokens = idx.gather(1, choice)[:, 0]
@@ -351,17 +424,21 @@ def _row_sums(x: torch.Tensor) -> torch.Tensor:
 
 def sample_step(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, kinds: list[tuple],
-                processed: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+                processed: list[bool], batched: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One engine step's sampling: tokens ((B,) int64) and each row's logprob ((B,) float32) in
     its request's logprobs_mode: processed (under the distribution sampled from) where `processed[i]`, raw
-    (log_softmax of the logits) elsewhere. Overwrites `logits`."""
+    (log_softmax of the logits) elsewhere. Overwrites `logits`. batched: the GPU path (see
+    sample_with_logprobs; None: on any device but the CPU)."""
+    if batched is None:
+        batched = logits.device.type != "cpu"
     any_p = any(processed)
     toks, proc = sample_with_logprobs(logits, temperature, top_k, top_p, min_p, keys, positions,
-                                      processed=any_p, kinds=kinds)
+                                      processed=any_p, kinds=kinds, batched=batched)
     if any_p and all(processed):
         return toks, proc
     raw = token_logprobs(logits, toks, inplace=True)  # last: it overwrites the logits
     if not any_p:
         return toks, raw
-    mask = torch.tensor(processed, device=logits.device)
+    mask = torch.tensor(processed)
+    mask = _to_device(mask, logits.device) if batched else mask.to(logits.device)
     return toks, torch.where(mask, proc, raw)

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping
 from cluster.dispatcher import UnitDispatcher
 from cluster.unit import PromptTask
 from jobs.config import load_job_spec
-from jobs.plan.planner import check_local_gpus, check_model_path, with_chat_template_date
+from jobs.plan.planner import check_device, check_local_gpus, check_model_path, with_chat_template_date
 from jobs.pool_task import PoolTask
 from jobs.runner import connect_ray
 
@@ -46,11 +46,13 @@ def pool_setup(config: Any, overrides: Iterable[str] | Mapping[str, Any] = (), *
                model: str | None = None) -> PoolSetup:
     """Validate a job config for a GenerationPool and connect Ray as a job would (a local
     instance when cluster.address is null). Raises SpecError naming the key (bad config,
-    a model path or tokenizer that does not exist, more GPUs than a local machine has)."""
+    a model path or tokenizer that does not exist, a CUDA device without
+    cluster.gpus_per_worker, more GPUs than a local machine has)."""
     spec = load_job_spec({} if config is None else config, overrides)
     if model is not None:
         spec = load_job_spec(spec, {"model.path": str(model)})
     check_model_path(spec)
+    check_device(spec)
     check_local_gpus(spec)
     spec = with_chat_template_date(spec, None)  # the pool's creation date, for all its calls
     task = PoolTask(spec)

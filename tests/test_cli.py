@@ -220,3 +220,27 @@ def test_local_run_asking_for_more_gpus_than_the_machine_has_exits_2(tmp_path):
         assert "cluster.gpus_per_worker: the job asks for 64 GPU(s) (num_workers 64 x gpus_per_worker 1) but this " \
                "machine has" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_cuda_device_without_gpus_per_worker_exits_2(tmp_path):
+    """model.device cuda (or cuda:N) with cluster.gpus_per_worker 0: Ray reserves no GPU for
+    the workers and hides none from them, so every worker would land on the same GPU. `plan`
+    and `run` refuse it with exit 2 naming both keys, locally and for a cluster (address
+    set: refused before Ray is contacted), and write nothing; GenerationPool refuses it too."""
+    from jobs.errors import SpecError
+    from jobs.pool import pool_setup
+
+    for device, address in (("cuda", None), ("cuda:1", "ray://127.0.0.1:1")):
+        cfg = _plan_config(tmp_path, gpus_per_worker=0, **({"address": address} if address else {}))
+        data = json.loads(cfg.read_text())
+        data["model"] = {"device": device}
+        cfg.write_text(json.dumps(data))
+        for verb in ("plan", "run"):
+            r = cli(verb, cfg)
+            assert r.returncode == 2, (verb, device, r.stdout, r.stderr)
+            assert f"model.device: {device!r} with cluster.gpus_per_worker 0" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SpecError, match=r"model.device: 'cuda' with cluster.gpus_per_worker 0"):
+        pool_setup({"model": {"device": "cuda", "path": "tiny-random"}})
+    r = cli("plan", _plan_config(tmp_path, gpus_per_worker=0))  # device auto: cpu, as before
+    assert r.returncode == 0, r.stderr

@@ -7,7 +7,9 @@ Every architecture in engine/models implements `CausalLM`:
   as in the models' own code.
 - `forward_step(tokens, batch, kv)`: one prefill or decode step over the KV cache,
   (B, T) -> (B, V) fp32 logits at `batch.last_index` of each row. Attention goes through
-  `kv.attend(...)`; per-slot state (nanochat's smear) lives in `kv.state`.
+  `kv.attend(...)`; per-slot state (nanochat's smear) lives in `kv.state`. The logits may
+  live in a buffer the model's next step overwrites (`project_head`); a caller that keeps
+  them past that takes `owned_logits(...)` of them.
 Logits are cropped to the real vocabulary (`info.vocab_size`), padding excluded.
 """
 from __future__ import annotations
@@ -209,9 +211,11 @@ class CausalLM(nn.Module):
         The head (N = the vocabulary) is the largest matmul of a decode step. On CPU it goes
         through `linear`'s compiled GEMM (or oneDNN) and, for a bfloat16 model, returns the
         float32 sums unrounded: sampling and logprobs work on float32 logits. Otherwise (GPU
-        in float32, without oneDNN) allocating the (B, N) output every step would be a large
-        part of a small model's step, so the result is a matmul into a buffer that every
-        step reuses; it is valid until the next call.
+        in float32, CPU without the compiled kernels or oneDNN) allocating the (B, N) output
+        every step would be a large part of a small model's step, so the result is a matmul
+        into a buffer that every step reuses: it is valid until the next call, and whatever
+        keeps logits past it (a prefill's, kept across prefill chunks and for samples admitted
+        later) takes `owned_logits` of them.
         """
         if not self._reference and x.device.type == "cpu":
             packed = self._packed_weight(weight, None)
@@ -224,6 +228,14 @@ class CausalLM(nn.Module):
         if buf is None or buf.shape[0] < B or buf.shape[1] != N or buf.device != x.device:
             buf = self._head_out = torch.empty(max(B, 64), N, device=x.device)
         return torch.mm(x, weight.t(), out=buf[:B])
+
+    def owned_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (or a view of them) as a tensor no later step overwrites: a copy when they
+        share `project_head`'s reused buffer, else `logits` themselves (no copy)."""
+        buf = self._head_out
+        if buf is not None and logits.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+            return logits.clone()
+        return logits
 
     def _packed_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> "PackedWeight | torch.Tensor | None":
         """The packed copy of `weight` (and its bias) for a CPU step, made once per weight:

@@ -9,7 +9,8 @@ error of exit code 2 (SpecError, InputError) raised before Ray starts or anythin
 written; `batchgen plan` (jobs/plan/report.py) prints the plan.
 
 check_local_gpus is the other check a job makes of its machine before it starts: a local
-run asking for more GPUs than the machine has.
+run asking for more GPUs than the machine has. check_device (part of plan_job) refuses a
+CUDA device without GPUs reserved for the workers.
 
 with_chat_template_date fixes the one day a job's chat templates render at, before planning:
 the config's, else the day the output was created (its manifest), else today in UTC.
@@ -85,6 +86,7 @@ def plan_job(spec: Any, hash_cache: HashCache | None = None) -> JobPlan:
     `plan.warnings` and the log).
     """
     check_model_path(spec)
+    check_device(spec)
     scan = reader_for(spec).scan(spec)
     data = fingerprint_data(spec, scan.fingerprint_files, hash_cache, hash_checkpoint=scan.hash_checkpoint)
     return JobPlan(units=scan.units, files=scan.files, fingerprint=fingerprint_of(data),
@@ -125,6 +127,18 @@ def check_model_path(spec: Any) -> None:
                         f"a .gguf file, or {' or '.join(map(repr, BUILTIN_NAMES))})")
     if spec.model.tokenizer is not None and not os.path.exists(spec.model.tokenizer):
         raise SpecError(f"{spec.source}: model.tokenizer: {spec.model.tokenizer!r} does not exist")
+
+
+def check_device(spec: Any) -> None:
+    """Raise SpecError (exit code 2) naming model.device and cluster.gpus_per_worker when the
+    workers are to run on CUDA but reserve no GPU: Ray then neither places them by GPU nor
+    hides any GPU from them, so every worker would run on the same GPU of its node."""
+    device = spec.model.device
+    if device.split(":")[0] == "cuda" and not spec.cluster.gpus_per_worker:
+        raise SpecError(f"{spec.source}: model.device: {device!r} with cluster.gpus_per_worker 0: Ray would "
+                        f"reserve no GPU for the workers and every worker would run on the same GPU; set "
+                        f"cluster.gpus_per_worker (1: a GPU per worker; a fraction shares one) or model.device "
+                        f"auto or cpu")
 
 
 def check_local_gpus(spec: Any) -> None:
