@@ -332,3 +332,51 @@ def test_run_batch_210_lines_kill_and_rerun(tmp_path):
         return o
 
     assert [without_created(o) for o in again] == [without_created(o) for o in out]
+
+
+# ------------------------------------------------------------------ vLLM's run-batch output (issue 20)
+
+def run_lines(engine, model, tmp_path, lines, sets=()) -> list[str]:
+    """The lines through the job's units on `engine` in-process (run_in_process), then the
+    response file; returns its lines as written."""
+    from jobs.cli import batch_spec
+    from jobs.outputs.batch_responses import write_responses
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    spec = batch_spec(str(inp), str(tmp_path / "results.jsonl"), model=model,
+                      overrides=[f"model.max_seq_len={engine.max_seq_len}", *sets])
+    run_in_process(engine, spec)
+    write_responses(spec.output.path, str(tmp_path / "results.jsonl"))
+    return (tmp_path / "results.jsonl").read_text(encoding="utf-8").splitlines()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from engine import load_engine
+
+    return load_engine("tiny-random", device="cpu", dtype="float32", max_seq_len=300, max_num_seqs=8)
+
+
+def test_line_without_max_tokens_generates_to_the_context_limit(tiny, tmp_path):
+    """A chat line without max_tokens generates until the context window ends it (model.max_seq_len
+    minus the prompt), as vLLM and the OpenAI API do, not the job's 256; a completions line
+    without one gets 16, the OpenAI completions default that vLLM keeps; a job that sets
+    sampling.max_tokens gives that to both; a line's own max_completion_tokens wins."""
+    from jobs.spec import JobSpec
+
+    lines = [line("chat", ignore_eos=True), line("comp", url="/v1/completions", prompt=[100, 200, 300], ignore_eos=True),
+             line("five", ignore_eos=True, max_completion_tokens=5)]
+    sets = ["sampling.top_k=20"]  # a fast sampler on tiny-random's 100k tokens
+    out = [json.loads(raw) for raw in run_lines(tiny, "tiny-random", tmp_path / "a", lines, sets)]
+    usage = [o["response"]["body"]["usage"] for o in out]
+    assert usage[0]["prompt_tokens"] + usage[0]["completion_tokens"] == tiny.max_seq_len, usage[0]
+    assert usage[0]["completion_tokens"] > 256
+    assert usage[1]["completion_tokens"] == 16 and usage[2]["completion_tokens"] == 5
+    assert [o["response"]["body"]["choices"][0]["finish_reason"] for o in out] == ["length"] * 3
+
+    out = [json.loads(raw) for raw in run_lines(tiny, "tiny-random", tmp_path / "b", lines, [*sets, "sampling.max_tokens=40"])]
+    assert [o["response"]["body"]["usage"]["completion_tokens"] for o in out] == [40, 40, 5]
+    # the spec's own default: null, the context window (each endpoint's default in the parser)
+    assert JobSpec.from_dict({"input": {"path": "b.jsonl", "format": "openai_batch"}}).sampling.max_tokens is None

@@ -11,7 +11,9 @@ Input: a JSONL file, one request per line (blank lines are skipped):
 /v1/completions (`prompt`: a string, or token ids). The body's sampling parameters
 override the job's `sampling` for that line: max_completion_tokens / max_tokens, temperature,
 top_p, n, seed, stop, and vLLM's extras top_k (-1 or 0: off), min_p, stop_token_ids and
-ignore_eos. logprobs (chat: true; completions: 0) asks for the sampled tokens' logprobs in
+ignore_eos. A line without max_tokens gets the job's sampling.max_tokens if the job sets one,
+else (the default for this format) a chat line generates until the context window ends it and
+a completions line gets 16 tokens, as the OpenAI API and vLLM do. logprobs (chat: true; completions: 0) asks for the sampled tokens' logprobs in
 the response. Everything else that would change the answer (top_logprobs > 0, completions
 logprobs > 0, penalties, logit_bias, tools, response_format, stream, echo, best_of, ...) is
 refused, for that line only: a malformed line, a bad value or an unsupported parameter
@@ -52,6 +54,10 @@ from jobs.inputs.reader import InputFile, InputScan, open_input, resolve
 from jobs.outputs.schema import BATCH_FIELDS, CHAT_URL, COMPLETIONS_URL
 
 URLS = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
+# max_tokens of a /v1/completions line that sets none, when the job sets no sampling.max_tokens
+# (OpenAI's legacy completions default, which vLLM's CompletionRequest keeps); a chat line
+# without one generates until the context window ends it.
+COMPLETIONS_MAX_TOKENS = 16
 
 # body parameter -> SamplingParams field
 _PARAMS = {"n": "num_samples", "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
@@ -138,7 +144,7 @@ def _parse_request(obj: Any, out: ParsedLine, base: SamplingParams) -> str | Non
     out.logprobs, why = _logprobs_flag(kind, body.get("logprobs"))
     if why is not None:
         return why
-    changes, why = _sampling_changes(body)
+    changes, why = _sampling_changes(body, kind, base)
     if why is not None:
         return why
     out.params = dataclasses.replace(base, **changes) if changes else base
@@ -187,10 +193,16 @@ def _logprobs_flag(kind: str, lp: Any) -> tuple[bool, str | None]:
     return True, None
 
 
-def _sampling_changes(body: dict) -> tuple[dict[str, Any], str | None]:
-    """The SamplingParams fields the body sets (checked by the engine's rules), or ({}, why)."""
+def _sampling_changes(body: dict, kind: str, base: SamplingParams) -> tuple[dict[str, Any], str | None]:
+    """The SamplingParams fields the body sets (checked by the engine's rules), or ({}, why).
+
+    A line without max_tokens keeps the job's sampling.max_tokens when the job sets one; else
+    (base.max_tokens None) a chat line generates until the context window ends it and a
+    completions line gets COMPLETIONS_MAX_TOKENS, the defaults of the OpenAI API and vLLM."""
     changes: dict[str, Any] = {}
     max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if body.get(max_key) is None and base.max_tokens is None and kind == "completion":
+        changes["max_tokens"] = COMPLETIONS_MAX_TOKENS
     items = [(max_key, "max_tokens", body.get(max_key))] + [(k, f, body.get(k)) for k, f in _PARAMS.items()]
     for key, name, value in items:
         if value is None:
