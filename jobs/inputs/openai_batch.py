@@ -54,6 +54,10 @@ from jobs.inputs.reader import InputFile, InputScan, open_input, resolve
 from jobs.outputs.schema import BATCH_FIELDS, CHAT_URL, COMPLETIONS_URL
 
 URLS = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
+# in the fingerprint: the layout of the `choice` objects the units store (2: vLLM's keys,
+# stop_reason null for EOS, content without special tokens), so that a job begun by an
+# earlier batchgen is not resumed into a mix of layouts
+CHOICE_FORMAT = "choices-v2"
 # max_tokens of a /v1/completions line that sets none, when the job sets no sampling.max_tokens
 # (OpenAI's legacy completions default, which vLLM's CompletionRequest keeps); a chat line
 # without one generates until the context window ends it.
@@ -77,9 +81,9 @@ _DEFAULT_ONLY = {
 }
 _KEYS = {
     "chat": set(_PARAMS) | _IGNORED | set(_DEFAULT_ONLY) - {"echo", "suffix"}
-    | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "ignore_eos"},
+    | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "ignore_eos", "skip_special_tokens"},
     "completion": set(_PARAMS) | _IGNORED | set(_DEFAULT_ONLY) - {"top_logprobs"}
-    | {"prompt", "max_tokens", "logprobs", "ignore_eos", "best_of"},
+    | {"prompt", "max_tokens", "logprobs", "ignore_eos", "best_of", "skip_special_tokens"},
 }
 
 
@@ -97,6 +101,8 @@ class ParsedLine:
     prompt: Any = None
     params: SamplingParams | None = None
     logprobs: bool = False
+    skip_special_tokens: bool = True
+    ignore_eos: bool = False
     error: str | None = None
 
 
@@ -147,6 +153,10 @@ def _parse_request(obj: Any, out: ParsedLine, base: SamplingParams) -> str | Non
     changes, why = _sampling_changes(body, kind, base)
     if why is not None:
         return why
+    skip = body.get("skip_special_tokens")
+    if skip is not None and not isinstance(skip, bool):
+        return f"body.skip_special_tokens: must be true or false, got {skip!r}"
+    out.skip_special_tokens, out.ignore_eos = skip is not False, body.get("ignore_eos") is True
     out.params = dataclasses.replace(base, **changes) if changes else base
     return None
 
@@ -329,7 +339,7 @@ class BatchReader:
             raise InputError(f"input.path {path}: no request lines (an OpenAI batch file has one JSON request a line)")
         files = [InputFile(path=source, name=name, size=int(info.size or 0), num_rows=count, schema=pa.schema([]))]
         return InputScan(root=p.rsplit("/", 1)[0] if "/" in p else "", files=files, units=units,
-                         fingerprint_files=[[name, int(info.size or 0), count, sha.hexdigest()]],
+                         fingerprint_files=[[name, int(info.size or 0), count, sha.hexdigest(), CHOICE_FORMAT]],
                          passthrough_fields=list(BATCH_FIELDS), expected_rows=expected, reader_state=bp,
                          hash_checkpoint=False)
 
@@ -379,7 +389,8 @@ class BatchReader:
                 tokens = None
         return UnitRequest(prompt_id=pid, prompt_tokens=tokens, error=error, params=line_params, passthrough={
             "custom_id": parsed.custom_id, "batch_line": lineno, "endpoint": parsed.url,
-            "request_model": parsed.model, "_kind": parsed.kind, "_logprobs": parsed.logprobs})
+            "request_model": parsed.model, "_kind": parsed.kind, "_logprobs": parsed.logprobs,
+            "_skip_special": parsed.skip_special_tokens, "_ignore_eos": parsed.ignore_eos})
 
 
 def _cut_lines(stream: Any, sha: Any, name: str, source: str, base: SamplingParams,
