@@ -90,7 +90,12 @@ def test_body_parameters_map_to_sampling_params():
     (line(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
      "message 0 content part 0: type 'image_url' is not supported"),
     (line(messages=[{"role": "user", "content": None}]), "message 0 (user) has no content"),
-    (line(messages=[{"role": "assistant", "content": "x", "tool_calls": []}]), "message 0: 'tool_calls' is not supported"),
+    (line(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]),
+     "message 1 tool call 0: function.arguments is not valid JSON"),
+    (line(messages=[{"role": "user", "content": "x", "name": 5}]), "message 0: name must be a string, got 5"),
+    (line(tool_choice="required"), "body.tool_choice: 'required' is not supported"),
+    (line(chat_template_kwargs={"enable_thinking": False}), "body.chat_template_kwargs: not supported by batchgen"),
 ])
 def test_malformed_lines_are_errors_naming_the_field(raw, fragment):
     p = parse_line(raw.encode(), 9, BASE, "f")
@@ -553,3 +558,64 @@ def test_special_tokens_are_skipped_in_content(smollm2):
     assert c["text"] == "Hiuser\nMore"
     c = _formatted(tok, line(skip_special_tokens=False), toks, "stop", eos)
     assert c["message"]["content"] == "Hi<|im_end|><|im_start|>user\nMore"
+
+
+TOOL_TEMPLATE = ("{% for m in messages %}<{{ m.role }}{% if m.name %} name={{ m.name }}{% endif %}"
+                 "{% if m.tool_call_id %} id={{ m.tool_call_id }}{% endif %}>{{ m.content }}"
+                 "{% for c in m.tool_calls or [] %}[call {{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }}]"
+                 "{% endfor %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_messages_with_name_tool_calls_and_tool_call_id_reach_the_chat_template(smollm2):
+    """A conversation with a named user, an assistant tool call (content null, arguments as the
+    OpenAI JSON string) and the tool's answer is accepted and rendered by the model's chat
+    template with those fields, the arguments as an object (as vLLM hands them to
+    transformers' templates); Qwen2.5's real template renders the call."""
+    from engine.tokenizers.hf_tokenizer import HFTokenizer
+    from hf_cases import QWEN25_TEMPLATE
+    from jobs.inputs.openai_batch import BatchPlan, BatchReader
+
+    base = smollm2.tokenizer
+    messages = [{"role": "user", "name": "ann", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]
+    raw = line(messages=messages).encode()
+    p = parse_line(raw, 1, BASE, "f")
+    assert p.error is None, p.error
+    for template, expected in [
+        (TOOL_TEMPLATE, "<user name=ann>Weather in Paris?\n<assistant>[call call_1 get_weather {\"city\": \"Paris\"}]\n"
+                        "<tool id=call_1>22C\n<assistant>"),
+        (QWEN25_TEMPLATE, "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+                          "{\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n22C\n"
+                          "</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+    ]:
+        tok = HFTokenizer(base.backend, special_tokens_map=base.special_tokens_map, chat_template=template, name="t")
+        req = BatchReader(BatchPlan(name="f"))._request(raw, 1, BASE, tok, None, tok.vocab_size)
+        assert req.error is None, req.error
+        assert tok.decode(req.prompt_tokens).endswith(expected), tok.decode(req.prompt_tokens)
+
+
+def test_unknown_body_and_message_keys_are_ignored_with_a_warning(tmp_path):
+    """Body keys that neither the OpenAI API nor vLLM define, and message keys batchgen does not
+    pass to the template, are ignored with a warning naming them and their lines (vLLM logs
+    "fields were present in the request but ignored"), not refused; what batchgen cannot
+    compute (tools, penalties, ...) is still refused for its line."""
+    from jobs.inputs.openai_batch import BatchReader
+    from jobs.spec import JobSpec
+
+    lines = [line("a", my_tag="x", messages=[{"role": "user", "content": "Hi", "weight": 1}]),
+             line("b", my_tag="y", vllm_xargs={"k": 1}), line("c", tools=[{"type": "function"}])]
+    for n, raw in enumerate(lines[:2], 1):
+        p = parse_line(raw.encode(), n, BASE, "f")
+        assert p.error is None, p.error
+    assert "body.tools" in parse_line(lines[2].encode(), 3, BASE, "f").error
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    spec = JobSpec.from_dict({"input": {"path": str(inp), "format": "openai_batch"}})
+    warnings = BatchReader().scan(spec).warnings
+    assert any("body.my_tag" in w and "2 lines" in w and "first line 1" in w for w in warnings), warnings
+    assert any("body.vllm_xargs" in w and "line 2" in w for w in warnings), warnings
+    assert any("messages[].weight" in w and "line 1" in w for w in warnings), warnings
+    assert not any("tools" in w for w in warnings), warnings
