@@ -436,13 +436,13 @@ def run_lines(engine, model, tmp_path, lines, sets=()) -> list[str]:
 
 
 def test_vllm_run_batch_input_gives_vllm_shaped_output(smollm2, tmp_path):
-    """vLLM's own run-batch test lines give response lines in vLLM's layout, byte for byte
-    where the OpenAI API defines the fields (check_vllm_line): the good requests answer
-    (their max_tokens 1000 cut by the context window; an EOS stop has stop_reason null; usage
-    counts the rendered prompt), the unknown URL and the stream request are 400 lines whose
-    error is vLLM's ErrorResponse object, and the unserved model name is answered by the job's
-    model (batchgen's documented difference). SmolLM2 with a 160-token context, greedy, to
-    keep it short."""
+    """vLLM's own run-batch test lines give response lines in vLLM's layout: its keys in its
+    order at every level, serialized as its pydantic models are (check_vllm_line). The good
+    requests answer (their max_tokens 1000 cut by the context window; an EOS stop has
+    stop_reason null; usage counts the rendered prompt), the unknown URL and the stream
+    request are 400 lines whose error is vLLM's ErrorResponse object, and the unserved model
+    name is answered by the job's model (batchgen's documented difference). SmolLM2 with a
+    160-token context, greedy, to keep it short."""
     from engine.engine import Engine
 
     short = Engine(smollm2.model, smollm2.tokenizer, max_seq_len=160, max_num_seqs=8)
