@@ -558,6 +558,10 @@ def test_special_tokens_are_skipped_in_content(smollm2):
     assert c["text"] == "Hiuser\nMore"
     c = _formatted(tok, line(skip_special_tokens=False), toks, "stop", eos)
     assert c["message"]["content"] == "Hi<|im_end|><|im_start|>user\nMore"
+    bang = tok.encode("!")[0]  # a stop token that is not special, one special token before it
+    c = _formatted(tok, line(stop_token_ids=[bang]), tok.encode("Hi") + [im_start] + tok.encode("user") + [bang],
+                   "stop", bang)
+    assert (c["message"]["content"], c["stop_reason"]) == ("Hiuser", bang)
 
 
 TOOL_TEMPLATE = ("{% for m in messages %}<{{ m.role }}{% if m.name %} name={{ m.name }}{% endif %}"

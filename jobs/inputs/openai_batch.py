@@ -14,14 +14,15 @@ top_p, n, seed, stop, and vLLM's extras top_k (-1 or 0: off), min_p, stop_token_
 ignore_eos. A line without max_tokens gets the job's sampling.max_tokens if the job sets one,
 else (the default for this format) a chat line generates until the context window ends it and
 a completions line gets 16 tokens, as the OpenAI API and vLLM do. logprobs (chat: true;
-completions: 0) asks for the sampled tokens' logprobs in the response; skip_special_tokens false keeps special tokens in its content. A chat message
-reaches the chat template with its role, content, name, tool_calls (arguments parsed into
-objects) and tool_call_id, as vLLM passes them. Everything else that would change the answer
-(top_logprobs > 0, completions logprobs > 0, penalties, logit_bias, tools, response_format,
-stream, echo, best_of, ...: _DEFAULT_ONLY and _FEATURES) is refused, for that line only: a
-malformed line, a bad value or an unsupported parameter becomes an error line (status_code
-400) naming the line and the field, and the others run. Keys batchgen does not know, in the
-body or in a message, are ignored with a warning naming them (as vLLM does), not refused.
+completions: 0) asks for the sampled tokens' logprobs in the response; skip_special_tokens
+false keeps special tokens in its content. A chat message reaches the chat template with its
+role, content, name, tool_calls (arguments parsed into objects) and tool_call_id, as vLLM
+passes them. Everything else that would change the answer (top_logprobs > 0, completions
+logprobs > 0, penalties, logit_bias, tools, response_format, stream, echo, best_of, ...:
+_DEFAULT_ONLY and _FEATURES) is refused, for that line only: a malformed line, a bad value or
+an unsupported parameter becomes an error line (status_code 400) naming the line and the
+field, and the others run. Keys batchgen does not know, in the body or in a message, are
+ignored with a warning naming them (as vLLM does), not refused.
 `custom_id` is the request's prompt_id (it keys the sampling noise, so a request's samples do
 not depend on its position in the file); a custom_id used twice makes the later line an error.
 

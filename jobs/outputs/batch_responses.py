@@ -101,7 +101,8 @@ def eos_token_id(tokenizer: Any) -> int | None:
 def _stop_reason(reason: int | str | None, tokenizer: Any, ignore_eos: bool) -> int | str | None:
     """A choice's stop_reason as vLLM reports it: None for the EOS token (unless the request
     ignored EOS and listed it as a stop token), the id of another stop token, the stop string."""
-    if isinstance(reason, int) and not isinstance(reason, bool) and not ignore_eos and reason == eos_token_id(tokenizer):
+    is_id = isinstance(reason, int) and not isinstance(reason, bool)
+    if is_id and not ignore_eos and reason == eos_token_id(tokenizer):
         return None
     return reason
 
@@ -110,13 +111,13 @@ def _without_special_tokens(sample: Any, text: str | None, tokenizer: Any) -> st
     """The sample's text with its special tokens skipped (vLLM's skip_special_tokens, on by
     default): `text` itself when the sample has none (its stop token aside)."""
     specials = set((getattr(tokenizer, "special_tokens", None) or {}).values())
-    toks = [t for t in sample.tokens if t not in specials]
-    stop = sample.stop_reason
-    dropped = len(sample.tokens) - len(toks)
-    if not dropped or (dropped == 1 and isinstance(stop, int) and sample.tokens[-1] == stop):
+    toks, stop = list(sample.tokens), sample.stop_reason
+    if isinstance(stop, int) and toks and toks[-1] == stop:
+        toks.pop()  # the stop token, never in the text
+    if not any(t in specials for t in toks):
         return text
     try:
-        return completion_text(tokenizer, toks, stop)
+        return completion_text(tokenizer, [t for t in toks if t not in specials], stop if isinstance(stop, str) else None)
     except Exception:  # noqa: BLE001 - decoding is best effort, as for the text column
         return text
 
