@@ -19,6 +19,8 @@ class SamplingParams:
             KV cache fanned out to `num_samples` slots.
         max_tokens: most tokens generated per sample (>= 1), forced tool-output tokens
             included; the model's context window also ends a sample (finish_reason "length").
+            None: no limit but the context window (max_seq_len minus the prompt), as the
+            OpenAI chat API does without max_tokens.
         temperature: 0 is greedy (argmax); > 0 divides the logits before sampling.
         top_k: keep the k most likely tokens; 0 (or None) keeps all.
         top_p: nucleus sampling, keep the smallest set whose probability reaches top_p;
@@ -44,7 +46,7 @@ class SamplingParams:
     """
 
     num_samples: int = 1
-    max_tokens: int = 256
+    max_tokens: int | None = 256
     temperature: float = 1.0
     top_k: int | None = 0
     top_p: float = 1.0
@@ -76,11 +78,15 @@ def check_sampling_value(name: str, v: Any) -> Any:
     SamplingParams and the job spec's `sampling` section.
 
     Returns the normalised value (top_k None -> 0, stop_token_ids and stop lists -> tuples, a
-    single stop string -> a 1-tuple, an empty stop list -> None, floats as float). Raises
+    single stop string -> a 1-tuple, an empty stop list -> None, floats as float; max_tokens
+    None stays None: no limit but the context window). Raises
     ValueError("must be ..., got X") for a bad value, KeyError for an unknown name.
     """
-    if name in ("num_samples", "max_tokens"):
+    if name == "num_samples":
         if not _is_int(v) or v < 1:
+            raise ValueError(f"must be an integer >= 1, got {v!r}")
+    elif name == "max_tokens":
+        if v is not None and (not _is_int(v) or v < 1):
             raise ValueError(f"must be an integer >= 1, got {v!r}")
     elif name == "temperature":
         if not _is_number(v) or not math.isfinite(v) or v < 0:

@@ -7,8 +7,9 @@ The KV arena (engine/kv_cache.py) is handed out in contiguous runs of blocks
   Without prefix sharing each sample copies it into its own run, and it is freed as soon
   as the last sample is admitted;
 - one run per sample, reserved at admission for everything it can generate:
-  min(max_tokens, max_seq_len - prompt length) positions (plus its copy of the prompt
-  without prefix sharing), so a running sample never waits for memory.
+  min(max_tokens, max_seq_len - prompt length) positions (max_seq_len - prompt length when
+  max_tokens is None; plus its copy of the prompt without prefix sharing), so a running
+  sample never waits for memory.
 
 Admission follows arrival order. A prompt needs its own run and at least one sample's run to
 be admitted (it is prefilled then); it takes as many of its samples as fit, and the rest
@@ -85,7 +86,8 @@ class Scheduler:
         """Blocks reserved for each sample of `req`: what it can generate, and its copy of the
         prompt without prefix sharing."""
         n = len(req.prompt_tokens)
-        gen = min(req.params.max_tokens, self.max_seq_len - n)
+        limit = req.params.max_tokens  # None: until the context window
+        gen = self.max_seq_len - n if limit is None else min(limit, self.max_seq_len - n)
         return self._blocks(gen if self.prefix_sharing else n + gen)
 
     @staticmethod

@@ -134,7 +134,8 @@ class Sequence:
                 return
         if tools is not None and not forced and self.request.params.calculator:
             self._tool_step(token, tools, tokenizer)
-        if len(self.tokens) >= self.request.params.max_tokens or self.position + 1 >= max_len:
+        limit = self.request.params.max_tokens  # None: only the context window ends it
+        if (limit is not None and len(self.tokens) >= limit) or self.position + 1 >= max_len:
             self.finish_reason = "length"
 
     def _tool_step(self, token: int, tools: ToolTokens, tokenizer) -> None:

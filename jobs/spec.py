@@ -41,8 +41,10 @@ it across machine kinds.
 jobs.inputs.row_params.ROW_FIELDS) override `sampling` for that row (jobs/inputs/row_params.py).
 
 `input.format: openai_batch` reads an OpenAI Batch JSONL file (jobs/inputs/openai_batch.py): each
-line's body sets its own sampling parameters over `sampling`, whose num_samples and top_k
-default to OpenAI's (1 and off) for this format when the config does not set them.
+line's body sets its own sampling parameters over `sampling`, whose num_samples, top_k and
+max_tokens default to OpenAI's (1, off, and none: a chat line generates until the context
+window ends it, a completions line 16 tokens) for this format when the config does not set them.
+`sampling.max_tokens: null` means "until the context window" for any format.
 
 Errors: every problem raises jobs.errors.SpecError (exit code 2) whose message names the
 file and the dotted key, e.g. "configs/x.yaml: sampling.top_p: must be in (0, 1], got 1.5".
@@ -294,9 +296,10 @@ class JobSpec(_Section):
 
     @model_validator(mode="after")
     def _openai_defaults(self) -> "JobSpec":
-        # OpenAI's defaults for what a batch line leaves out: one choice, no top_k
+        # OpenAI's defaults for what a batch line leaves out: one choice, no top_k, and no
+        # max_tokens (the parser gives chat lines the context window, completions lines 16)
         if self.input.format == "openai_batch":
-            for key, value in (("num_samples", 1), ("top_k", 0)):
+            for key, value in (("num_samples", 1), ("top_k", 0), ("max_tokens", None)):
                 if key not in self.sampling.model_fields_set:
                     setattr(self.sampling, key, value)
         return self

@@ -90,7 +90,12 @@ def test_body_parameters_map_to_sampling_params():
     (line(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
      "message 0 content part 0: type 'image_url' is not supported"),
     (line(messages=[{"role": "user", "content": None}]), "message 0 (user) has no content"),
-    (line(messages=[{"role": "assistant", "content": "x", "tool_calls": []}]), "message 0: 'tool_calls' is not supported"),
+    (line(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]),
+     "message 1 tool call 0: function.arguments is not valid JSON"),
+    (line(messages=[{"role": "user", "content": "x", "name": 5}]), "message 0: name must be a string, got 5"),
+    (line(tool_choice="required"), "body.tool_choice: 'required' is not supported"),
+    (line(chat_template_kwargs={"enable_thinking": False}), "body.chat_template_kwargs: not supported by batchgen"),
 ])
 def test_malformed_lines_are_errors_naming_the_field(raw, fragment):
     p = parse_line(raw.encode(), 9, BASE, "f")
@@ -146,8 +151,8 @@ def run_in_process(engine, spec):
 
 def test_smollm2_chat_and_completions(smollm2, tmp_path):
     """Chat lines render with SmolLM2's ChatML template and answer as the engine does on the
-    same rendered prompt; the stop token <|im_end|> ends the chat answer (stop_reason its
-    text, kept in the dataset's tokens, not in the content or the logprobs); a completion
+    same rendered prompt; the EOS token <|im_end|> ends the chat answer (stop_reason null, as
+    vLLM says; kept in the dataset's tokens, not in the content or the logprobs); a completion
     stops on a string; a bad line is a 400 between them."""
     from engine.tokenizers.stop_strings import completion_text
     from jobs.outputs.batch_responses import write_responses
@@ -170,7 +175,7 @@ def test_smollm2_chat_and_completions(smollm2, tmp_path):
     plan = run_in_process(smollm2, spec)
     assert len(plan.units) == 2 and OutputDir(spec.output.path).verify() == []
     n = write_responses(spec.output.path, str(tmp_path / "results.jsonl"))
-    out = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    out = [check_vllm_line(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert n == 3 and [o["custom_id"] for o in out] == ["chat-1", "bad", "comp-1"]
 
     tok = smollm2.tokenizer
@@ -181,20 +186,21 @@ def test_smollm2_chat_and_completions(smollm2, tmp_path):
     (choice,) = body["choices"]
     prompt = tok.render_chat([{"role": "user", "content": q}])
     s = smollm2.generate([prompt], SamplingParams(temperature=0, max_tokens=140, top_k=0), prompt_ids=["chat-1"])[0][0]
-    assert choice["message"] == {"role": "assistant", "content": completion_text(tok, s.tokens, s.stop_reason)}
+    assert choice["message"] == {"role": "assistant", "content": completion_text(tok, s.tokens, s.stop_reason),
+                                 "refusal": None, "annotations": None, "audio": None, "function_call": None}
     assert s.finish_reason == "stop" and s.tokens[-1] == 2  # a trained model ends its answer with <|im_end|>
-    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "<|im_end|>")
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)  # EOS, as vLLM reports it
     assert "<|im_end|>" not in choice["message"]["content"] and "bolts" in choice["message"]["content"]
     content = choice["logprobs"]["content"]
     assert [c["token"] for c in content] == [tok.decode([t]) for t in s.tokens[:-1]]
     assert [c["logprob"] for c in content] == pytest.approx(s.logprobs[:-1], abs=1e-6)
     assert bytes(b for c in content for b in c["bytes"]).decode() == choice["message"]["content"]
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(s.tokens),
-                             "total_tokens": len(prompt) + len(s.tokens)}
+                             "total_tokens": len(prompt) + len(s.tokens), "prompt_tokens_details": None}
 
     bad = out[1]
     assert bad["response"] == {"status_code": 400, "request_id": bad["response"]["request_id"], "body": None}
-    assert "batch.jsonl line 2: body.temperature: must be a finite number" in bad["error"]["message"]
+    assert "batch.jsonl line 2: body.temperature: must be a finite number" in bad["error"]["error"]["message"]
 
     comp = out[2]["response"]["body"]
     assert comp["object"] == "text_completion" and comp["model"] == "my-model"
@@ -276,7 +282,7 @@ def test_run_batch_210_lines_kill_and_rerun(tmp_path):
         torch.set_num_threads(threads)
     assert OutputDir(spec.output.path).verify() == []
     write_responses(spec.output.path, str(ref))
-    out = [json.loads(x) for x in ref.read_text().splitlines()]
+    out = [check_vllm_line(x) for x in ref.read_text().splitlines()]
 
     # one response per request line, in input order; 400s exactly for the malformed lines
     request_lines = [(n, x) for n, x in enumerate(lines, 1) if x.strip()]
@@ -289,7 +295,8 @@ def test_run_batch_210_lines_kill_and_rerun(tmp_path):
         assert o["custom_id"] == cid
         if n in bad:
             assert o["response"]["status_code"] == 400 and o["response"]["body"] is None
-            assert o["error"]["message"].startswith(f"batch.jsonl line {n}: ") and bad[n] in o["error"]["message"]
+            message = o["error"]["error"]["message"]
+            assert message.startswith(f"batch.jsonl line {n}: ") and bad[n] in message
             continue
         assert o["response"]["status_code"] == 200 and o["error"] is None, o
         req = json.loads(raw)["body"]
@@ -333,3 +340,287 @@ def test_run_batch_210_lines_kill_and_rerun(tmp_path):
         return o
 
     assert [without_created(o) for o in again] == [without_created(o) for o in out]
+
+
+# ------------------------------------------------------------------ vLLM's run-batch output (issue 20)
+
+# The chat request lines of vLLM's own run-batch test (INPUT_BATCH in vLLM's
+# tests/entrypoints/openai/test_run_batch.py), with our model name in place of theirs
+# ("hmellor/tiny-random-LlamaForCausalLM"); request-3 names a model that is not served,
+# request-4 an endpoint nobody serves, request-5 asks for a stream (as the string "True").
+VLLM_INPUT_BATCH = """\
+{"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "smollm2", "messages": [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello world!"}], "max_tokens": 1000}}
+{"custom_id": "request-2", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "smollm2", "messages": [{"role": "system", "content": "You are an unhelpful assistant."}, {"role": "user", "content": "Hello world!"}], "max_tokens": 1000}}
+{"custom_id": "request-3", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "NonExistModel", "messages": [{"role": "system", "content": "You are an unhelpful assistant."}, {"role": "user", "content": "Hello world!"}], "max_tokens": 1000}}
+{"custom_id": "request-4", "method": "POST", "url": "/bad_url", "body": {"model": "smollm2", "messages": [{"role": "system", "content": "You are an unhelpful assistant."}, {"role": "user", "content": "Hello world!"}], "max_tokens": 1000}}
+{"custom_id": "request-5", "method": "POST", "url": "/v1/chat/completions", "body": {"stream": "True", "model": "smollm2", "messages": [{"role": "system", "content": "You are an unhelpful assistant."}, {"role": "user", "content": "Hello world!"}], "max_tokens": 1000}}
+"""
+
+# The keys vLLM writes, in its order (the field order of its pydantic models: BatchRequestOutput,
+# BatchResponseData, ChatCompletionResponse / CompletionResponse and their choices, ChatMessage,
+# UsageInfo, ErrorResponse / ErrorInfo), for the fields the OpenAI API defines plus vLLM's
+# stop_reason. vLLM adds fields of its own after these (reasoning, token_ids, prompt_logprobs,
+# kv_transfer_params, ..., varying by version), which batchgen does not write.
+VLLM_KEYS = {
+    "line": ["id", "custom_id", "response", "error"],
+    "response": ["status_code", "request_id", "body"],
+    "body": ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage"],
+    "chat_choice": ["index", "message", "logprobs", "finish_reason", "stop_reason"],
+    "completion_choice": ["index", "text", "logprobs", "finish_reason", "stop_reason"],
+    "message": ["role", "content", "refusal", "annotations", "audio", "function_call"],
+    "usage": ["prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details"],
+    "error": ["error"],
+    "error_info": ["message", "type", "param", "code"],
+    "chat_logprobs": ["content"],
+    "chat_logprob": ["token", "logprob", "bytes", "top_logprobs"],
+    "completion_logprobs": ["text_offset", "token_logprobs", "tokens", "top_logprobs"],
+}
+
+
+def check_vllm_line(raw: str) -> dict:
+    """One response line checked against what vLLM's run-batch writes: pydantic's JSON (compact,
+    its float and string encoding: the line is byte-identical to pydantic_core.to_json of its
+    own value), and vLLM's keys in vLLM's order at every level. Returns the parsed line."""
+    import pydantic_core
+
+    o = json.loads(raw)
+    assert raw == pydantic_core.to_json(o).decode(), raw
+    assert list(o) == VLLM_KEYS["line"]
+    assert isinstance(o["id"], str) and o["id"]
+    assert list(o["response"]) == VLLM_KEYS["response"]
+    assert isinstance(o["response"]["request_id"], str) and o["response"]["request_id"]
+    body = o["response"]["body"]
+    if body is None:
+        assert o["response"]["status_code"] == 400
+        assert list(o["error"]) == VLLM_KEYS["error"] and list(o["error"]["error"]) == VLLM_KEYS["error_info"]
+        info = o["error"]["error"]
+        assert (info["type"], info["code"]) == ("BadRequestError", 400) and isinstance(info["message"], str)
+        assert info["param"] is None or isinstance(info["param"], str)
+        return o
+    assert o["response"]["status_code"] == 200 and o["error"] is None
+    assert list(body) == VLLM_KEYS["body"] and body["service_tier"] is None
+    chat = body["object"] == "chat.completion"
+    assert chat or body["object"] == "text_completion"
+    assert list(body["usage"]) == VLLM_KEYS["usage"] and body["usage"]["prompt_tokens_details"] is None
+    u = body["usage"]
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    for c in body["choices"]:
+        assert list(c) == VLLM_KEYS["chat_choice" if chat else "completion_choice"]
+        assert c["finish_reason"] in ("stop", "length")
+        assert c["finish_reason"] == "stop" or c["stop_reason"] is None
+        if chat:
+            assert list(c["message"]) == VLLM_KEYS["message"] and c["message"]["role"] == "assistant"
+            assert all(c["message"][k] is None for k in VLLM_KEYS["message"][2:])
+        if c["logprobs"] is not None:
+            if chat:
+                assert list(c["logprobs"]) == VLLM_KEYS["chat_logprobs"]
+                assert all(list(e) == VLLM_KEYS["chat_logprob"] for e in c["logprobs"]["content"])
+            else:
+                assert list(c["logprobs"]) == VLLM_KEYS["completion_logprobs"]
+    return o
+
+
+def run_lines(engine, model, tmp_path, lines, sets=()) -> list[str]:
+    """The lines through the job's units on `engine` in-process (run_in_process), then the
+    response file; returns its lines as written."""
+    from jobs.cli import batch_spec
+    from jobs.outputs.batch_responses import write_responses
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    spec = batch_spec(str(inp), str(tmp_path / "results.jsonl"), model=model,
+                      overrides=[f"model.max_seq_len={engine.max_seq_len}", *sets])
+    run_in_process(engine, spec)
+    write_responses(spec.output.path, str(tmp_path / "results.jsonl"))
+    return (tmp_path / "results.jsonl").read_text(encoding="utf-8").splitlines()
+
+
+def test_vllm_run_batch_input_gives_vllm_shaped_output(smollm2, tmp_path):
+    """vLLM's own run-batch test lines give response lines in vLLM's layout: its keys in its
+    order at every level, serialized as its pydantic models are (check_vllm_line). The good
+    requests answer (their max_tokens 1000 cut by the context window; an EOS stop has
+    stop_reason null; usage counts the rendered prompt), the unknown URL and the stream
+    request are 400 lines whose error is vLLM's ErrorResponse object, and the unserved model
+    name is answered by the job's model (batchgen's documented difference). SmolLM2 with a
+    160-token context, greedy, to keep it short."""
+    from engine.engine import Engine
+
+    short = Engine(smollm2.model, smollm2.tokenizer, max_seq_len=160, max_num_seqs=8)
+    lines = VLLM_INPUT_BATCH.splitlines()
+    out = [check_vllm_line(raw) for raw in run_lines(short, "smollm2", tmp_path, lines, ["sampling.temperature=0"])]
+    assert [o["custom_id"] for o in out] == [f"request-{i}" for i in range(1, 6)]
+    tok = smollm2.tokenizer
+    for o, raw in zip(out[:3], lines[:3]):
+        req = json.loads(raw)["body"]
+        body = o["response"]["body"]
+        assert body["model"] == req["model"]
+        (c,) = body["choices"]
+        assert body["usage"]["prompt_tokens"] == len(tok.render_chat(req["messages"]))
+        assert body["usage"]["completion_tokens"] <= short.max_seq_len - body["usage"]["prompt_tokens"]
+        assert c["stop_reason"] is None  # the EOS token <|im_end|> or the context window ended it
+        assert "<|im_end|>" not in c["message"]["content"] and "<|im_start|>" not in c["message"]["content"]
+    assert any(o["response"]["body"]["choices"][0]["finish_reason"] == "stop" for o in out[:3])
+    bad_url, stream = out[3]["error"]["error"], out[4]["error"]["error"]
+    assert bad_url["message"].startswith("batch.jsonl line 4: url: '/bad_url' is not supported"), bad_url
+    assert stream["message"].startswith("batch.jsonl line 5: body.stream: 'True' is not supported"), stream
+    assert stream["param"] == "stream"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from engine import load_engine
+
+    return load_engine("tiny-random", device="cpu", dtype="float32", max_seq_len=300, max_num_seqs=8)
+
+
+def test_line_without_max_tokens_generates_to_the_context_limit(tiny, tmp_path):
+    """A chat line without max_tokens generates until the context window ends it (model.max_seq_len
+    minus the prompt), as vLLM and the OpenAI API do, not the job's 256; a completions line
+    without one gets 16, the OpenAI completions default that vLLM keeps; a job that sets
+    sampling.max_tokens gives that to both; a line's own max_completion_tokens wins."""
+    from jobs.spec import JobSpec
+
+    lines = [line("chat", ignore_eos=True), line("comp", url="/v1/completions", prompt=[100, 200, 300], ignore_eos=True),
+             line("five", ignore_eos=True, max_completion_tokens=5)]
+    sets = ["sampling.top_k=20"]  # a fast sampler on tiny-random's 100k tokens
+    out = [json.loads(raw) for raw in run_lines(tiny, "tiny-random", tmp_path / "a", lines, sets)]
+    usage = [o["response"]["body"]["usage"] for o in out]
+    assert usage[0]["prompt_tokens"] + usage[0]["completion_tokens"] == tiny.max_seq_len, usage[0]
+    assert usage[0]["completion_tokens"] > 256
+    assert usage[1]["completion_tokens"] == 16 and usage[2]["completion_tokens"] == 5
+    assert [o["response"]["body"]["choices"][0]["finish_reason"] for o in out] == ["length"] * 3
+
+    out = [json.loads(raw) for raw in run_lines(tiny, "tiny-random", tmp_path / "b", lines, [*sets, "sampling.max_tokens=40"])]
+    assert [o["response"]["body"]["usage"]["completion_tokens"] for o in out] == [40, 40, 5]
+    # the spec's own default: null, the context window (each endpoint's default in the parser)
+    assert JobSpec.from_dict({"input": {"path": "b.jsonl", "format": "openai_batch"}}).sampling.max_tokens is None
+
+
+def test_error_line_is_vllm_error_response(tiny, tmp_path):
+    """A refused line is written as vLLM writes a request its server refuses: status_code 400,
+    body null, and `error` holding vLLM's ErrorResponse, {"error": {"message", "type":
+    "BadRequestError", "param": the body field or null, "code": 400}}."""
+    lines = [line("bad", temperature=-1), line("ok", max_completion_tokens=2), "{not json"]
+    raws = run_lines(tiny, "tiny-random", tmp_path, lines)
+    out = [check_vllm_line(raw) for raw in raws]
+    assert out[0]["response"]["body"] is None and out[0]["response"]["status_code"] == 400
+    assert out[0]["error"] == {"error": {"message": out[0]["error"]["error"]["message"], "type": "BadRequestError",
+                                         "param": "temperature", "code": 400}}
+    assert out[0]["error"]["error"]["message"].startswith("batch.jsonl line 1: body.temperature: must be")
+    assert out[1]["error"] is None
+    assert out[2]["custom_id"] is None and out[2]["error"]["error"]["param"] is None
+    assert raws[0].startswith('{"id":"batch_req_') and raws[0].endswith(',"code":400}}}')
+
+
+def _formatted(tok, raw: str, tokens: list[int], finish: str, stop_reason) -> dict:
+    """The choice object a worker stores for one sample of the request line `raw` (the parser,
+    then jobs.outputs.batch_responses.sample_columns with the text the worker decodes)."""
+    from engine.params import Sample
+    from engine.tokenizers.stop_strings import completion_text
+    from jobs.inputs.openai_batch import BatchPlan, BatchReader
+    from jobs.outputs.batch_responses import sample_columns
+
+    req = BatchReader(BatchPlan(name="f"))._request(raw.encode(), 1, BASE, tok, None, tok.vocab_size)
+    assert req.error is None, req.error
+    s = Sample(prompt_id="c", sample_index=0, tokens=tokens, mask=[1] * len(tokens), logprobs=[-0.5] * len(tokens),
+               finish_reason=finish, stop_reason=stop_reason)
+    return json.loads(sample_columns(req, s, completion_text(tok, s.tokens, s.stop_reason), tok)["choice"])
+
+
+def test_eos_stop_reason_is_null_and_a_stop_token_is_its_id(smollm2):
+    """stop_reason as vLLM reports it: null for a stop on the model's EOS token (SmolLM2's
+    <|im_end|>), the token id (an int) for a stop on another stop token the request listed,
+    the string for a stop string; never the stop token's text."""
+    tok = smollm2.tokenizer
+    eos, im_start = tok.eos_token_id, tok.special("<|im_start|>")
+    hi = tok.encode("Hi there")
+    c = _formatted(tok, line(), hi + [eos], "stop", eos)
+    assert (c["message"]["content"], c["finish_reason"], c["stop_reason"]) == ("Hi there", "stop", None)
+    c = _formatted(tok, line(stop_token_ids=[im_start]), hi + [im_start], "stop", im_start)
+    assert (c["message"]["content"], c["stop_reason"]) == ("Hi there", im_start)
+    c = _formatted(tok, line(url="/v1/completions", stop=" there"), hi, "stop", " there")
+    assert (c["text"], c["stop_reason"]) == ("Hi", " there")
+    c = _formatted(tok, line(ignore_eos=True), hi, "length", None)
+    assert c["stop_reason"] is None
+
+
+def test_special_tokens_are_skipped_in_content(smollm2):
+    """The content (chat) and text (completions) skip special tokens, as vLLM's
+    skip_special_tokens (default true) does; a line with skip_special_tokens false keeps
+    them. The logprobs still list every generated token but the stop token."""
+    tok = smollm2.tokenizer
+    eos, im_start = tok.eos_token_id, tok.special("<|im_start|>")
+    toks = tok.encode("Hi") + [eos, im_start] + tok.encode("user\nMore") + [eos]
+    c = _formatted(tok, line(logprobs=True), toks, "stop", eos)
+    assert c["message"]["content"] == "Hiuser\nMore"
+    assert [e["token"] for e in c["logprobs"]["content"]] == [tok.decode([t]) for t in toks[:-1]]
+    c = _formatted(tok, line(url="/v1/completions"), toks, "stop", eos)
+    assert c["text"] == "Hiuser\nMore"
+    c = _formatted(tok, line(skip_special_tokens=False), toks, "stop", eos)
+    assert c["message"]["content"] == "Hi<|im_end|><|im_start|>user\nMore"
+    bang = tok.encode("!")[0]  # a stop token that is not special, one special token before it
+    c = _formatted(tok, line(stop_token_ids=[bang]), tok.encode("Hi") + [im_start] + tok.encode("user") + [bang],
+                   "stop", bang)
+    assert (c["message"]["content"], c["stop_reason"]) == ("Hiuser", bang)
+
+
+TOOL_TEMPLATE = ("{% for m in messages %}<{{ m.role }}{% if m.name %} name={{ m.name }}{% endif %}"
+                 "{% if m.tool_call_id %} id={{ m.tool_call_id }}{% endif %}>{{ m.content }}"
+                 "{% for c in m.tool_calls or [] %}[call {{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }}]"
+                 "{% endfor %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_messages_with_name_tool_calls_and_tool_call_id_reach_the_chat_template(smollm2):
+    """A conversation with a named user, an assistant tool call (content null, arguments as the
+    OpenAI JSON string) and the tool's answer is accepted and rendered by the model's chat
+    template with those fields, the arguments as an object (as vLLM hands them to
+    transformers' templates); Qwen2.5's real template renders the call."""
+    from engine.tokenizers.hf_tokenizer import HFTokenizer
+    from hf_cases import QWEN25_TEMPLATE
+    from jobs.inputs.openai_batch import BatchPlan, BatchReader
+
+    base = smollm2.tokenizer
+    messages = [{"role": "user", "name": "ann", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]
+    raw = line(messages=messages).encode()
+    p = parse_line(raw, 1, BASE, "f")
+    assert p.error is None, p.error
+    for template, expected in [
+        (TOOL_TEMPLATE, "<user name=ann>Weather in Paris?\n<assistant>[call call_1 get_weather {\"city\": \"Paris\"}]\n"
+                        "<tool id=call_1>22C\n<assistant>"),
+        (QWEN25_TEMPLATE, "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+                          "{\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n22C\n"
+                          "</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+    ]:
+        tok = HFTokenizer(base.backend, special_tokens_map=base.special_tokens_map, chat_template=template, name="t")
+        req = BatchReader(BatchPlan(name="f"))._request(raw, 1, BASE, tok, None, tok.vocab_size)
+        assert req.error is None, req.error
+        assert tok.decode(req.prompt_tokens).endswith(expected), tok.decode(req.prompt_tokens)
+
+
+def test_unknown_body_and_message_keys_are_ignored_with_a_warning(tmp_path):
+    """Body keys that neither the OpenAI API nor vLLM define, and message keys batchgen does not
+    pass to the template, are ignored with a warning naming them and their lines (vLLM logs
+    "fields were present in the request but ignored"), not refused; what batchgen cannot
+    compute (tools, penalties, ...) is still refused for its line."""
+    from jobs.inputs.openai_batch import BatchReader
+    from jobs.spec import JobSpec
+
+    lines = [line("a", my_tag="x", messages=[{"role": "user", "content": "Hi", "weight": 1}]),
+             line("b", my_tag="y", vllm_xargs={"k": 1}), line("c", tools=[{"type": "function"}])]
+    for n, raw in enumerate(lines[:2], 1):
+        p = parse_line(raw.encode(), n, BASE, "f")
+        assert p.error is None, p.error
+    assert "body.tools" in parse_line(lines[2].encode(), 3, BASE, "f").error
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    spec = JobSpec.from_dict({"input": {"path": str(inp), "format": "openai_batch"}})
+    warnings = BatchReader().scan(spec).warnings
+    assert any("body.my_tag" in w and "2 lines" in w and "first line 1" in w for w in warnings), warnings
+    assert any("body.vllm_xargs" in w and "line 2" in w for w in warnings), warnings
+    assert any("messages[].weight" in w and "line 1" in w for w in warnings), warnings
+    assert not any("tools" in w for w in warnings), warnings

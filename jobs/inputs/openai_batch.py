@@ -11,11 +11,18 @@ Input: a JSONL file, one request per line (blank lines are skipped):
 /v1/completions (`prompt`: a string, or token ids). The body's sampling parameters
 override the job's `sampling` for that line: max_completion_tokens / max_tokens, temperature,
 top_p, n, seed, stop, and vLLM's extras top_k (-1 or 0: off), min_p, stop_token_ids and
-ignore_eos. logprobs (chat: true; completions: 0) asks for the sampled tokens' logprobs in
-the response. Everything else that would change the answer (top_logprobs > 0, completions
-logprobs > 0, penalties, logit_bias, tools, response_format, stream, echo, best_of, ...) is
-refused, for that line only: a malformed line, a bad value or an unsupported parameter
-becomes an error line (status_code 400) naming the line and the field, and the others run.
+ignore_eos. A line without max_tokens gets the job's sampling.max_tokens if the job sets one,
+else (the default for this format) a chat line generates until the context window ends it and
+a completions line gets 16 tokens, as the OpenAI API and vLLM do. logprobs (chat: true;
+completions: 0) asks for the sampled tokens' logprobs in the response; skip_special_tokens
+false keeps special tokens in its content. A chat message reaches the chat template with its
+role, content, name, tool_calls (arguments parsed into objects) and tool_call_id, as vLLM
+passes them. Everything else that would change the answer (top_logprobs > 0, completions
+logprobs > 0, penalties, logit_bias, tools, response_format, stream, echo, best_of, ...:
+_DEFAULT_ONLY and _FEATURES) is refused, for that line only: a malformed line, a bad value or
+an unsupported parameter becomes an error line (status_code 400) naming the line and the
+field, and the others run. Keys batchgen does not know, in the body or in a message, are
+ignored with a warning naming them (as vLLM does), not refused.
 `custom_id` is the request's prompt_id (it keys the sampling noise, so a request's samples do
 not depend on its position in the file); a custom_id used twice makes the later line an error.
 
@@ -30,7 +37,7 @@ jobs/outputs/batch_responses.py.
 The fingerprint of an openai_batch job covers the file's sha256 but, unlike a Parquet job's,
 not the checkpoint's content hashes (only its file names and sizes, as JobSpec's
 model_identity): so it was planned from the start (InputScan.hash_checkpoint), and kept so
-that existing outputs resume.
+that existing outputs resume. It also names the layout of the stored choices (CHOICE_FORMAT).
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -51,37 +59,83 @@ from jobs.inputs.prompts import check_messages, text_bos, tokenize
 from jobs.inputs.reader import InputFile, InputScan, open_input, resolve
 from jobs.outputs.schema import BATCH_FIELDS, CHAT_URL, COMPLETIONS_URL
 
+log = logging.getLogger("batchgen")
+
 URLS = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
+# in the fingerprint: the layout of the `choice` objects the units store (2: vLLM's keys,
+# stop_reason null for EOS, content without special tokens), so that a job begun by an
+# earlier batchgen is not resumed into a mix of layouts
+CHOICE_FORMAT = "choices-v2"
+# max_tokens of a /v1/completions line that sets none, when the job sets no sampling.max_tokens
+# (OpenAI's legacy completions default, which vLLM's CompletionRequest keeps); a chat line
+# without one generates until the context window ends it.
+COMPLETIONS_MAX_TOKENS = 16
 
 # body parameter -> SamplingParams field
 _PARAMS = {"n": "num_samples", "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
            "top_k": "top_k", "min_p": "min_p", "stop_token_ids": "stop_token_ids"}
+# what batchgen reads from a body besides _PARAMS
+_USED = {"chat": {"messages", "max_tokens", "max_completion_tokens", "logprobs", "ignore_eos", "skip_special_tokens"},
+         "completion": {"prompt", "max_tokens", "max_completion_tokens", "logprobs", "ignore_eos", "best_of",
+                        "skip_special_tokens"}}
 # accepted and not used: they do not change the answer
-_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options"}
-# accepted only at their default (value, or a test); anything else is refused
-_DEFAULT_ONLY = {
+_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options", "request_id", "priority",
+            "cache_salt", "parallel_tool_calls", "spaces_between_special_tokens", "session_id"}
+
+
+def _off(v: Any) -> bool:
+    return not v
+
+
+def _none(v: Any) -> bool:
+    return v is None
+
+
+# parameters of the OpenAI API or vLLM that change the answer in a way batchgen does not
+# compute: accepted only at their default (this test), else the line is refused
+_DEFAULT_ONLY_ANY = {
     "stream": lambda v: v is None or v is False,
     "presence_penalty": lambda v: v is None or v == 0,
     "frequency_penalty": lambda v: v is None or v == 0,
     "repetition_penalty": lambda v: v is None or v == 1,
-    "logit_bias": lambda v: not v,
-    "top_logprobs": lambda v: v is None or v == 0,
+    "length_penalty": lambda v: v is None or v == 1,
+    "logit_bias": _off, "use_beam_search": _off, "include_stop_str_in_output": _off, "bad_words": _off,
+    "return_tokens_as_token_ids": _off,
+    "min_tokens": lambda v: v is None or v == 0,
     "echo": lambda v: v is None or v is False,
-    "suffix": lambda v: v is None,
+    "truncate_prompt_tokens": _none, "prompt_logprobs": _none, "allowed_token_ids": _none, "logprob_token_ids": _none,
+    "thinking_token_budget": _none,
 }
-_KEYS = {
-    "chat": set(_PARAMS) | _IGNORED | set(_DEFAULT_ONLY) - {"echo", "suffix"}
-    | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "ignore_eos"},
-    "completion": set(_PARAMS) | _IGNORED | set(_DEFAULT_ONLY) - {"top_logprobs"}
-    | {"prompt", "max_tokens", "logprobs", "ignore_eos", "best_of"},
+_DEFAULT_ONLY = {
+    "chat": {**_DEFAULT_ONLY_ANY,
+             "top_logprobs": lambda v: v is None or v == 0,
+             "tool_choice": lambda v: v in (None, "none", "auto"),  # without tools: a text answer
+             "function_call": lambda v: v in (None, "none", "auto"),
+             "add_generation_prompt": lambda v: v is None or v is True,
+             "continue_final_message": _off, "add_special_tokens": _off, "reasoning_effort": _none},
+    "completion": {**_DEFAULT_ONLY_ANY,
+                   "suffix": _none,
+                   "add_special_tokens": lambda v: v is None or v is True},
 }
+# features batchgen does not have: refused when set (the test says which values are "unset")
+_FEATURES = {
+    "tools": _off, "functions": _off,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "structured_outputs": _none, "guided_json": _none, "guided_regex": _none, "guided_choice": _none,
+    "guided_grammar": _none, "chat_template": _none, "chat_template_kwargs": _off, "documents": _none,
+    "logits_processors": _off, "prompt_embeds": _none, "audio": _none, "prediction": _none,
+    "web_search_options": _none, "modalities": lambda v: v is None or v == ["text"],
+}
+# message keys handed to the chat template (with role and content), as vLLM passes them
+_MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id")
 
 
 @dataclass(slots=True)
 class ParsedLine:
     """One request line, checked without a tokenizer. error: why the line gets a 400 (None if
     it runs); params: its SamplingParams (None with an error); prompt: the messages (chat)
-    or the prompt text / token ids (completion)."""
+    or the prompt text / token ids (completion); ignored: the keys it has that batchgen does
+    not know ("body.x", "messages[].y"), ignored with a warning (BatchReader.scan)."""
 
     line: int
     custom_id: str | None = None
@@ -91,7 +145,10 @@ class ParsedLine:
     prompt: Any = None
     params: SamplingParams | None = None
     logprobs: bool = False
+    skip_special_tokens: bool = True
+    ignore_eos: bool = False
     error: str | None = None
+    ignored: list[str] = field(default_factory=list)
 
 
 def parse_line(raw: bytes, lineno: int, base: SamplingParams, where: str) -> ParsedLine:
@@ -126,7 +183,7 @@ def _parse_request(obj: Any, out: ParsedLine, base: SamplingParams) -> str | Non
         return why
     kind = out.kind
     if kind == "chat":
-        messages, why = _messages(body.get("messages"))
+        messages, why = _messages(body.get("messages"), out.ignored)
         if why:
             return f"body.messages: {why}"
         out.prompt = messages
@@ -138,9 +195,13 @@ def _parse_request(obj: Any, out: ParsedLine, base: SamplingParams) -> str | Non
     out.logprobs, why = _logprobs_flag(kind, body.get("logprobs"))
     if why is not None:
         return why
-    changes, why = _sampling_changes(body)
+    changes, why = _sampling_changes(body, kind, base)
     if why is not None:
         return why
+    skip = body.get("skip_special_tokens")
+    if skip is not None and not isinstance(skip, bool):
+        return f"body.skip_special_tokens: must be true or false, got {skip!r}"
+    out.skip_special_tokens, out.ignore_eos = skip is not False, body.get("ignore_eos") is True
     out.params = dataclasses.replace(base, **changes) if changes else base
     return None
 
@@ -161,11 +222,16 @@ def _check_envelope(obj: dict, out: ParsedLine, cid: Any, url: Any, body: Any) -
     out.kind = kind
     if not isinstance(body, dict):
         return f"body: must be a JSON object, got {type(body).__name__}"
+    default_only = _DEFAULT_ONLY[kind]
     for key, value in body.items():
-        if key not in _KEYS[kind]:
-            return f"body.{key}: not supported by batchgen for {url}"
-        if key in _DEFAULT_ONLY and not _DEFAULT_ONLY[key](value):
-            return f"body.{key}: {value!r} is not supported (batchgen does not compute it)"
+        if key in _FEATURES:
+            if not _FEATURES[key](value):
+                return f"body.{key}: not supported by batchgen for {url}"
+        elif key in default_only:
+            if not default_only[key](value):
+                return f"body.{key}: {value!r} is not supported (batchgen does not compute it)"
+        elif key not in _PARAMS and key not in _USED[kind] and key not in _IGNORED:
+            out.ignored.append(f"body.{key}")
     if kind == "completion" and body.get("best_of") not in (None, body.get("n", 1)):
         return f"body.best_of: {body['best_of']!r} is not supported (only best_of = n)"
     return None
@@ -187,10 +253,16 @@ def _logprobs_flag(kind: str, lp: Any) -> tuple[bool, str | None]:
     return True, None
 
 
-def _sampling_changes(body: dict) -> tuple[dict[str, Any], str | None]:
-    """The SamplingParams fields the body sets (checked by the engine's rules), or ({}, why)."""
+def _sampling_changes(body: dict, kind: str, base: SamplingParams) -> tuple[dict[str, Any], str | None]:
+    """The SamplingParams fields the body sets (checked by the engine's rules), or ({}, why).
+
+    A line without max_tokens keeps the job's sampling.max_tokens when the job sets one; else
+    (base.max_tokens None) a chat line generates until the context window ends it and a
+    completions line gets COMPLETIONS_MAX_TOKENS, the defaults of the OpenAI API and vLLM."""
     changes: dict[str, Any] = {}
     max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if body.get(max_key) is None and base.max_tokens is None and kind == "completion":
+        changes["max_tokens"] = COMPLETIONS_MAX_TOKENS
     items = [(max_key, "max_tokens", body.get(max_key))] + [(k, f, body.get(k)) for k, f in _PARAMS.items()]
     for key, name, value in items:
         if value is None:
@@ -209,19 +281,21 @@ def _sampling_changes(body: dict) -> tuple[dict[str, Any], str | None]:
     return changes, None
 
 
-def _messages(value: Any) -> tuple[list[dict] | None, str | None]:
-    """OpenAI messages -> [{role, content}] with string contents (text parts joined by newlines,
-    as vLLM joins them); (None, why) for a structure batchgen cannot render."""
+def _messages(value: Any, ignored: list[str]) -> tuple[list[dict] | None, str | None]:
+    """OpenAI messages -> the messages the chat template gets, or (None, why) for a structure
+    batchgen cannot render. As vLLM hands them to a template: role and content (text parts
+    joined by newlines; null content of an assistant message that calls tools as ""), a
+    message's name, an assistant's tool_calls (each function's JSON arguments parsed into an
+    object, as transformers' templates expect) and a tool message's tool_call_id. Other
+    message keys are ignored (appended to `ignored` as "messages[].key")."""
     if not isinstance(value, list) or not value:
         return None, f"must be a non-empty list of messages, got {value!r}"[:200]
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             return None, f"message {i} is not an object"
-        for key in m:
-            if key not in ("role", "content"):
-                return None, f"message {i}: {key!r} is not supported (role and text content only)"
-        content = m.get("content")
+        role, content = m.get("role"), m.get("content")
+        msg: dict[str, Any] = {"role": role}
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
@@ -230,9 +304,48 @@ def _messages(value: Any) -> tuple[list[dict] | None, str | None]:
                     return None, f"message {i} content part {j}: type {kind!r} is not supported (text only)"
                 texts.append(part["text"])
             content = "\n".join(texts)
-        out.append({"role": m.get("role"), "content": content})
+        if content is None and role == "assistant" and m.get("tool_calls"):
+            content = ""
+        msg["content"] = content
+        for key, v in m.items():
+            if key in ("role", "content"):
+                continue
+            if key == "name" or (key == "tool_call_id" and role == "tool"):
+                if not isinstance(v, str):
+                    return None, f"message {i}: {key} must be a string, got {v!r}"[:200]
+                msg[key] = v
+            elif key == "tool_calls" and role == "assistant":
+                calls, why = _tool_calls(v)
+                if why:
+                    return None, f"message {i} {why}"
+                msg[key] = calls
+            else:
+                ignored.append(f"messages[].{key}")
+        out.append(msg)
     why = check_messages(out)
     return (None, why) if why else (out, None)
+
+
+def _tool_calls(value: Any) -> tuple[list[dict] | None, str | None]:
+    """An assistant message's OpenAI tool_calls as a template reads them: [{id, type,
+    function: {name, arguments}}] with the arguments (a JSON string in the API) as an object."""
+    if not isinstance(value, list):
+        return None, f"tool_calls: must be a list, got {type(value).__name__}"
+    calls = []
+    for j, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            return None, f"tool call {j}: must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}"
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as e:
+                return None, f"tool call {j}: function.arguments is not valid JSON: {e}"
+        elif args is None:
+            args = {}
+        calls.append({**call, "function": {**fn, "arguments": args}})
+    return calls, None
 
 
 def _completion_prompt(value: Any) -> tuple[Any, str | None]:
@@ -311,17 +424,22 @@ class BatchReader:
         sha = hashlib.sha256()
         try:
             with fs.open_input_stream(p) as f:
-                bp, units, expected, count = _cut_lines(f, sha, name, source, spec.sampling_params(),
-                                                        spec.cluster.unit_rows)
+                bp, units, expected, count, ignored = _cut_lines(f, sha, name, source, spec.sampling_params(),
+                                                                 spec.cluster.unit_rows)
         except (OSError, pa.ArrowException) as e:
             raise InputError(f"input.path {path}: cannot read: {e}") from None
         if not units:
             raise InputError(f"input.path {path}: no request lines (an OpenAI batch file has one JSON request a line)")
         files = [InputFile(path=source, name=name, size=int(info.size or 0), num_rows=count, schema=pa.schema([]))]
+        warnings = []
+        for key, (n, first) in ignored.items():
+            where = f"line {first}" if n == 1 else f"{n} lines, first line {first}"
+            warnings.append(f"{name}: {key} is not a parameter batchgen knows; ignored ({where})")
+            log.warning("input file %s", warnings[-1])
         return InputScan(root=p.rsplit("/", 1)[0] if "/" in p else "", files=files, units=units,
-                         fingerprint_files=[[name, int(info.size or 0), count, sha.hexdigest()]],
+                         fingerprint_files=[[name, int(info.size or 0), count, sha.hexdigest(), CHOICE_FORMAT]],
                          passthrough_fields=list(BATCH_FIELDS), expected_rows=expected, reader_state=bp,
-                         hash_checkpoint=False)
+                         hash_checkpoint=False, warnings=warnings)
 
     def read_unit(self, unit: WorkUnit, tokenizer: Any, params: Any) -> tuple[list[UnitRequest], int]:
         """The unit's request lines as UnitRequests (a bad line: an error request with one
@@ -359,7 +477,8 @@ class BatchReader:
         tokens = None
         if error is None:
             if parsed.kind == "chat":
-                tokens, why = tokenize(parsed.prompt, "chat", tokenizer, None, vocab, self.chat_date)
+                tokens, why = tokenize(parsed.prompt, "chat", tokenizer, None, vocab, self.chat_date,
+                                       message_keys=_MESSAGE_KEYS)
             elif isinstance(parsed.prompt, str):
                 tokens, why = tokenize(parsed.prompt, "text", tokenizer, bos, vocab)
             else:
@@ -369,14 +488,17 @@ class BatchReader:
                 tokens = None
         return UnitRequest(prompt_id=pid, prompt_tokens=tokens, error=error, params=line_params, passthrough={
             "custom_id": parsed.custom_id, "batch_line": lineno, "endpoint": parsed.url,
-            "request_model": parsed.model, "_kind": parsed.kind, "_logprobs": parsed.logprobs})
+            "request_model": parsed.model, "_kind": parsed.kind, "_logprobs": parsed.logprobs,
+            "_skip_special": parsed.skip_special_tokens, "_ignore_eos": parsed.ignore_eos})
 
 
-def _cut_lines(stream: Any, sha: Any, name: str, source: str, base: SamplingParams,
-               step: int) -> tuple[BatchPlan, list[WorkUnit], dict[int, int], int]:
+def _cut_lines(stream: Any, sha: Any, name: str, source: str, base: SamplingParams, step: int
+               ) -> tuple[BatchPlan, list[WorkUnit], dict[int, int], int, dict[str, list[int]]]:
     """Every request line of `stream` (hashed into `sha`), in units of `step` lines: (the
-    BatchPlan, the units, output rows per unit, request lines)."""
+    BatchPlan, the units, output rows per unit, request lines, {ignored key: [lines that have
+    it, the first of them]})."""
     bp = BatchPlan(name=name)
+    ignored: dict[str, list[int]] = {}
     owners: dict[str, int] = {}
     units: list[WorkUnit] = []
     expected: dict[int, int] = {}
@@ -394,6 +516,8 @@ def _cut_lines(stream: Any, sha: Any, name: str, source: str, base: SamplingPara
         if not raw.strip():
             continue
         parsed = parse_line(raw, lineno, base, name)
+        for key in dict.fromkeys(parsed.ignored):
+            ignored.setdefault(key, [0, lineno])[0] += 1
         if parsed.custom_id is not None:
             if parsed.custom_id in owners:
                 bp.duplicates[lineno] = owners[parsed.custom_id]
@@ -408,4 +532,4 @@ def _cut_lines(stream: Any, sha: Any, name: str, source: str, base: SamplingPara
         cur[4] += rows
         count += 1
     close()
-    return bp, units, expected, count
+    return bp, units, expected, count, ignored

@@ -107,10 +107,13 @@ def check_messages(messages: Any) -> str | None:
 
 
 def tokenize(value: Any, fmt: str, tokenizer: Any, bos: int | None, vocab: int | None,
-             chat_date: str | None = None) -> tuple[list[int] | None, str | None]:
+             chat_date: str | None = None,
+             message_keys: tuple[str, ...] = ()) -> tuple[list[int] | None, str | None]:
     """(token ids, None) or (None, why) for one prompt of format `fmt` (text, chat or tokens);
     `bos`: text_bos(tokenizer) for text prompts, `vocab`: the tokenizer's vocab_size,
-    `chat_date`: the day a chat template renders at."""
+    `chat_date`: the day a chat template renders at. A chat message reaches the template as
+    its role and content, and the `message_keys` it has (an OpenAI batch line's name,
+    tool_calls, tool_call_id)."""
     if fmt == "text":
         if value is None:
             return None, "prompt is null"
@@ -124,7 +127,8 @@ def tokenize(value: Any, fmt: str, tokenizer: Any, bos: int | None, vocab: int |
             return None, "prompt encodes to no tokens"
         return ([bos] + ids if bos is not None else ids), None
     if fmt == "chat":
-        msgs = None if value is None else [{"role": m.get("role"), "content": m.get("content")}
+        msgs = None if value is None else [{"role": m.get("role"), "content": m.get("content"),
+                                            **{k: m[k] for k in message_keys if k in m}}
                                            if isinstance(m, dict) else m for m in value]
         why = check_messages(msgs)
         if why is not None:
