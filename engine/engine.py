@@ -12,11 +12,19 @@ Each `step()`:
    for all its samples, and to its own generated KV (engine/kernels/attention.py);
 3. finished requests are returned.
 
+Before step 1, if the free KV blocks are enough in total for what arrival order admits next
+but cut into ranges too short for it, the arena is compacted (`_compact`): the live runs
+slide down, their keys and values copied exactly, and the sequences' runs updated, so the
+free blocks become one range. This happens only between steps, and changes no sample's bits
+(attention reads a run the same wherever it starts).
+
 `generate()` runs steps until its prompts are done; workers use the streaming form
 (`add_request` / `step`) to keep one engine full across many work units.
 """
 from __future__ import annotations
 
+import bisect
+import time
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -105,6 +113,9 @@ class Engine:
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
         self.peak_kv_bytes = 0  # most KV memory reserved at once
+        self.num_compactions = 0  # arena compactions (see _compact), the positions they moved, their time
+        self.compacted_positions = 0
+        self.compaction_seconds = 0.0
         self._kv_row_bytes = [0, 0]  # (sum over decode steps of reserved bytes, of running rows)
 
     @staticmethod
@@ -178,11 +189,11 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit and prefill, decode one token for every running sample; return finished requests."""
         done, self._ready = self._ready, []
-        admissions = self.scheduler.schedule()
+        admissions = self._schedule()
         if not admissions and not self.running and self.scheduler.waiting:
             # Nothing runs and nothing fits: stored prompts of waiting requests hold the memory.
             self.scheduler.evict_prompts()
-            admissions = self.scheduler.schedule()
+            admissions = self._schedule()
             if not admissions:
                 raise RuntimeError("engine: nothing running and no waiting request fits an empty KV cache")
         if admissions:
@@ -195,6 +206,60 @@ class Engine:
             if out is not None:
                 done.append(out)
         return done
+
+    def _schedule(self) -> list[Admission]:
+        """The step's admissions, after compacting the arena if where its free blocks lie (not
+        how many there are) would hold them back."""
+        if self.scheduler.fragmented():
+            self._compact()
+        return self.scheduler.schedule()
+
+    def _compact(self) -> None:
+        """Slide every live run of the KV arena down to its low end, so its free blocks become
+        one range (engine/run_allocator.py, `RunAllocator.compact`). Between steps only: no
+        admission is half made, and every running sample's keys are written up to the token
+        before its last (whose keys the next decode writes). The live runs are the running samples' own runs and the stored prompts (of
+        running samples, and of waiting requests with samples still to admit); of each, only the
+        positions written so far are copied, exactly, in every layer. Each sequence's run start
+        and its prompt's (`Sequence.own_start`, `prefix_start`, `Request.kv_block`) move with
+        them, so every sample reading a stored prompt follows it, and the decode batch (with its
+        layout's cached segments) is rebuilt at the next decode.
+        Raises RuntimeError if the allocated blocks are not exactly those runs (a leak).
+        """
+        t0 = time.perf_counter()
+        sched = self.scheduler
+        alloc = sched.allocator
+        bs = sched.block_size
+        seqs = list(self.running.values())
+        prompts = {id(r): r for r in [s.request for s in seqs] + list(sched.waiting) if r.kv_block is not None}
+        held = sum(s.own_blocks for s in seqs) + sum(sched.prompt_blocks(r) for r in prompts.values())
+        if held != alloc.num_blocks - alloc.num_free:
+            raise RuntimeError(f"engine: {alloc.num_blocks - alloc.num_free} KV blocks allocated but the running "
+                               f"samples and stored prompts hold {held}")
+        stretches = alloc.compact()
+        firsts = [start for start, _, _ in stretches]
+
+        def moved(block: int) -> int:
+            start, _, new = stretches[bisect.bisect_right(firsts, block) - 1]
+            return block - start + new
+
+        moves: list[tuple[int, int, int]] = []  # (from, to, positions written), arena positions
+        for req in prompts.values():
+            block = moved(req.kv_block)
+            moves.append((req.kv_block * bs, block * bs, len(req.prompt_tokens)))
+            req.kv_block = block
+        for seq in seqs:
+            block = moved(seq.own_block)
+            moves.append((seq.own_start, block * bs, seq.position - seq.own_pos0))  # its last token's KV comes next step
+            seq.own_block, seq.own_start = block, block * bs
+            if seq.prefix_start >= 0:
+                seq.prefix_start = seq.request.kv_block * bs
+        moves = sorted(m for m in moves if m[0] != m[1] and m[2] > 0)
+        self.kv.slide_down(moves)
+        self._batch = None
+        self.num_compactions += 1
+        self.compacted_positions += sum(n for _, _, n in moves)
+        self.compaction_seconds += time.perf_counter() - t0
 
     def _prefill(self, group: list[Admission]) -> torch.Tensor:
         """Prefill the prompts of `group` into their stored runs; (len(group), V) last logits,

@@ -165,6 +165,48 @@ class KVCache:
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 
+    def slide_down(self, moves: list[tuple[int, int, int]], chunk_bytes: int = 64 << 20) -> None:
+        """Move runs of positions down the arena, every layer, K and V: (src, dst, length) per
+        run, sorted by src, each dst <= src, each run and its destination ending at or below the
+        next run's src and dst (what a sliding compaction gives: engine/run_allocator.py,
+        `RunAllocator.compact`). Copied in that order, every run's positions are read before
+        anything is written over them, so a run may overlap its own destination. Values are
+        copied exactly.
+
+        A run moving by at least its length is one copy per arena; one that overlaps its
+        destination is copied from its low end in pieces as long as the move (each clear of
+        its own source) when the move is at least 64 positions, else through a buffer of at
+        most `chunk_bytes` per arena.
+        Raises ValueError for moves out of that order (they could overwrite a run not yet moved).
+        """
+        for i, (src, dst, n) in enumerate(moves):
+            nxt_src, nxt_dst = moves[i + 1][:2] if i + 1 < len(moves) else (self.num_positions,) * 2
+            if not (0 <= dst <= src and n >= 0 and src + n <= nxt_src and dst + n <= min(nxt_src, nxt_dst)):
+                raise ValueError(f"KVCache.slide_down: move {i} ({src} -> {dst}, {n} positions) is out of order "
+                                 f"(each must go down, sorted by source, and end below the next source and "
+                                 f"destination)")
+        per_position = self.k[:, :1].nbytes  # one arena, every layer
+        step = max(1, chunk_bytes // per_position)
+        buf = None
+        for src, dst, n in moves:
+            shift = src - dst
+            if shift == 0 or n == 0:
+                continue
+            piece = n if shift >= n else shift if shift >= 64 else 0
+            for arena in (self.k, self.v):
+                if piece:  # pieces of at most the move's length: each lands below its own source
+                    for off in range(0, n, piece):
+                        c = min(piece, n - off)
+                        arena[:, dst + off:dst + off + c].copy_(arena[:, src + off:src + off + c])
+                    continue
+                if buf is None:
+                    buf = torch.empty((self.k.shape[0], min(step, max(m[2] for m in moves)), *self.k.shape[2:]),
+                                      dtype=self.k.dtype, device=self.k.device)
+                for off in range(0, n, buf.shape[1]):
+                    c = min(buf.shape[1], n - off)
+                    buf[:, :c].copy_(arena[:, src + off:src + off + c])
+                    arena[:, dst + off:dst + off + c].copy_(buf[:, :c])
+
     def copy_state(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Per-sequence state of slots `src` into slots `dst`: (N,) int64 each (src may repeat)."""
         for t in self.state.values():

@@ -13,6 +13,14 @@ free neighbours (coalescing: the arena with nothing allocated is always one free
 so a request that fits an empty cache is never refused for fragmentation there).
 Costs are O(number of free ranges) per call. Knuth, TAOCP vol. 1, 2.5 (first fit with
 boundary merging).
+
+Free space can still be cut into ranges too short for a request although there are enough
+free blocks in total (runs freed here and there between live ones). `compact` is the way out:
+it slides every allocated stretch down to the low end of the arena, in order, so the free
+blocks become one range at the top, and returns the moves for the owner of the runs to apply
+(the engine copies their keys and values and updates where its sequences' runs start:
+Engine._compact). Live runs keep their order, and each moves down or stays, never up (Knuth,
+TAOCP vol. 1, 2.5, compacting; the "sliding" compaction of mark-compact collectors).
 """
 from __future__ import annotations
 
@@ -80,6 +88,32 @@ class RunAllocator:
             self._starts.insert(i, start)
             self._lengths.insert(i, n)
         self.num_free += n
+
+    def copy(self) -> RunAllocator:
+        """An independent allocator in the same state (for a dry run of a schedule)."""
+        other = RunAllocator.__new__(RunAllocator)
+        other.num_blocks, other.num_free = self.num_blocks, self.num_free
+        other._starts, other._lengths = list(self._starts), list(self._lengths)
+        return other
+
+    def compact(self) -> list[tuple[int, int, int]]:
+        """Slide every allocated stretch down to the low end: afterwards the free blocks are the
+        one range [num_blocks - num_free, num_blocks).
+
+        Returns (start, length, new_start) per maximal stretch of allocated blocks, by start
+        (new_start <= start; a run inside a stretch moves by start - new_start blocks). The
+        caller must move the runs' contents accordingly: in order of start, each run's
+        destination lies below its source and below every later run's source.
+        """
+        stretches: list[tuple[int, int, int]] = []
+        end, new = 0, 0  # end of the last free range seen; where the next stretch goes
+        for start, length in zip(self._starts + [self.num_blocks], self._lengths + [0]):
+            if start > end:
+                stretches.append((end, start - end, new))
+                new += start - end
+            end = start + length
+        self._starts, self._lengths = ([new], [self.num_free]) if self.num_free else ([], [])
+        return stretches
 
     def largest_free(self) -> int:
         """Length of the longest free range, in blocks (0 when full)."""

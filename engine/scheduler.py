@@ -11,14 +11,24 @@ The KV arena (engine/kv_cache.py) is handed out in contiguous runs of blocks
   max_tokens is None; plus its copy of the prompt without prefix sharing), so a running
   sample never waits for memory.
 
-Admission follows arrival order. A prompt needs its own run and at least one sample's run to
-be admitted (it is prefilled then); it takes as many of its samples as fit, and the rest
-join later as memory and slots free up, reading the stored prompt without a new prefill.
-A request that does not fit is passed over for this step (later, smaller ones may fit).
-Memory therefore bounds concurrency by what requests need, not by max_seq_len. If nothing
-is running and nothing fits, the stored prompts of waiting requests are dropped (they are
-prefilled again when admitted; sampling is keyed per sample, so the samples are the same):
-with nothing allocated, any request fits, so the engine never deadlocks.
+Admission is first come, first served: requests are taken in arrival order, and one that
+cannot be admitted whole (its prompt's run, if not stored yet, and a run for each sample still
+waiting) takes what fits and stops admission for this step, so no later request overtakes one
+waiting for memory or slots. A prompt needs its own run and at least one sample's run to be
+admitted (it is prefilled then); its other samples join later as memory and slots free up,
+reading the stored prompt without a new prefill. Memory therefore bounds concurrency by what
+requests need, not by max_seq_len.
+
+Admission depends on how many blocks are free, not on where: when the free blocks are cut
+into ranges too short for what arrival order admits next (`fragmented`: a dry run of this
+step's admissions on the free ranges as they are admits fewer samples than one on a single
+free range of the same size), the engine compacts the arena between steps (slides the live
+runs down, engine/run_allocator.py, Engine._compact) before admitting. So a request is admitted
+whenever enough blocks are free in total.
+
+If nothing is running and nothing fits, the stored prompts of waiting requests are dropped
+(they are prefilled again when admitted; sampling is keyed per sample, so the samples are the
+same): with nothing allocated, any request fits, so the engine never deadlocks.
 """
 from __future__ import annotations
 
@@ -44,6 +54,16 @@ class Admission:
     slots: list[int]
     own_blocks: list[int]
     prefill: bool
+
+
+@dataclass(slots=True)
+class _Planned:
+    """One request's share of a step's admissions, as `Scheduler._plan` found it: its new
+    prompt run (None: stored already) and the first block of each admitted sample's run."""
+
+    request: Request
+    prompt_block: int | None
+    own_blocks: list[int]
 
 
 class Scheduler:
@@ -97,33 +117,36 @@ class Scheduler:
         full = -(-max_seq_len // block_size)
         return full + 1 if prefix_sharing else 2 * full
 
-    def schedule(self) -> list[Admission]:
-        """Admit what fits now, in arrival order (see the module docstring)."""
-        admitted: list[Admission] = []
+    def _plan(self, alloc: RunAllocator) -> list[_Planned]:
+        """This step's admissions, first come first served, allocated from `alloc`; changes
+        neither the requests nor the slots (a dry run on a copy of the allocator is harmless).
+
+        In arrival order, each request gets its prompt run (unless stored) and a run per
+        waiting sample, up to the free slots; the first one that does not get all of them ends
+        the step's admissions (it keeps what it got, if at least one sample), as does the
+        prefill budget (prompts x longest prompt <= max_prefill_tokens; a single longer prompt
+        still runs alone).
+        """
+        plans: list[_Planned] = []
+        slots = len(self.free)
         prefills, longest = 0, 0
-        kept: deque[Request] = deque()
-        alloc = self.allocator
-        while self.waiting:
-            if not self.free or alloc.num_free == 0:  # nothing more can be admitted this step
+        for req in self.waiting:
+            if not slots or alloc.num_free == 0:
                 break
-            req = self.waiting.popleft()
             pending = req.params.num_samples - req.next_sample
-            needs_prefill = req.kv_block is None
             prompt_block = None
-            if needs_prefill:
+            if req.kv_block is None:
                 new_longest = max(longest, len(req.prompt_tokens))
                 if prefills and (prefills + 1) * new_longest > self.max_prefill_tokens:
-                    self.waiting.appendleft(req)
                     break
                 # Prompts from the top of the arena, samples from the bottom: the runs of samples
                 # admitted together stay adjacent, and attention reads them as one strided view.
                 prompt_block = alloc.allocate(self.prompt_blocks(req), from_end=True)
                 if prompt_block is None:
-                    kept.append(req)
-                    continue
+                    break
             size = self.own_blocks(req)
             owns: list[int] = []
-            while len(owns) < min(pending, len(self.free)):
+            while len(owns) < min(pending, slots):
                 b = alloc.allocate(size)
                 if b is None:
                     break
@@ -131,18 +154,39 @@ class Scheduler:
             if not owns:
                 if prompt_block is not None:
                     alloc.free(prompt_block, self.prompt_blocks(req))
-                kept.append(req)
-                continue
-            if needs_prefill:
-                req.kv_block = prompt_block
+                break
+            if prompt_block is not None:
                 prefills, longest = prefills + 1, new_longest
-            slots = [heapq.heappop(self.free) for _ in owns]
-            admitted.append(Admission(req, req.next_sample, slots, owns, needs_prefill))
-            req.next_sample += len(owns)
-            if req.next_sample < req.params.num_samples:
-                kept.append(req)
-        kept.extend(self.waiting)
-        self.waiting = kept
+            plans.append(_Planned(req, prompt_block, owns))
+            slots -= len(owns)
+            if len(owns) < pending:  # its other samples wait (memory or slots): nothing overtakes them
+                break
+        return plans
+
+    def fragmented(self) -> bool:
+        """True when where the free blocks lie, not how many there are, holds back this step's
+        admissions: the plan on the free ranges as they are admits fewer samples than on one
+        free range of as many blocks (which admits anything whose total fits). The engine then
+        compacts the arena before `schedule` (Engine._compact)."""
+        a = self.allocator
+        if not self.waiting or not self.free or a.largest_free() == a.num_free:
+            return False  # nothing to admit, or the free blocks are one range already
+        best = self._plan(RunAllocator(a.num_free))
+        got = self._plan(a.copy())
+        return sum(len(p.own_blocks) for p in best) > sum(len(p.own_blocks) for p in got)
+
+    def schedule(self) -> list[Admission]:
+        """Admit what fits now, first come first served (see the module docstring)."""
+        admitted: list[Admission] = []
+        for plan in self._plan(self.allocator):
+            req = plan.request
+            if plan.prompt_block is not None:
+                req.kv_block = plan.prompt_block
+            slots = [heapq.heappop(self.free) for _ in plan.own_blocks]
+            admitted.append(Admission(req, req.next_sample, slots, plan.own_blocks, plan.prompt_block is not None))
+            req.next_sample += len(slots)
+        while self.waiting and self.waiting[0].next_sample == self.waiting[0].params.num_samples:
+            self.waiting.popleft()  # every sample admitted (only the last planned request can be partial)
         return admitted
 
     def release_sample(self, slot: int, own_block: int, own_blocks: int) -> None:

@@ -46,7 +46,7 @@ class Request:
 
     next_sample counts samples already admitted, num_finished those done. While some of its
     samples still wait, a prefilled prompt keeps its KV run (`kv_block`: the first block of
-    the run, None before the prefill), the logits its first tokens are drawn from
+    the run, None before the prefill; a compaction moves it: Engine._compact), the logits its first tokens are drawn from
     (`first_logits`, (vocab,) float32) and the model state after it (`prompt_state`, for
     models with per-sequence state), so that those samples join later without a prefill.
     """

@@ -62,3 +62,41 @@ def test_random_operations_match_a_bitmap(seed):
         assert a.num_free == used.count(False) == sum(n for _, n in ranges)
         assert all(s1 + n1 < s2 for (s1, n1), (s2, _) in zip(ranges, ranges[1:]))
         assert all(not any(used[s:s + n]) for s, n in ranges)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compact_slides_every_run_down_in_order(seed):
+    """After random allocations and frees, `compact` returns the allocated stretches with where
+    each goes: packed from block 0 in their order, each moved down or not at all, each ending
+    at or below the next one's old start (so moving them in order overwrites nothing unmoved);
+    afterwards the free blocks are one range at the top, and allocation goes on from there."""
+    rng = random.Random(seed)
+    N = 200
+    a = RunAllocator(N)
+    live: list[tuple[int, int]] = []
+    for _ in range(300):
+        if live and rng.random() < 0.5:
+            a.free(*live.pop(rng.randrange(len(live))))
+        else:
+            n = rng.randint(1, 12)
+            start = a.allocate(n, from_end=rng.random() < 0.3)
+            if start is not None:
+                live.append((start, n))
+    used = N - a.num_free
+    assert a.largest_free() < a.num_free  # fragmented
+    stretches = a.compact()
+    blocks = sorted(b for s, n in live for b in range(s, s + n))
+    assert [b for s, n, _ in stretches for b in range(s, s + n)] == blocks  # exactly the allocated blocks
+    assert stretches[0][2] == 0 and all(d1 + n1 == d2 for (_, n1, d1), (_, _, d2) in zip(stretches, stretches[1:]))
+    assert all(d <= s for s, _, d in stretches)
+    assert all(d1 + n1 <= s2 for (_, n1, d1), (s2, _, _) in zip(stretches, stretches[1:]))
+    assert a.free_ranges() == [(used, N - used)] and a.num_free == N - used
+    assert a.allocate(N - used) == used and a.free_ranges() == [] and a.compact() == [(0, N, 0)]
+
+
+def test_copy_is_independent():
+    a = RunAllocator(10)
+    a.allocate(3)
+    b = a.copy()
+    assert b.allocate(7) == 3 and b.num_free == 0
+    assert a.free_ranges() == [(3, 7)] and a.num_free == 7
