@@ -1,0 +1,263 @@
+"""engine/export: every architecture batchgen loads, exported to ONNX and run in onnxruntime
+(CPU provider) in a greedy loop against the engine (engine/export/verify.py): 4 prompts of
+different lengths left-padded in one batch, 32 tokens, tokens identical, logits and every
+`present.*` within tolerance. Checkpoints are written here: transformers' save_pretrained (Llama,
+Qwen2, Qwen3, Mistral, GPT-2), nanochat's fixtures (tests/fixtures/nanochat), GGUF via gguf.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+transformers = pytest.importorskip("transformers")
+
+from engine.export import ExportError, VerificationError, export  # noqa: E402
+from engine.export.kv_forward import KVExplicitForward  # noqa: E402
+from engine.export.onnx_writer import onnx_runner, write_onnx  # noqa: E402
+from engine.export.verify import check, verify  # noqa: E402
+from engine.loading.checkpoint import load_model  # noqa: E402
+
+NANOCHAT = Path(__file__).parent / "fixtures" / "nanochat"
+V = 320
+SHAPE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+# name -> (config class, model class, overrides): each Llama-family feature the engine loads
+HF_CASES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False, rope_parameters=LLAMA3)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=12,
+                                                             max_window_layers=1, layer_types=None)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_layer=2, n_head=2, n_embd=32, vocab_size=V, n_positions=128)),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls: a second thread only adds spin-waits on a busy 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that greedy tokens vary (norm gains 1 + N(0, 0.3), others N(0, 0.15))."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.3 * noise if ("norm" in name or ".ln_" in name) else 0.15 * noise)
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    def get(name: str) -> Path:
+        cfg_cls, model_cls, extra = HF_CASES[name]
+        kw = extra if name == "gpt2" else {**SHAPE, **extra}
+        torch.manual_seed(0)
+        hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kw)).eval()
+        _randomize(hf, seed=sorted(HF_CASES).index(name) + 1)
+        d = tmp_path_factory.mktemp(name)
+        hf.save_pretrained(d)
+        return d
+    return get
+
+
+def _exported_ok(record: dict, out: Path) -> None:
+    v = record["verification"]
+    print(f"{record['model']['arch']}: {json.dumps({k: v[k] for k in ('max_logit_diff', 'max_kv_diff')})}")
+    assert v["passed"] and v["tokens_identical"], v["first_difference"]
+    assert v["prompt_lengths"] == [5, 13, 2, 21] and len(v["tokens"]) == 4 and len(v["tokens"][0]) == 32
+    assert len({tuple(t) for t in v["tokens"]}) >= 3  # the prompts really generate different tokens
+    on_disk = json.loads((out / "batchgen_export.json").read_text())
+    assert on_disk["verification"] == v and len(on_disk["source"]["sha256"] or "x" * 64) == 64
+
+
+@pytest.mark.parametrize("name", sorted(HF_CASES))
+def test_hf_checkpoint_exports_and_verifies(name, hf_checkpoint, tmp_path):
+    """Llama (llama3 rope, untied head), Qwen2 (q/k/v biases, tied head), Qwen2 and Mistral
+    sliding windows (that bite: prompts + 32 tokens exceed them), Qwen3 (q/k norms, explicit
+    head_dim) and GPT-2: the ONNX graph in onnxruntime generates the engine's greedy tokens,
+    logits within 1e-4 and KV within 1e-5, and names the HF optimum interface with dynamic axes."""
+    import onnxruntime as ort
+
+    src = hf_checkpoint(name)
+    record = export(src, tmp_path / "out", verify=True, log=lambda *_: None)
+    _exported_ok(record, tmp_path / "out")
+    sess = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
+    ins = {i.name: i.shape for i in sess.get_inputs()}
+    outs = {o.name: o.shape for o in sess.get_outputs()}
+    n_layer = record["interface"]["num_layers"]
+    assert list(ins)[:3] == ["input_ids", "attention_mask", "position_ids"]
+    assert ins["attention_mask"] == ["batch", "total"] and ins["past_key_values.0.key"][::2] == ["batch", "past"]
+    assert outs["logits"][:2] == ["batch", "seq"] and outs[f"present.{n_layer - 1}.value"][::2] == ["batch", "total"]
+    assert len(ins) == 3 + 2 * n_layer and len(outs) == 1 + 2 * n_layer
+    assert record["source"]["sha256"] and record["genai_config"]
+    genai = json.loads((tmp_path / "out" / "genai_config.json").read_text())
+    assert genai["model"]["decoder"]["inputs"]["past_key_names"] == "past_key_values.%d.key"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in NANOCHAT.iterdir() if p.is_dir()))
+def test_nanochat_exports_and_verifies(name, tmp_path):
+    """Both nanochat generations (2025: bfloat16 rotary tables; 2026: value embeddings, resid
+    lambdas, windows, backout, q/k scale, and the smear gate whose carried state is the
+    past_smear/present_smear pair) export and generate the engine's tokens in onnxruntime."""
+    record = export(NANOCHAT / name, tmp_path / "out", verify=True, log=lambda *_: None)
+    _exported_ok(record, tmp_path / "out")
+    has_smear = "smear" in record["model"]["architecture"] and record["model"]["architecture"]["smear"]
+    assert ("past_smear" in record["interface"]["inputs"]) == bool(has_smear)
+    assert not (tmp_path / "out" / "genai_config.json").exists()  # onnxruntime-genai does not run nanochat
+
+
+def test_nanochat_windows_that_bite(tmp_path):
+    """With windows of 6 positions (the fixtures' 128 never bite 53 positions), the exported
+    graph still matches the engine, and the windows change the tokens, so the mask is tested."""
+    model = load_model(NANOCHAT / "nanochat_2026jul_92d63d4", "cpu", torch.float32)
+    full = verify(_onnx(model, tmp_path / "full.onnx"), model)
+    model.windows = [6, 6, 6, None]
+    windowed = check(verify(_onnx(model, tmp_path / "w.onnx"), model))
+    assert windowed.tokens != full.tokens
+
+
+def _onnx(model, path: Path):
+    write_onnx(KVExplicitForward(model), path)
+    return onnx_runner(path)
+
+
+def test_gguf_exports_and_verifies(tmp_path):
+    """A GGUF file (llama architecture, Q/K permuted, Q8_0 projections) loads into the Llama
+    model and exports and verifies like a Hugging Face directory."""
+    from test_gguf import Q, random_model, write_gguf
+
+    path = write_gguf(tmp_path / "tiny.gguf", random_model("llama"),
+                      lambda hf: Q.Q8_0 if hf.endswith("proj.weight") else Q.F32)
+    record = export(path, tmp_path / "out", verify=True, log=lambda *_: None)
+    _exported_ok(record, tmp_path / "out")
+    assert record["source"]["format"] == "gguf" and record["model"]["arch"] == "llama"
+
+
+def test_verification_names_the_first_difference(hf_checkpoint, tmp_path):
+    """An artifact whose layer-1 values are off at one position fails verification, and the
+    message names the layer and the position (what `--verify` exits 1 with)."""
+    model = load_model(hf_checkpoint("qwen3"), "cpu", torch.float32)
+    run = _onnx(model, tmp_path / "m.onnx")
+
+    def broken(feed):
+        out = run(feed)
+        if feed["attention_mask"].shape[1] == 21:  # the prefill: prompt 3 (21 tokens, no padding)
+            out["present.1.value"] = out["present.1.value"].copy()
+            out["present.1.value"][3, :, 7] += 1e-3
+        return out
+
+    with pytest.raises(VerificationError, match=r"prompt 3: present\.1\.value \(layer 1\) at position 7"):
+        check(verify(broken, model))
+
+
+def test_top_left_causal_mask_is_caught(hf_checkpoint, tmp_path, monkeypatch):
+    """The bug of the unmerged nanochat export: SDPA's is_causal with one query and many keys
+    aligns the mask top-left, so a decode step attends to key 0 only. An artifact built that way
+    fails verification (the check can see it), and ours passes."""
+    from engine.export import kv_forward
+
+    model = load_model(hf_checkpoint("llama"), "cpu", torch.float32)
+
+    def top_left(q, k, v, bias):
+        rep = q.shape[1] // k.shape[1]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+
+    monkeypatch.setattr(kv_forward, "attend", top_left)
+    result = verify(_onnx(model, tmp_path / "bad.onnx"), model, prompts=[[5, 6, 7, 8]])
+    assert not result.passed and "step 1" in result.first_difference
+
+
+def test_bad_options_are_named_and_write_nothing(hf_checkpoint, tmp_path):
+    """An unknown format or dtype, a pt2 export without a static length, a static length below
+    the verification prompt or beyond the context, an output under a file, and an output that
+    is not empty: each an ExportError naming it, and no directory (not even a temporary one)."""
+    src = hf_checkpoint("qwen2")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    cases = [(dict(format="tflite"), "--format 'tflite'"), (dict(dtype="int8"), "--dtype 'int8'"),
+             (dict(format="pt2"), "--static-max-len"),
+             (dict(static_max_len=40, verify=True), "--static-max-len 40 is below"),
+             (dict(static_max_len=4096), "exceeds the model's context of 256")]
+    for kw, msg in cases:
+        with pytest.raises(ExportError, match=msg):
+            export(src, tmp_path / "out", log=lambda *_: None, **kw)
+    with pytest.raises(ExportError, match="parent directory"):
+        export(src, tmp_path / "file" / "out", log=lambda *_: None)
+    with pytest.raises(ExportError, match="not an empty directory"):
+        export(src, tmp_path / "full", log=lambda *_: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full"]
+
+
+def test_model_without_kv_forward_is_refused(tmp_path):
+    """A CausalLM the exporter has no KV-explicit forward for (here tests/toy.py's) is refused
+    by name, before anything is written."""
+    from toy import ToyLM
+
+    with pytest.raises(ExportError, match="no KV-explicit forward for ToyLM"):
+        export(ToyLM().eval(), tmp_path / "out", log=lambda *_: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_verification_leaves_no_directory(hf_checkpoint, tmp_path, monkeypatch):
+    """An export whose verification fails raises VerificationError and leaves nothing behind."""
+    from engine.export import verify as verify_mod
+
+    monkeypatch.setattr(verify_mod, "LOGIT_TOL", {torch.float32: 0.0, torch.float16: 0.0})
+    with pytest.raises(VerificationError, match="logits at step"):
+        export(hf_checkpoint("gpt2"), tmp_path / "out", verify=True, log=lambda *_: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_onnx_decode_matches_prefill_of_the_whole_sequence(hf_checkpoint, tmp_path):
+    """One graph serves prefill and decode: prefilling 9 tokens at once equals prefilling 6 and
+    decoding 3 one at a time (last logits and the final KV at the real positions), with a
+    left-padded row beside."""
+    model = load_model(hf_checkpoint("mistral"), "cpu", torch.float32)
+    run = _onnx(model, tmp_path / "m.onnx")
+    L = model.info.n_layer
+    ids = np.array([[0, 0, 11, 12, 13, 14, 15, 16, 17], [21, 22, 23, 24, 25, 26, 27, 28, 29]], np.int64)
+    mask = np.array([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9], np.int64)
+    pos = np.maximum(mask.cumsum(1) - 1, 0)
+    empty = {f"past_key_values.{i}.{kv}": np.zeros((2, 2, 0, 16), np.float32) for i in range(L) for kv in ("key", "value")}
+    whole = run({"input_ids": ids, "attention_mask": mask, "position_ids": pos, **empty})
+    step = run({"input_ids": ids[:, :6], "attention_mask": mask[:, :6], "position_ids": pos[:, :6], **empty})
+    for t in range(6, 9):
+        past = {"past_key_values." + k[8:]: v for k, v in step.items() if k.startswith("present.")}
+        step = run({"input_ids": ids[:, t:t + 1], "attention_mask": mask[:, :t + 1], "position_ids": pos[:, t:t + 1],
+                    **past})
+    assert np.abs(step["logits"][:, -1] - whole["logits"][:, -1]).max() < 1e-5
+    a, b = step[f"present.{L - 1}.key"], whole[f"present.{L - 1}.key"]
+    assert np.abs(a[0, :, 2:] - b[0, :, 2:]).max() < 1e-5 and np.abs(a[1] - b[1]).max() < 1e-5  # real positions
+
+
+def test_onnx_is_imported_only_by_export_code():
+    """engine/ outside engine/export never imports onnx, onnxruntime or onnxruntime_genai, and
+    engine/export imports them only inside functions (an engine without the export extra loads)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "engine"
+    bad = []
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        top = set(map(id, tree.body))
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n.split(".")[0] in ("onnx", "onnxruntime", "onnxruntime_genai", "onnxscript") for n in names):
+                if "export" not in path.relative_to(root).parts or id(node) in top:
+                    bad.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not bad, bad
