@@ -261,3 +261,85 @@ def test_onnx_is_imported_only_by_export_code():
                 if "export" not in path.relative_to(root).parts or id(node) in top:
                     bad.append(f"{path.relative_to(root)}:{node.lineno}")
     assert not bad, bad
+
+
+def test_cli_export_and_its_exit_codes(hf_checkpoint, tmp_path):
+    """`batchgen export MODEL --out DIR --verify` writes the model, the tokenizer files beside it
+    (as the checkpoint has them), genai_config.json and batchgen_export.json and exits 0; an
+    unknown format exits 2 naming it, with no directory left."""
+    import subprocess
+    import sys
+
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    src = hf_checkpoint("qwen3")
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="w1",
+                            chat_template="{% for m in messages %}{{ m.content }}{% endfor %}").save_pretrained(src)
+    root = Path(__file__).resolve().parents[1]
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "jobs.cli", "export", *map(str, args)], capture_output=True,
+                              text=True, cwd=root, timeout=300)
+
+    bad = cli(src, "--out", tmp_path / "bad", "--format", "tflite")
+    assert bad.returncode == 2 and "--format 'tflite'" in bad.stderr and not (tmp_path / "bad").exists()
+    ok = cli(src, "--out", tmp_path / "ok", "--verify")
+    assert ok.returncode == 0, ok.stderr
+    assert "verify passed" in ok.stdout
+    files = {p.name for p in (tmp_path / "ok").iterdir()}
+    assert {"model.onnx", "genai_config.json", "batchgen_export.json", "tokenizer.json",
+            "tokenizer_config.json"} <= files
+    assert "chat_template" in (tmp_path / "ok" / "tokenizer_config.json").read_text() or \
+        "chat_template.jinja" in files
+    record = json.loads((tmp_path / "ok" / "batchgen_export.json").read_text())
+    assert record["verification"]["passed"] and record["source"]["files"]["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]
+
+
+@pytest.mark.slow
+def test_smollm2_in_onnxruntime_genai_matches_the_engine(tmp_path):
+    """SmolLM2-135M-Instruct exported with --verify (under 2 minutes) loads in onnxruntime-genai
+    as the directory is (genai_config.json, tokenizer), and genai's greedy tokens on 8 GSM8K
+    chat prompts x 64 tokens equal the engine's (each up to and including its end token)."""
+    og = pytest.importorskip("onnxruntime_genai")
+    import time
+
+    from engine import SamplingParams, load_engine
+    from engine.loading.builtin import smollm2_path
+    from hf_cases import GSM8K_TEST
+
+    try:
+        smollm2_path()
+    except FileNotFoundError:
+        pytest.skip("SmolLM2 is not installed")
+    if not GSM8K_TEST.exists():
+        pytest.skip(f"{GSM8K_TEST} is missing")
+    t0 = time.perf_counter()
+    record = export("smollm2", tmp_path / "smollm2", verify=True, log=print)
+    print(f"export + verify: {time.perf_counter() - t0:.1f} s (export {record['export_seconds']} s)")
+    assert record["verification"]["passed"] and record["export_seconds"] < 120
+    eng = load_engine("smollm2", device="cpu", dtype="float32")
+    questions = [json.loads(line)["question"] for line in GSM8K_TEST.read_text().splitlines()[:8]]
+    prompts = [eng.tokenizer.render_chat([{"role": "user", "content": q}]) for q in questions]
+    want = [r[0].tokens for r in eng.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0),
+                                              prompt_ids=list(range(8)))]
+    model = og.Model(str(tmp_path / "smollm2"))
+    got = []
+    for p in prompts:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(p) + 64, do_sample=False)
+        gen = og.Generator(model, params)
+        gen.append_tokens(np.array(p, dtype=np.int32))
+        out = []
+        while not gen.is_done():
+            gen.generate_next_token()
+            out.append(int(gen.get_next_tokens()[0]))
+        got.append(out)
+    tok = og.Tokenizer(model)
+    assert list(tok.encode("Hello world")) == eng.tokenizer.encode("Hello world")  # genai's own tokenizer agrees
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"prompt {i}: genai {g} vs engine {w}"
+    assert sum(map(len, want)) > 8 * 32  # real answers, not immediate stops

@@ -132,6 +132,9 @@ def export(model: "str | Path | CausalLM", out: str | Path, *, format: str = "on
         (tmp / "batchgen_export.json").write_text(json.dumps(record, indent=2))
         if result is not None:
             check(result)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 -> what a plain mkdir would give
         if out.exists():
             out.rmdir()  # an empty directory (checked): replaced by the finished one
         os.rename(tmp, out)
