@@ -343,3 +343,63 @@ def test_smollm2_in_onnxruntime_genai_matches_the_engine(tmp_path):
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"prompt {i}: genai {g} vs engine {w}"
     assert sum(map(len, want)) > 8 * 32  # real answers, not immediate stops
+
+
+@pytest.mark.parametrize("name", ["mistral", "nanochat"])
+def test_static_variant_gives_the_same_tokens(name, hf_checkpoint, tmp_path):
+    """--static-max-len: fixed (batch, kv_heads, N, head_dim) buffers written at cache_position,
+    one graph for every position; the same greedy tokens as the dynamic graph and the engine
+    (Mistral's sliding window; nanochat's smear state and windows), and the buffers keep N."""
+    import onnxruntime as ort
+
+    src = NANOCHAT / "nanochat_2026jul_92d63d4" if name == "nanochat" else hf_checkpoint(name)
+    dynamic = export(src, tmp_path / "dyn", verify=True, log=lambda *_: None)
+    static = export(src, tmp_path / "static", static_max_len=64, verify=True, log=lambda *_: None)
+    _exported_ok(static, tmp_path / "static")
+    assert static["verification"]["tokens"] == dynamic["verification"]["tokens"]
+    sess = ort.InferenceSession(str(tmp_path / "static" / "model.onnx"), providers=["CPUExecutionProvider"])
+    shapes = {o.name: o.shape for o in sess.get_outputs()}
+    assert shapes["present.0.key"][0] == "batch" and shapes["present.0.key"][2] == 64
+    assert "cache_position" in {i.name for i in sess.get_inputs()}
+    assert not (tmp_path / "static" / "genai_config.json").exists()
+
+
+def test_float16_export_verifies(hf_checkpoint, tmp_path):
+    """--dtype float16: weights and KV in float16 (logits float32), the engine's tokens in its
+    own float16 run, logits within 5e-2 and KV within 1e-2 (scaled as verify.py says)."""
+    import onnxruntime as ort
+
+    record = export(hf_checkpoint("qwen3"), tmp_path / "out", dtype="float16", verify=True, log=lambda *_: None)
+    _exported_ok(record, tmp_path / "out")
+    sess = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
+    types = {o.name: o.type for o in sess.get_outputs()}
+    assert types["logits"] == "tensor(float)" and types["present.0.key"] == "tensor(float16)"
+
+
+@pytest.mark.slow
+def test_pt2_package_gives_the_same_tokens_without_batchgen(tmp_path):
+    """--format pt2: torch.export + AOTInductor (compiles C++, about a minute): the package
+    generates the engine's tokens in the verification loop, and a Python without batchgen on
+    its path loads it with torch._inductor.aoti_load_package and runs a prefill."""
+    import subprocess
+    import sys
+
+    src = NANOCHAT / "nanochat_2026jul_92d63d4"
+    record = export(src, tmp_path / "pt2", format="pt2", static_max_len=64, verify=True, log=print)
+    _exported_ok(record, tmp_path / "pt2")
+    onnx = export(src, tmp_path / "onnx", verify=True, log=lambda *_: None)
+    assert record["verification"]["tokens"] == onnx["verification"]["tokens"]
+    code = """
+import json, sys, torch
+names = json.load(open("batchgen_export.json"))["interface"]
+m = torch._inductor.aoti_load_package("model.pt2")
+L, N = names["num_layers"], names["static_max_len"]
+ids = torch.tensor([[1, 2, 3]]); mask = torch.zeros(1, N, dtype=torch.long); mask[:, :3] = 1
+kv = [torch.zeros(1, 1, N, 16) for _ in range(2 * L)]
+out = m(ids, mask, torch.arange(3)[None], torch.arange(3), *kv, torch.zeros(1, 32))
+assert "engine" not in sys.modules and out[0].shape == (1, 3, 300), out[0].shape
+print("ok", len(out))
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path / "pt2", capture_output=True, text=True,
+                       timeout=300, env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]

@@ -107,7 +107,7 @@ def export(model: "str | Path | CausalLM", out: str | Path, *, format: str = "on
 
             filename = "model.pt2"
             write_pt2(fwd, tmp / filename)
-            runner = pt2_runner(tmp / filename) if verify else None
+            runner = pt2_runner(tmp / filename, fwd=fwd) if verify else None
         export_s = time.perf_counter() - t0
         log(f"export: {filename} written in {export_s:.1f} s")
         result = None

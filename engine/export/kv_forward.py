@@ -191,7 +191,7 @@ class KVExplicitForward(nn.Module):
             prev_index = query_index - 1
             has_prev = attention_mask[:, prev_index.clamp(min=0)].bool() & (prev_index >= 0)[None, :]
             has_prev = has_prev.to(x.dtype)[..., None]
-            prev = torch.cat([smear[:, None, :].to(x.dtype), x[:, :-1]], dim=1)
+            prev = torch.cat([smear[:, None, :].to(x.dtype), x], dim=1)[:, :tokens.shape[1]]
             new_smear = x[:, -1]
             x = x + m._smear_gate(x) * (prev * has_prev)
             smear = new_smear
