@@ -403,3 +403,22 @@ print("ok", len(out))
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path / "pt2", capture_output=True, text=True,
                        timeout=300, env={"PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
+
+
+def test_the_documented_onnxruntime_loop_runs(hf_checkpoint, tmp_path):
+    """docs/export.md's onnxruntime generation loop, run as written on an export, gives the
+    tokens of the verifier's loop (engine/export/verify.py) for the same prompts."""
+    import re
+
+    from engine.export.verify import greedy_loop
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "export.md").read_text()
+    section = text.split("## Generating with onnxruntime", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    export(hf_checkpoint("llama"), tmp_path / "out", log=lambda *_: None)
+    scope = {"DIR": str(tmp_path / "out")}
+    exec(code, scope)
+    model = load_model(hf_checkpoint("llama"), "cpu", torch.float32)
+    want, _, _ = greedy_loop(_onnx(model, tmp_path / "m.onnx"), [[1, 2, 3], [4, 5, 6, 7, 8]], 32, n_layer=2,
+                             n_kv_head=2, head_dim=16, kv_dtype=np.float32)
+    assert scope["tokens"].shape == (2, 32) and (scope["tokens"] == want).all()
