@@ -15,7 +15,8 @@
 Exit codes: 0 success; 1 the job ran and failed, or `verify` found problems; 2 the job
 could not start (bad config, bad input, output belongs to another job or is in use by
 another driver, bad prepare input, bad export options or model; `plan` returns 2 where `run`
-would stop); `export --verify` returns 1 when the artifact does not generate the engine's tokens; 130 interrupted. Every jobs.errors.JobError is printed as "error: <message>" on stderr.
+would stop); `export --verify` returns 1 when the artifact does not generate the engine's
+tokens; 130 interrupted. Every jobs.errors.JobError is printed as "error: <message>" on stderr.
 """
 from __future__ import annotations
 

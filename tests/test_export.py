@@ -204,11 +204,12 @@ def test_bad_options_are_named_and_write_nothing(hf_checkpoint, tmp_path):
 
 def test_model_without_kv_forward_is_refused(tmp_path):
     """A CausalLM the exporter has no KV-explicit forward for (here tests/toy.py's) is refused
-    by name, before anything is written."""
+    by name, before anything is written; `engine.export(...)` is the same call."""
+    import engine
     from toy import ToyLM
 
     with pytest.raises(ExportError, match="no KV-explicit forward for ToyLM"):
-        export(ToyLM().eval(), tmp_path / "out", log=lambda *_: None)
+        engine.export(ToyLM().eval(), tmp_path / "out", log=lambda *_: None)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -232,7 +233,8 @@ def test_onnx_decode_matches_prefill_of_the_whole_sequence(hf_checkpoint, tmp_pa
     ids = np.array([[0, 0, 11, 12, 13, 14, 15, 16, 17], [21, 22, 23, 24, 25, 26, 27, 28, 29]], np.int64)
     mask = np.array([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9], np.int64)
     pos = np.maximum(mask.cumsum(1) - 1, 0)
-    empty = {f"past_key_values.{i}.{kv}": np.zeros((2, 2, 0, 16), np.float32) for i in range(L) for kv in ("key", "value")}
+    empty = {f"past_key_values.{i}.{kv}": np.zeros((2, 2, 0, 16), np.float32)
+             for i in range(L) for kv in ("key", "value")}
     whole = run({"input_ids": ids, "attention_mask": mask, "position_ids": pos, **empty})
     step = run({"input_ids": ids[:, :6], "attention_mask": mask[:, :6], "position_ids": pos[:, :6], **empty})
     for t in range(6, 9):

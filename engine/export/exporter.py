@@ -16,10 +16,14 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.export.errors import ExportError, VerificationError
+
+if TYPE_CHECKING:
+    from engine.models.base import CausalLM
 
 FORMATS = ("onnx", "pt2")
 DTYPES = {"float32": torch.float32, "float16": torch.float16}

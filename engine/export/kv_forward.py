@@ -34,7 +34,6 @@ import math
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.base import CausalLM
