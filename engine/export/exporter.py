@@ -75,43 +75,26 @@ def export(model: "str | Path | CausalLM", out: str | Path, *, format: str = "on
     static_max_len: fixed KV buffers of N positions instead of growing past/present.
     verify: run engine/export/verify.py's greedy loop (4 prompts, `max_tokens` tokens) in the
         artifact against the engine before the directory is renamed into place.
+    step: nanochat only, the checkpoint step (default: the highest). log: progress lines.
     Returns batchgen_export.json's contents. Raises ExportError (bad options, unwritable out,
     an unsupported model; nothing written), VerificationError (nothing written), and what
     loading raises (FileNotFoundError, CheckpointError).
     """
-    from engine.export.artifacts import checkpoint_sha256, genai_config, interface, write_tokenizer
     from engine.export.kv_forward import KVExplicitForward
     from engine.export.verify import PROMPT_LENGTHS, check, verify as run_verify
-    from engine.loading.builtin import resolve_builtin
-    from engine.loading.checkpoint import detect_format, load_model
-
-    from engine.models.base import CausalLM
 
     out = Path(out)
     check_options(out, format, dtype, static_max_len, verify, max_tokens)
     t0 = time.perf_counter()
-    if isinstance(model, CausalLM):
-        source, fmt, m = None, "in-memory", model
-    else:
-        source = Path(resolve_builtin(model))
-        fmt = detect_format(model)
-        m = load_model(model, "cpu", DTYPES[dtype], step=step)
+    source, fmt, m = _load(model, dtype, step)
     check_options(out, format, dtype, static_max_len, verify, max_tokens, m.info.context_len, max(PROMPT_LENGTHS))
     fwd = KVExplicitForward(m, static_max_len)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent if str(out.parent) else "."))
     try:
-        if format == "onnx":
-            from engine.export.onnx_writer import onnx_runner, write_onnx
-
-            filename = "model.onnx"
-            write_onnx(fwd, tmp / filename)
-            runner = onnx_runner(tmp / filename) if verify else None
-        else:
-            from engine.export.pt2 import pt2_runner, write_pt2
-
-            filename = "model.pt2"
-            write_pt2(fwd, tmp / filename)
-            runner = pt2_runner(tmp / filename, fwd=fwd) if verify else None
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent if str(out.parent) else "."))
+    except OSError as e:
+        raise ExportError(f"--out {str(out)!r}: cannot create a directory beside it ({e})") from None
+    try:
+        filename, runner = _write_model(fwd, tmp, format, verify)
         export_s = time.perf_counter() - t0
         log(f"export: {filename} written in {export_s:.1f} s")
         result = None
@@ -119,20 +102,9 @@ def export(model: "str | Path | CausalLM", out: str | Path, *, format: str = "on
             result = run_verify(runner, m, max_tokens=max_tokens, static_max_len=static_max_len,
                                 kv_dtype=DTYPES[dtype])
             log(result.summary())
-        tok_files = write_tokenizer(source, fmt, tmp) if source is not None and source.exists() else []
-        meta = _tokenizer_meta(source, fmt) if source is not None and source.exists() else {}
-        genai = genai_config(m, filename, meta) if format == "onnx" and static_max_len is None else None
-        if genai is not None:
-            (tmp / "genai_config.json").write_text(json.dumps(genai, indent=2))
-        record = {"source": {"path": str(source), "format": fmt,
-                             **(checkpoint_sha256(source) if source is not None and source.exists()
-                                else {"sha256": None})},
-                  "model": {"arch": m.info.arch, "description": m.info.description,
-                            "architecture": _plain(m.architecture())},
-                  "format": format, "file": filename, "dtype": dtype, "interface": interface(fwd),
-                  "tokenizer_files": tok_files, "genai_config": genai is not None,
-                  "export_seconds": round(export_s, 2), "torch": torch.__version__,
-                  "verification": None if result is None else result.as_dict()}
+        record = _write_beside(tmp, fwd, source, fmt, filename, format, dtype)
+        record.update(export_seconds=round(export_s, 2),
+                      verification=None if result is None else result.as_dict())
         (tmp / "batchgen_export.json").write_text(json.dumps(record, indent=2))
         if result is not None:
             check(result)
@@ -146,6 +118,49 @@ def export(model: "str | Path | CausalLM", out: str | Path, *, format: str = "on
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return record
+
+
+def _load(model, dtype: str, step: int | None):
+    """(source path or None, detected format, the model on CPU in `dtype`)."""
+    from engine.loading.builtin import resolve_builtin
+    from engine.loading.checkpoint import detect_format, load_model
+    from engine.models.base import CausalLM
+
+    if isinstance(model, CausalLM):
+        return None, "in-memory", model
+    source = Path(resolve_builtin(model))
+    fmt = detect_format(model)
+    return (source if source.exists() else None), fmt, load_model(model, "cpu", DTYPES[dtype], step=step)
+
+
+def _write_model(fwd, tmp: Path, format: str, verify: bool):
+    """The graph file in `tmp`: (its name, a verify runner on it or None)."""
+    if format == "onnx":
+        from engine.export.onnx_writer import onnx_runner, write_onnx
+
+        write_onnx(fwd, tmp / "model.onnx")
+        return "model.onnx", (onnx_runner(tmp / "model.onnx") if verify else None)
+    from engine.export.pt2 import pt2_runner, write_pt2
+
+    write_pt2(fwd, tmp / "model.pt2")
+    return "model.pt2", (pt2_runner(tmp / "model.pt2", fwd=fwd) if verify else None)
+
+
+def _write_beside(tmp: Path, fwd, source: Path | None, fmt: str, filename: str, format: str, dtype: str) -> dict:
+    """Tokenizer files and genai_config.json into `tmp`; returns the record's other fields."""
+    from engine.export.artifacts import checkpoint_sha256, genai_config, interface, write_tokenizer
+
+    m = fwd.model
+    tok_files = write_tokenizer(source, fmt, tmp) if source is not None else []
+    meta = _tokenizer_meta(source, fmt) if source is not None else {}
+    genai = genai_config(m, filename, meta) if format == "onnx" and fwd.static_max_len is None else None
+    if genai is not None:
+        (tmp / "genai_config.json").write_text(json.dumps(genai, indent=2))
+    return {"source": {"path": None if source is None else str(source), "format": fmt,
+                       **(checkpoint_sha256(source) if source is not None else {"sha256": None})},
+            "model": {"arch": m.info.arch, "description": m.info.description, "architecture": _plain(m.architecture())},
+            "format": format, "file": filename, "dtype": dtype, "interface": interface(fwd),
+            "tokenizer_files": tok_files, "genai_config": genai is not None, "torch": torch.__version__}
 
 
 def _tokenizer_meta(source: Path, fmt: str) -> dict:
