@@ -4,11 +4,12 @@ the verification result).
 
 genai_config.json follows onnxruntime-genai's schema (its builder.py writes the same keys):
 model.type, the decoder's file, shape and input/output names with `%d` templates, and the
-search defaults (greedy). It is written for the architectures onnxruntime-genai runs as a plain
-decoder: llama, mistral, qwen2, qwen3 and gpt2 (dynamic-shape ONNX only: the static variant's
-`cache_position` input is batchgen's own). Sliding-window models get it without the window:
-GenAI reads windows from its own attention operator, which this graph does not use, and our
-graph applies the window itself.
+search defaults (greedy). It is written wherever the graph has exactly genai's decoder
+interface: the dynamic-shape ONNX (the static variant's `cache_position` input is batchgen's
+own) of every model but nanochat with a smear gate (its past_smear pair). The type is the
+model's own for llama, mistral, qwen2 and qwen3; GPT-2 and nanochat get genai's generic
+"decoder" (genai 0.18's "gpt2" type refused this graph: "Model input was not found"). The graph applies
+sliding windows itself, so genai needs no window setting.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from pathlib import Path
 
 from engine.models.base import CausalLM
 
-GENAI_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+GENAI_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "decoder",
+               "nanochat": "decoder"}  # batchgen's arch -> genai's model.type
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
                     "chat_template.json", "generation_config.json")
@@ -83,12 +85,13 @@ def write_tokenizer(source: Path, fmt: str, out: Path) -> list[str]:
 
 
 def genai_config(model: CausalLM, filename: str, tokenizer_meta: dict) -> dict | None:
-    """onnxruntime-genai's genai_config.json for the model, or None for an architecture it does
-    not run (nanochat). tokenizer_meta: bos/eos/pad token ids where known."""
+    """onnxruntime-genai's genai_config.json for the model, or None where the graph's interface
+    is not genai's (nanochat's smear state). tokenizer_meta: bos/eos/pad token ids where known."""
     info = model.info
-    if info.arch not in GENAI_TYPES:
+    if info.arch not in GENAI_TYPES or info.state_dims:
         return None
-    heads = getattr(getattr(model, "cfg", None), "num_heads", None) or getattr(model, "n_head", info.n_kv_head)
+    heads = (getattr(getattr(model, "cfg", None), "num_heads", None) or getattr(model, "n_head", None)
+             or getattr(getattr(model, "config", None), "n_head", info.n_kv_head))
     eos = list(info.stop_token_ids) or ([tokenizer_meta["eos"]] if tokenizer_meta.get("eos") is not None else [0])
     return {
         "model": {
@@ -110,7 +113,7 @@ def genai_config(model: CausalLM, filename: str, tokenizer_meta: dict) -> dict |
             },
             "eos_token_id": eos if len(eos) > 1 else eos[0],
             "pad_token_id": tokenizer_meta.get("pad", eos[0]) if tokenizer_meta.get("pad") is not None else eos[0],
-            "type": info.arch,
+            "type": GENAI_TYPES[info.arch],
             "vocab_size": info.vocab_size,
         },
         "search": {"diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
