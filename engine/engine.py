@@ -24,9 +24,11 @@ free blocks become one range. This happens only between steps, and changes no sa
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Any, Iterable, Sequence as Seq
 
 import torch
 
@@ -117,6 +119,7 @@ class Engine:
         self.compacted_positions = 0
         self.compaction_seconds = 0.0
         self._kv_row_bytes = [0, 0]  # (sum over decode steps of reserved bytes, of running rows)
+        self.weight_version = 0  # +1 per weights swap (apply_weights); every token records it (Sample.weight_versions)
 
     @staticmethod
     def _tool_tokens(tokenizer) -> ToolTokens | None:
@@ -298,12 +301,15 @@ class Engine:
             prompt_start = req.kv_block * bs
             size = self.scheduler.own_blocks(req)
             for j, (slot, block) in enumerate(zip(a.slots, a.own_blocks)):
-                idx = a.first_sample + j
+                idx = a.first_sample + j if req.resume is None else req.resume.sample_index
                 seq = Sequence(req, idx, slot, request_key(req.params.seed, req.prompt_id, idx), own_block=block,
                                own_blocks=size, own_start=block * bs, own_pos0=P if self.prefix_sharing else 0,
                                prefix_start=prompt_start if self.prefix_sharing else -1)
                 if not self.prefix_sharing:
                     copies.append((prompt_start, block * bs, P))
+                seq.weight_version = self.weight_version
+                if req.resume is not None:  # a continuation: its tokens so far, whose KV is the prompt's
+                    seq.replay(req.resume, self.tools, self.tokenizer, self.max_seq_len)
                 self.running[slot] = seq
                 seqs.append(seq)
                 rows.append(lg)
@@ -347,6 +353,8 @@ class Engine:
                                 batched=self.batched_sampling)
         host = torch.stack([toks.double(), lps.double()]).tolist()
         for seq, t, lp in zip(seqs, host[0], host[1]):
+            if seq.next_is_forced():  # a continuation stopped inside forced tool output
+                t, lp = seq.forced.popleft(), None
             seq.append(int(t), lp, self.tools, self.tokenizer, self.max_seq_len)
         self.num_generated_tokens += len(seqs)
 
@@ -382,13 +390,14 @@ class Engine:
         self.scheduler.release_sample(seq.slot, seq.own_block, seq.own_blocks)
         self._batch = None
         req = seq.request
-        req.samples[seq.sample_index] = seq.to_sample(self.tokenizer)
+        sample = seq.to_sample(self.tokenizer)
+        prior = req.resume.weight_versions if req.resume is not None else []
+        sample.weight_versions = list(prior) + [seq.weight_version] * (len(sample.tokens) - len(prior))
+        req.samples[0 if req.parent is not None else seq.sample_index] = sample
         req.num_finished += 1
         if req.num_finished < req.params.num_samples:
             return None
-        self.scheduler.release_prompt(req)
-        return RequestOutput(request_id=req.request_id, prompt_id=req.prompt_id, prompt_tokens=req.prompt_tokens,
-                             samples=list(req.samples))
+        return self._complete(req)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, path: str | Path, *, step: int | None = None) -> dict:
@@ -425,6 +434,7 @@ class Engine:
         from engine.loading.weight_swap import apply_weights
 
         self._check_idle("apply_weights")
+        self.weight_version += 1  # before the copy: a half-done swap is not the old weights either
         apply_weights(self.model, staged)
         return {"path": staged.path, "step": staged.step, "description": staged.description}
 
@@ -432,6 +442,105 @@ class Engine:
         if self.has_unfinished_requests():
             raise RuntimeError(f"{what}: the engine has unfinished requests; finish them first (their KV cache "
                                f"entries come from the current weights)")
+
+    # ------------------------------------------------------------------ aborting and continuing
+    def abort(self, request_ids: Iterable[Any]) -> list[RequestOutput]:
+        """End requests now (vLLM's abort_request), between steps; returns their outputs.
+
+        Each aborted request comes back whole, as a finished one does: samples already
+        finished as they are; running samples end at once with their tokens so far and
+        finish_reason "abort" (their KV runs and decoding slots freed); samples not admitted
+        yet with no tokens and finish_reason "abort". A waiting request leaves the queue. A
+        continued request (`continue_request`) is aborted by its request_id. Ids not in the
+        engine (unknown, or finished already: a finished output still comes from `step`) are
+        ignored. The other samples go on unchanged: on CPU with batch_invariant their tokens
+        and logprobs are bit-identical to a run without the abort (the decode batch is
+        rebuilt without the rows, as when a sample finishes).
+        """
+        ids = set(request_ids)
+
+        def aborted(req: Request) -> bool:
+            return req.request_id in ids or (req.parent is not None and req.parent.request_id in ids)
+
+        sched = self.scheduler
+        reqs: dict[int, Request] = {}
+        for r in [s.request for s in self.running.values()] + list(sched.waiting):
+            if aborted(r):
+                reqs.setdefault(id(r), r)
+        if not reqs:
+            return []
+        sched.waiting = type(sched.waiting)(r for r in sched.waiting if not aborted(r))
+        for req in reqs.values():  # samples never admitted
+            for j in range(req.next_sample, req.params.num_samples):
+                req.samples[j] = req.resume if req.resume is not None else Sample(
+                    prompt_id=req.prompt_id, sample_index=j, finish_reason="abort",
+                    num_prompt_tokens=len(req.prompt_tokens), seed=req.params.seed)
+                req.num_finished += 1
+            req.next_sample = req.params.num_samples
+        running = {id(s.request) for s in self.running.values()}
+        outs: list[RequestOutput] = []
+        for req in reqs.values():  # nothing running: done now (else its last running sample completes it)
+            out = None if id(req) in running else self._complete(req)
+            if out is not None:
+                outs.append(out)
+        for slot in [slot for slot, seq in self.running.items() if aborted(seq.request)]:
+            seq = self.running.pop(slot)
+            seq.finish_reason = seq.finish_reason or "abort"
+            out = self._finish(seq)
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def continue_request(self, output: RequestOutput, params: SamplingParams, request_id: Any = None) -> None:
+        """Queue again a request that `abort` ended, to finish it (vLLM's pause_generation
+        mode "keep", by recomputation): its finished samples are kept as they are; each
+        sample with finish_reason "abort" goes on from its tokens so far. Its prompt and those
+        tokens are prefilled again with the engine's current weights (the KV is recomputed,
+        not kept), and it draws its next tokens with the noise of its own (seed, prompt_id,
+        sample_index, position), so it continues where it stopped; its Sample.weight_versions
+        say which weights made each token. A request none of whose samples started is
+        simply queued again (its samples share one prefill, as new).
+        params: the request's SamplingParams, as first given. request_id: default
+        output.request_id. One RequestOutput comes from `step` when every sample is done.
+        """
+        rid = output.request_id if request_id is None else request_id
+        prompt = list(output.prompt_tokens)
+        samples = sorted(output.samples, key=lambda x: x.sample_index)
+        if all(x.finish_reason == "abort" and not x.tokens for x in samples):
+            self.add_request(prompt, params, output.prompt_id, request_id=rid)
+            return
+        parent = _Continued(rid, output.prompt_id, prompt, list(samples))
+        stop = self.default_stop_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
+        one = dataclasses.replace(params, num_samples=1)
+        for x in samples:
+            if x.finish_reason != "abort":
+                continue
+            if len(prompt) + len(x.tokens) >= self.max_seq_len or (
+                    params.max_tokens is not None and len(x.tokens) >= params.max_tokens):
+                x.finish_reason = "length"  # nothing left to generate
+                continue
+            parent.pending += 1
+            self.scheduler.add(Request((rid, x.sample_index), output.prompt_id, prompt + list(x.tokens), one, stop,
+                                       [None], resume=x, parent=parent))
+        if not parent.pending:
+            self._ready.append(RequestOutput(rid, output.prompt_id, prompt, parent.samples))
+
+    def _complete(self, req: Request) -> RequestOutput | None:
+        """Every sample of `req` is done: free its stored prompt and return its output (for a
+        continuation: fold its sample into its request, returned once all are done)."""
+        self.scheduler.release_prompt(req)
+        parent = req.parent
+        if parent is None:
+            return RequestOutput(request_id=req.request_id, prompt_id=req.prompt_id,
+                                 prompt_tokens=req.prompt_tokens, samples=list(req.samples))
+        sample = req.samples[0]
+        sample.num_prompt_tokens = len(parent.prompt_tokens)
+        parent.samples[sample.sample_index] = sample
+        parent.pending -= 1
+        if parent.pending:
+            return None
+        return RequestOutput(request_id=parent.request_id, prompt_id=parent.prompt_id,
+                             prompt_tokens=parent.prompt_tokens, samples=list(parent.samples))
 
     # ------------------------------------------------------------------ batch API
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
@@ -465,6 +574,18 @@ class Engine:
                     others.append(out)
         self._ready.extend(others)  # streaming requests that finished meanwhile stay for their owner
         return results  # type: ignore[return-value]
+
+
+@dataclass(slots=True, eq=False)
+class _Continued:
+    """A request continued by Engine.continue_request: its samples (aborted ones replaced as
+    their continuations finish) and how many continuations are still running."""
+
+    request_id: Any
+    prompt_id: str
+    prompt_tokens: list[int]
+    samples: list[Sample]
+    pending: int = 0
 
 
 @torch.no_grad()

@@ -1,0 +1,203 @@
+"""Rollouts inside a training loop: calls read as their prompts finish, aborted, paused.
+
+In one process (Engine, the tiny nanochat checkpoint of tests/weights_cases.py):
+- Engine.abort ends requests between steps: their finished samples as they are, running ones
+  with their tokens so far (a prefix of the uninterrupted sample) and finish_reason "abort",
+  unstarted ones empty; every other sample's tokens and logprobs are bit-identical to a run
+  without the abort; Engine.continue_request goes on from the aborted tokens and ends with the
+  uninterrupted run's tokens.
+
+On a real Ray head (one pool of 2 workers for the module; `base` then `trained` weights):
+- submit() of 64 prompts x 8 samples, 4 prompts running 15x longer than the rest: groups
+  (all 8 rows of one prompt) come back while the long samples still run, before half the
+  call's time; the rows equal generate()'s;
+- abort() of the same call returns within 2 s with all 512 samples once: finished ones as in
+  the full call, unfinished ones "abort" with a prefix of their full tokens;
+- pause("keep"), load_weights(trained), resume(): samples running at the pause carry weight
+  version 0 then 1, their version-0 tokens are those of the call on `base` alone, and the
+  pool serves the next call.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+import weights_cases
+
+N_PROMPTS, N_SAMPLES, SHORT, LONG, N_LONG = 64, 8, 2, 100, 4
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    return weights_cases.build(tmp_path_factory.mktemp("rollouts") / "ckpt")
+
+
+# ---------------------------------------------------------------------------------- one process
+def _run(eng, prompts, params, abort_at=None, ids=(), keep=False):
+    """Every request's output; at step `abort_at`, abort `ids` (and continue them if `keep`)."""
+    for i, p in enumerate(prompts):
+        eng.add_request(p, params, f"q{i}", request_id=i)
+    outs, steps = {}, 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+        steps += 1
+        if steps == abort_at:
+            aborted = eng.abort(ids)
+            assert sorted(o.request_id for o in aborted) == sorted(ids)
+            for o in aborted:
+                if keep:
+                    eng.continue_request(o, params)
+                else:
+                    outs[o.request_id] = o
+    return outs
+
+
+def test_engine_abort_and_continue(ckpts):
+    """Engine.abort: aborted requests come back whole (finished samples kept, running ones cut
+    with finish_reason abort, never-admitted ones empty), the others are bit-identical to a run
+    without the abort; continue_request finishes aborted samples with the uninterrupted tokens."""
+    from engine import SamplingParams, load_engine
+
+    # 6 slots for 6 x 3 samples: requests 4 and 5 wait when the abort comes
+    eng = load_engine(str(ckpts["base"]), device="cpu", dtype="float32", max_seq_len=64, max_num_seqs=6)
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + i)] for i in range(6)]
+    p = SamplingParams(num_samples=3, max_tokens=12, seed=3, stop_token_ids=[])
+    full = _run(eng, prompts, p)
+    cut = _run(eng, prompts, p, abort_at=4, ids=[0, 5])
+    for i in range(6):
+        for a, b in zip(full[i].samples, cut[i].samples):
+            if i in (0, 5):
+                assert b.finish_reason == "abort" and b.tokens == a.tokens[: len(b.tokens)]
+                assert b.logprobs == a.logprobs[: len(b.tokens)] and len(b.weight_versions) == len(b.tokens)
+            else:
+                assert (a.tokens, a.logprobs, a.finish_reason) == (b.tokens, b.logprobs, b.finish_reason)
+    assert all(0 < len(s.tokens) < 12 for s in cut[0].samples)
+    assert all(s.tokens == [] for s in cut[5].samples)  # never admitted
+    assert not eng.has_unfinished_requests() and eng.kv_used_bytes == 0  # every KV run freed
+    assert eng.abort([0, "unknown"]) == []
+
+    kept = _run(eng, prompts, p, abort_at=4, ids=list(range(6)), keep=True)
+    for i in range(6):
+        for a, b in zip(full[i].samples, kept[i].samples):
+            assert b.tokens == a.tokens and b.finish_reason == a.finish_reason and b.sample_index == a.sample_index
+            assert b.num_prompt_tokens == len(prompts[i]) and b.weight_versions == [0] * len(a.tokens)
+            # logprobs of recomputed positions: prefill and decode agree to rounding, not bit for bit
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+# ---------------------------------------------------------------------------------- a pool
+@pytest.fixture(scope="module")
+def pool(ckpts, ray_local):
+    from jobs import GenerationPool
+
+    config = {"model": {"path": str(ckpts["base"]), "max_num_seqs": 64, "max_seq_len": 128},
+              "input": {"sampling_column": "params"},
+              "sampling": {"num_samples": N_SAMPLES, "max_tokens": SHORT, "seed": 5, "stop_token_ids": []},
+              "cluster": {"num_workers": 2}}
+    with GenerationPool(config) as p:
+        p.generate(_prompts()[:4])  # each worker's first unit imports and warms up (about 2 s here)
+        yield p
+
+
+def _prompts(long_tokens: int = LONG) -> pa.Table:
+    """64 prompts; the first N_LONG run `long_tokens` tokens, the others SHORT."""
+    return pa.table({
+        "prompt": [f"prompt {i} " + "x" * (i % 7) for i in range(N_PROMPTS)],
+        "prompt_id": [f"p{i}" for i in range(N_PROMPTS)],
+        "params": [{"max_tokens": long_tokens if i < N_LONG else SHORT} for i in range(N_PROMPTS)],
+    })
+
+
+def _check_groups(groups: list, expect_rows: int) -> dict:
+    """Every group is one prompt's N_SAMPLES rows; every (prompt, sample) once. {key: row}."""
+    rows = {}
+    for g in groups:
+        assert isinstance(g, pa.RecordBatch) and g.num_rows == N_SAMPLES
+        assert len(set(g.column("prompt_id").to_pylist())) == 1
+        assert g.column("sample_index").to_pylist() == list(range(N_SAMPLES))
+        for r in g.to_pylist():
+            key = (r["prompt_id"], r["sample_index"])
+            assert key not in rows, f"duplicate row {key}"
+            rows[key] = r
+    assert len(rows) == expect_rows
+    return rows
+
+
+def test_submit_streams_groups_then_abort_returns_everything(pool):
+    """Groups come back as prompts finish, long before the call ends; the rows equal
+    generate()'s. An abort of the same call returns within 2 s with every sample once:
+    finished ones as in the full call, unfinished ones "abort" with a prefix of their tokens."""
+    t0 = time.monotonic()
+    h = pool.submit(_prompts())
+    groups, first, times = [], None, []
+    for g in h.results(timeout_s=120):
+        first = first or time.monotonic() - t0
+        times.append(round(time.monotonic() - t0, 2))
+        groups.append(g)
+    total = time.monotonic() - t0
+    print("\narrivals", times)
+    full = _check_groups(groups, N_PROMPTS * N_SAMPLES)
+    print(f"\nfirst group after {first:.2f} s of a {total:.2f} s call")
+    assert first < total / 2
+    assert all(len(full[(f"p{i}", j)]["tokens"]) == LONG for i in range(N_LONG) for j in range(N_SAMPLES))
+    assert h.result().to_pylist() == pool.generate(_prompts()).to_pylist()  # prompt order; = generate
+
+    h = pool.submit(_prompts(long_tokens=60))
+    groups = []
+    for g in h.results(timeout_s=120):
+        groups.append(g)
+        if len(groups) == 8:
+            break
+    t = time.monotonic()
+    assert h.abort(timeout_s=10)
+    took = time.monotonic() - t
+    print(f"abort returned in {took:.2f} s")
+    assert took < 2.0
+    groups += list(h.results(timeout_s=10))
+    rows = _check_groups(groups, N_PROMPTS * N_SAMPLES)
+    reasons = {}
+    for key, r in rows.items():
+        reasons[r["finish_reason"]] = reasons.get(r["finish_reason"], 0) + 1
+        ref = full[key]["tokens"] if key[0] not in {f"p{i}" for i in range(N_LONG)} else None
+        if r["finish_reason"] == "abort":
+            if ref is not None:
+                assert r["tokens"] == ref[: len(r["tokens"])]
+        elif ref is not None:
+            assert r["tokens"] == ref and r["finish_reason"] == "length"
+        assert len(r["weight_version"]) == len(r["tokens"])
+    assert all(rows[(f"p{i}", j)]["finish_reason"] == "abort" for i in range(N_LONG) for j in range(N_SAMPLES))
+    assert reasons["length"] >= 8 * N_SAMPLES  # the groups read before the abort, at least
+    assert h.result().num_rows == N_PROMPTS * N_SAMPLES
+
+
+def test_pause_keep_swap_weights_resume(pool, ckpts):
+    """Samples held across pause("keep") and a weights swap continue after resume(): their
+    weight_version is 0 then 1, and their version-0 tokens are those the call gets on the old
+    weights alone."""
+    ref = {(r["prompt_id"], r["sample_index"]): r for r in pool.generate(_prompts(long_tokens=60)).to_pylist()}
+    h = pool.submit(_prompts(long_tokens=60))
+    next(h.results(timeout_s=120))  # the engines are running (a short prompt finished)
+    assert pool.pause("keep", timeout_s=30)
+    try:
+        states = pool.load_weights(str(ckpts["trained"]))
+        assert len(states) == 2
+    finally:
+        pool.resume()
+    rows = {(r["prompt_id"], r["sample_index"]): r for r in h.result(timeout_s=120).to_pylist()}
+    assert len(rows) == N_PROMPTS * N_SAMPLES
+    mixed = 0
+    for key, r in rows.items():
+        v = r["weight_version"]
+        assert len(v) == len(r["tokens"]) and v == sorted(v) and set(v) <= {0, 1}
+        k = v.count(0)
+        assert r["tokens"][:k] == ref[key]["tokens"][:k]
+        assert r["finish_reason"] == "length" and len(r["tokens"]) == len(ref[key]["tokens"])
+        mixed += 0 < k < len(v)
+    print(f"\n{mixed} samples continued across the swap")
+    assert mixed >= 1
+    assert all(rows[(f"p{i}", j)]["weight_version"][-1] == 1 for i in range(N_LONG) for j in range(N_SAMPLES))
+    pool.load_weights(str(ckpts["base"]))  # back to `base` for the next test
