@@ -201,3 +201,24 @@ def test_pause_keep_swap_weights_resume(pool, ckpts):
     assert mixed >= 1
     assert all(rows[(f"p{i}", j)]["weight_version"][-1] == 1 for i in range(N_LONG) for j in range(N_SAMPLES))
     pool.load_weights(str(ckpts["base"]))  # back to `base` for the next test
+
+
+def test_pause_wait_holds_new_calls_and_pause_abort_ends_open_ones(pool):
+    """pause("wait") returns once no unit is on a worker, and a call submitted while paused
+    gets nothing until resume(); pause("abort") ends the open call at once, every sample
+    present (the long ones "abort"), and the pool serves the next call after resume()."""
+    assert pool.pause("wait", timeout_s=30)
+    h = pool.submit(_prompts()[:8])
+    with pytest.raises(TimeoutError):
+        next(h.results(timeout_s=0.5))  # nothing was dispatched
+    pool.resume()
+    assert h.result(timeout_s=120).num_rows == 8 * N_SAMPLES
+
+    h = pool.submit(_prompts(long_tokens=120))
+    next(h.results(timeout_s=120))
+    assert pool.pause("abort", timeout_s=10) and h.done()
+    rows = h.result().to_pylist()
+    assert len({(r["prompt_id"], r["sample_index"]) for r in rows}) == len(rows) == N_PROMPTS * N_SAMPLES
+    assert {r["finish_reason"] for r in rows if r["prompt_id"] in {f"p{i}" for i in range(N_LONG)}} == {"abort"}
+    pool.resume()
+    assert pool.generate(_prompts()[:2]).num_rows == 2 * N_SAMPLES
