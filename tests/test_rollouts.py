@@ -8,7 +8,7 @@ In one process (Engine, the tiny nanochat checkpoint of tests/weights_cases.py):
   uninterrupted run's tokens.
 
 On a real Ray head (one pool of 2 workers for the module; `base` then `trained` weights):
-- submit() of 64 prompts x 8 samples, 4 prompts running 15x longer than the rest: groups
+- submit() of 64 prompts x 8 samples, 4 prompts running 50x longer than the rest: groups
   (all 8 rows of one prompt) come back while the long samples still run, before half the
   call's time; the rows equal generate()'s;
 - abort() of the same call returns within 2 s with all 512 samples once: finished ones as in
