@@ -199,16 +199,16 @@ class RolloutRunner:
                 commands, self._commands = self._commands, []
             for c in commands:
                 c.run()
-            self._collect_refs()
-            if self._calls:
-                try:
+            try:
+                self._collect_refs()
+                if self._calls:
                     self._settle_aborted()
                     self.dispatcher.advance(self._on_result, self.poll_s, dispatch=self._paused is None,
                                             deadlines=self._paused is None)
-                except BaseException as exc:  # noqa: BLE001 - UnitFailed and the like end every open call
-                    for c in list(self._calls):
-                        self._end(c, exc)
-            self._check_waiters()
+                self._check_waiters()
+            except BaseException as exc:  # noqa: BLE001 - UnitFailed and the like end every open call
+                for c in list(self._calls):
+                    self._end(c, exc)
             if self._waiters or (self._calls and not self.dispatcher.slots.refs):
                 with self._cv:  # nothing to wait on in Ray (paused, or workers gone): no busy loop
                     if not self._commands:

@@ -122,7 +122,8 @@ class GenerationPool:
                                                              * self.dispatcher.in_flight_per_worker))))
         return self._submit(prompts, params, prompt_ids, per_unit).result()
 
-    def submit(self, prompts: Any, params: Any = None, *, prompt_ids: Any = None) -> RolloutHandle:
+    def submit(self, prompts: Any, params: Any = None, *, prompt_ids: Any = None,
+               unit_rows: int | None = None) -> RolloutHandle:
         """Start generating for `prompts` and return at once (prompts, params, prompt_ids as
         `generate` takes them): `handle.results()` yields each prompt's group of rows as soon
         as all its samples are done, `handle.result()` every row (what `generate` returns),
@@ -130,12 +131,14 @@ class GenerationPool:
         pool is paused a call's units wait for `resume`.
         Units are small, so that groups come back early: about 1/(2 x workers x units in
         flight) of the call each (one prompt for 64 prompts on 2 workers), at most
-        cluster.unit_rows. Raises as `generate` does for input it refuses, before any work."""
+        cluster.unit_rows; `unit_rows` sets it (bench/bench_rollouts.py measures the choice).
+        Raises as `generate` does for input it refuses, before any work."""
         if not hasattr(prompts, "__len__"):
             prompts = list(prompts)
         n = len(prompts)
         slots = self.dispatcher.num_workers * self.dispatcher.in_flight_per_worker
-        return self._submit(prompts, params, prompt_ids, max(1, min(self.unit_rows, math.ceil(n / (2 * slots)))))
+        per_unit = unit_rows or max(1, min(self.unit_rows, math.ceil(n / (2 * slots))))
+        return self._submit(prompts, params, prompt_ids, max(1, int(per_unit)))
 
     def _submit(self, prompts: Any, params: Any, prompt_ids: Any, per_unit: int) -> RolloutHandle:
         units, call = self.task.make_units(prompts, params, prompt_ids, self._next_index, per_unit)

@@ -89,6 +89,37 @@ def test_engine_abort_and_continue(ckpts):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
 
+def test_continue_inside_tool_output_forces_the_rest_first(ckpts):
+    """A sample aborted halfway through forced calculator output continues with the rest of
+    that output (mask 0, no logprob) before it samples again, and its tool call is whole."""
+    from engine import SamplingParams, load_engine
+    from engine.params import RequestOutput, Sample
+
+    eng = load_engine(str(ckpts["base"]), device="cpu", dtype="float32", max_seq_len=64)
+    tok = eng.tokenizer
+    sp = {n: tok.special(f"<|{n}|>") for n in ("python_start", "python_end", "output_start", "output_end")}
+    sampled = [sp["python_start"], *tok.encode("1+1"), sp["python_end"]]
+    forced = [sp["output_start"], *tok.encode("2")]  # <|output_end|> still to come
+    prior = Sample(prompt_id="q", sample_index=2, tokens=sampled + forced, mask=[1] * len(sampled) + [0] * len(forced),
+                   logprobs=[-1.0] * len(sampled) + [None] * len(forced), finish_reason="abort",
+                   num_prompt_tokens=3, seed=3, weight_versions=[0] * (len(sampled) + len(forced)))
+    done = Sample(prompt_id="q", sample_index=0, tokens=[5], mask=[1], logprobs=[-2.0], finish_reason="stop")
+    params = SamplingParams(num_samples=3, max_tokens=16, seed=3, stop_token_ids=[])
+    eng.continue_request(RequestOutput("r", "q", [1, 2, 3], [done, Sample(prompt_id="q", sample_index=1,
+                                                                           finish_reason="abort"), prior]), params)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    (out,) = outs
+    s0, s1, s2 = out.samples
+    assert s0 is done and len(s1.tokens) == 16 and s1.num_prompt_tokens == 3
+    n = len(prior.tokens)
+    assert s2.tokens[:n] == prior.tokens and s2.tokens[n] == sp["output_end"]
+    assert s2.mask[n] == 0 and s2.logprobs[n] is None and s2.mask[n + 1] == 1 and len(s2.tokens) == 16
+    assert [(c.start, c.end, c.expr, c.output, c.error) for c in s2.tool_calls] == [(0, n + 1, "1+1", "2", None)]
+    assert s2.weight_versions == [0] * 16 and s2.num_prompt_tokens == 3
+
+
 # ---------------------------------------------------------------------------------- a pool
 @pytest.fixture(scope="module")
 def pool(ckpts, ray_local):
