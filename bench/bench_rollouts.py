@@ -2,11 +2,12 @@
 GenerationPool.submit call hands back its first prompts, by unit size, against the call's
 own total and against `generate` (one table at the end) on the same prompts.
 
-The RL shape with a long tail: 32 chat prompts x 4 samples, most with max_tokens 24, the
-first 2 with 160 (their samples run long). For each unit size (prompts per unit): the time
-to the first group (all samples of one prompt), to half of the groups, and to the last, and
-the total against generate's. Samples end on the model's own stop token too, as in a
-rollout. Machines are noisy: compare the ratios of one run.
+The RL shape with a long tail: 32 chat prompts x 4 samples, most with max_tokens 24 and
+ending on the model's own stop token as in a rollout, the first 2 running to 160 tokens (no
+stop token). For each unit size (prompts per unit): the time to the first group (all
+samples of one prompt), to half of the groups, and to the last, and the total against
+generate's (which cuts the call into 1/(workers x 16) of it per unit). Machines are noisy:
+compare the ratios of one run.
 
     python bench/bench_rollouts.py [--units 1,2,4,8]
 """
@@ -30,12 +31,13 @@ def prompts():
     qs = [f"Write a sentence about the number {i}." for i in range(N_PROMPTS)]
     return pa.table({"messages": [[{"role": "user", "content": q}] for q in qs],
                      "prompt_id": [f"q{i}" for i in range(N_PROMPTS)],
-                     "params": [{"max_tokens": LONG if i < N_LONG else SHORT} for i in range(N_PROMPTS)]})
+                     "params": [{"max_tokens": LONG, "stop_token_ids": []} if i < N_LONG else
+                                {"max_tokens": SHORT, "stop_token_ids": None} for i in range(N_PROMPTS)]})
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--units", default="1,2,4,8", help="prompts per unit to try, comma-separated")
+    ap.add_argument("--units", default="1,4,16", help="prompts per unit to try, comma-separated")
     args = ap.parse_args()
     from machine import describe
 
