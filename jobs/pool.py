@@ -5,6 +5,9 @@
         table = pool.generate(["What is 2+2?", "Name a prime."], {"temperature": 0.7, "seed": step})
         pool.load_weights("ckpt/step-200")          # every worker, in place
         table = pool.generate(prompts)               # now from step-200's weights
+        handle = pool.submit(prompts)                # returns at once (jobs/rollout_handle.py)
+        for group in handle.results(): ...           # each prompt's samples as soon as they are all done
+        pool.pause("keep"); pool.load_weights(path); pool.resume()   # held samples go on, new weights
 
 A pool is a UnitDispatcher (cluster/dispatcher.py: the same GenerationWorker actors, deadlines,
 retries and worker replacement as a job) started once and fed with the units of each call.
@@ -12,7 +15,9 @@ The prompts travel inside their units and the rows come back through Ray, never 
 files. What the prompts and rows are is the task's business (cluster.unit.PromptTask): here
 jobs.pool_task.PoolTask, which reads and writes them exactly as a job does, so a call's rows
 equal, bit for bit, what `run_job` writes for the same prompts, ids, parameters and
-checkpoint.
+checkpoint. Every call, `generate` included, is driven by one background thread
+(cluster/rollout.py: RolloutRunner), which also runs the pool's weights swaps, so calls may
+overlap, be aborted, and pause around a swap.
 
 `from cluster import GenerationPool` still works for one release, with a DeprecationWarning
 (cluster/ never imports jobs/ otherwise).
