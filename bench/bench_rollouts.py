@@ -44,7 +44,7 @@ def main() -> None:
     from jobs import GenerationPool
 
     print(describe())
-    config = {"model": {"path": "smollm2", "dtype": "float32", "max_seq_len": 512, "max_num_seqs": 128},
+    config = {"model": {"path": "smollm2", "dtype": "float32", "max_seq_len": 512, "max_num_seqs": 64},
               "input": {"format": "chat", "sampling_column": "params"},
               "sampling": {"num_samples": 4, "max_tokens": SHORT, "temperature": 1.0, "seed": 0},
               "cluster": {"num_workers": 2}}
