@@ -120,6 +120,59 @@ def test_continue_inside_tool_output_forces_the_rest_first(ckpts):
     assert s2.weight_versions == [0] * 16 and s2.num_prompt_tokens == 3
 
 
+# ---------------------------------------------------------------------------------- a worker, in-process
+def test_worker_abort_pause_and_weights_while_held(ckpts):
+    """GenerationWorker without Ray: a unit aborted before it arrives returns "abort" rows
+    without generating; a unit held by pause_engine lets a weights swap through (the engine
+    is idle) and, after resume_engine, finishes with versions 0 then 1; a held unit that is
+    aborted returns its samples as held."""
+    import threading
+
+    from cluster.worker import GenerationWorker
+    from jobs.config import load_job_spec
+    from jobs.pool_task import PoolTask
+
+    spec = load_job_spec({"model": {"path": str(ckpts["base"]), "max_seq_len": 64, "max_num_seqs": 8},
+                          "sampling": {"num_samples": 2, "max_tokens": 40, "seed": 1, "stop_token_ids": []}})
+    task = PoolTask(spec)
+    w = GenerationWorker(task, "w0", num_threads=1)
+    eng, steps, started = w.engine, [0], threading.Event()
+    real_step = eng.step
+
+    def step():
+        steps[0] += 1
+        if steps[0] == 3:
+            started.set()
+        return real_step()
+
+    eng.step = step
+    units, _ = task.make_units(["abc", "de"], None, None, 0, 1)
+    more, _ = task.make_units(["fgh"], None, ["x"], 2, 1)
+
+    w.abort_units([more[0].index])  # before the unit arrives
+    rows = w.run_unit(more[0]).data.to_pylist()
+    assert [(r["finish_reason"], r["tokens"]) for r in rows] == [("abort", [])] * 2 and steps[0] == 0
+
+    results = {}
+    threads = [threading.Thread(target=lambda u=u: results.__setitem__(u.index, w.run_unit(u))) for u in units]
+    threads[0].start()
+    assert started.wait(60)  # unit 0 decodes; unit 1 comes now, into the engine, the inbox or after the abort
+    threads[1].start()
+    assert w.pause_engine() >= 1 and not eng.has_unfinished_requests()
+    w.stage_weights(str(ckpts["trained"]))
+    assert w.commit_weights()["weights"]["path"] == str(ckpts["trained"])  # went through: the engine was idle
+    w.abort_units([units[1].index])
+    w.resume_engine()
+    for t in threads:
+        t.join(60)
+    a, b = results[0].data.to_pylist(), results[1].data.to_pylist()
+    assert all(r["finish_reason"] == "length" and len(r["tokens"]) == 40 for r in a)
+    assert all(0 in r["weight_version"] and r["weight_version"][-1] == 1 for r in a)
+    assert all(r["finish_reason"] == "abort" and set(r["weight_version"]) <= {0} for r in b)
+    assert w.progress()["active_units"] == 0
+    w.shutdown()
+
+
 # ---------------------------------------------------------------------------------- a pool
 @pytest.fixture(scope="module")
 def pool(ckpts, ray_local):
