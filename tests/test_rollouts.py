@@ -62,26 +62,26 @@ def test_engine_abort_and_continue(ckpts):
     without the abort; continue_request finishes aborted samples with the uninterrupted tokens."""
     from engine import SamplingParams, load_engine
 
-    # 6 slots for 6 x 3 samples: requests 4 and 5 wait when the abort comes
-    eng = load_engine(str(ckpts["base"]), device="cpu", dtype="float32", max_seq_len=64, max_num_seqs=6)
-    prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + i)] for i in range(6)]
-    p = SamplingParams(num_samples=3, max_tokens=12, seed=3, stop_token_ids=[])
+    # 4 slots for 4 x 2 samples: requests 2 and 3 wait when the abort comes
+    eng = load_engine(str(ckpts["base"]), device="cpu", dtype="float32", max_seq_len=64, max_num_seqs=4)
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + i)] for i in range(4)]
+    p = SamplingParams(num_samples=2, max_tokens=8, seed=3, stop_token_ids=[])
     full = _run(eng, prompts, p)
-    cut = _run(eng, prompts, p, abort_at=4, ids=[0, 5])
-    for i in range(6):
+    cut = _run(eng, prompts, p, abort_at=3, ids=[0, 3])
+    for i in range(4):
         for a, b in zip(full[i].samples, cut[i].samples):
-            if i in (0, 5):
+            if i in (0, 3):
                 assert b.finish_reason == "abort" and b.tokens == a.tokens[: len(b.tokens)]
                 assert b.logprobs == a.logprobs[: len(b.tokens)] and len(b.weight_versions) == len(b.tokens)
             else:
                 assert (a.tokens, a.logprobs, a.finish_reason) == (b.tokens, b.logprobs, b.finish_reason)
-    assert all(0 < len(s.tokens) < 12 for s in cut[0].samples)
-    assert all(s.tokens == [] for s in cut[5].samples)  # never admitted
+    assert all(0 < len(s.tokens) < 8 for s in cut[0].samples)
+    assert all(s.tokens == [] for s in cut[3].samples)  # never admitted
     assert not eng.has_unfinished_requests() and eng.kv_used_bytes == 0  # every KV run freed
     assert eng.abort([0, "unknown"]) == []
 
-    kept = _run(eng, prompts, p, abort_at=4, ids=list(range(6)), keep=True)
-    for i in range(6):
+    kept = _run(eng, prompts, p, abort_at=3, ids=list(range(4)), keep=True)
+    for i in range(4):
         for a, b in zip(full[i].samples, kept[i].samples):
             assert b.tokens == a.tokens and b.finish_reason == a.finish_reason and b.sample_index == a.sample_index
             assert b.num_prompt_tokens == len(prompts[i]) and b.weight_versions == [0] * len(a.tokens)
@@ -306,3 +306,12 @@ def test_pause_wait_holds_new_calls_and_pause_abort_ends_open_ones(pool):
     assert {r["finish_reason"] for r in rows if r["prompt_id"] in {f"p{i}" for i in range(N_LONG)}} == {"abort"}
     pool.resume()
     assert pool.generate(_prompts()[:2]).num_rows == 2 * N_SAMPLES
+
+
+def test_overlapping_calls_each_get_their_own_rows(pool):
+    """Two calls submitted together run side by side and each gets exactly its rows, the
+    rows generate() gives for the same prompts."""
+    a, b = pool.submit(_prompts()[:8]), pool.submit(_prompts()[8:24])
+    rb, ra = b.result(timeout_s=120), a.result(timeout_s=120)
+    assert ra.to_pylist() == pool.generate(_prompts()[:8]).to_pylist()
+    assert rb.column("prompt_id").to_pylist() == [f"p{i}" for i in range(8, 24) for _ in range(N_SAMPLES)]
