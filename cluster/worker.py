@@ -28,6 +28,9 @@ and the driver replaces the whole process (cluster/dispatcher.py). An engine is 
 rebuilt in the same process, where the failed one may still hold its KV cache and device
 memory.
 
+A pool's calls can abort a worker's units and pause its engine (vLLM's "keep" mode): those
+methods are in cluster/worker_rollout.py, mixed in.
+
 Ray is imported only by `make_actor_class`: this module's logic runs (and is unit-tested)
 without it. engine/ is imported lazily, when a worker starts.
 """
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.unit import UnitResult, UnitTask, WorkUnit
+from cluster.worker_rollout import RolloutMethods, fill_aborted
 
 
 class EngineLoopError(RuntimeError):
@@ -101,8 +105,9 @@ def node_share() -> float:
         return 1.0
 
 
-class GenerationWorker:
-    """Loads the engine once and runs units through it (see the module docstring)."""
+class GenerationWorker(RolloutMethods):
+    """Loads the engine once and runs units through it (see the module docstring); aborts
+    and pauses its units for a pool's calls (cluster/worker_rollout.py)."""
 
     def __init__(self, task: UnitTask, worker_name: str, num_threads: int | None = None,
                  weights: tuple[str, int | None] | None = None) -> None:
@@ -245,7 +250,7 @@ class GenerationWorker:
                 if self._broken is not None:
                     raise EngineLoopError(f"worker {self.name}: engine failed earlier: {self._broken!r}")
                 if unit.index in self._aborted:  # its call was aborted before the unit arrived
-                    _fill_aborted(state, good, self.task.params)
+                    fill_aborted(state, good, self.task.params)
                 else:
                     for rid, _ in good:
                         if rid in self._owners:
@@ -268,115 +273,6 @@ class GenerationWorker:
         with self._cv:
             self._finished_units += 1
         return result
-
-    # ---- aborting, pausing (cluster/rollout.py) -------------------------------------
-    def abort_units(self, indices: list[int]) -> int:
-        """End every request of units `indices` (an aborted call): their `run_unit` calls
-        return at once, each prompt with its finished samples as they are and the others
-        with their tokens so far and finish_reason "abort" (Engine.abort), every sample once.
-        Units that arrive later return such rows without generating. Returns how many of the
-        units this worker holds now."""
-        idx = set(indices)
-        with self._cv:
-            self._aborted |= idx
-            keep = []
-            for state, reqs in self._inbox:  # posted, not in the engine yet
-                if state.unit.index in idx:
-                    for rid, _ in reqs:
-                        self._owners.pop(rid, None)
-                    self._units.discard(state)
-                    _fill_aborted(state, reqs, self.task.params)
-                else:
-                    keep.append((state, reqs))
-            self._inbox = keep
-            held = {s for s in self._units if s.unit.index in idx}
-            rids = [rid for rid, (s, _) in self._owners.items() if s in held]
-            if rids:
-                self._ops.append(lambda eng: self._abort_requests(eng, rids))
-                self._cv.notify_all()
-        return len(held)
-
-    def aborted_units(self, units: list[WorkUnit]) -> list[UnitResult]:
-        """The rows of units of an aborted call that never reached a worker: every sample with
-        no tokens and finish_reason "abort" (the prompts read and tokenized as `run_unit`
-        reads them); the engine is not touched."""
-        results = []
-        for unit in units:
-            requests = self.task.read_unit(unit, self.tokenizer)
-            state = _UnitState(unit=unit, outputs=[None] * len(requests), remaining=0, requests=requests)
-            good = []
-            for row, req in enumerate(requests):
-                if req.prompt_tokens is None:
-                    from engine.params import error_output
-
-                    state.outputs[row] = error_output((unit.index, row), req.prompt_id, None,
-                                                      req.params or self.task.params, req.error or "invalid prompt")
-                else:
-                    good.append(((unit.index, row), req))
-            _fill_aborted(state, good, self.task.params)
-            result = self.task.write_unit(unit, requests, state.outputs, self.tokenizer)
-            result.worker = result.worker or self.name
-            results.append(result)
-        return results
-
-    def pause_engine(self) -> int:
-        """vLLM's pause_generation(mode="keep"): the engine loop aborts every unfinished
-        request and holds its samples (tokens so far), admits nothing more, and so is idle
-        (a weights swap can run); `resume_engine` continues them. Returns once the engine
-        loop has done so: the number of requests held."""
-        done = threading.Event()
-        count: list[int] = []
-
-        def pause(eng: Any) -> None:
-            with self._cv:
-                rids = [rid for rid, (s, _) in self._owners.items() if s.in_engine]
-            outs = eng.abort(rids)
-            with self._cv:
-                self._held.extend(outs)
-                count.append(len(self._held))
-            done.set()
-
-        with self._cv:
-            self._paused = True  # set here: the loop round that runs `pause` takes nothing from the inbox
-            self._ops.append(pause)
-            self._cv.notify_all()
-        self._wait(done)
-        return count[0] if count else 0
-
-    def resume_engine(self) -> int:
-        """Continue the requests `pause_engine` held (Engine.continue_request: their prompt and
-        tokens so far prefilled again with the weights now loaded) and admit new ones again.
-        Returns the number of requests continued."""
-        done = threading.Event()
-        count: list[int] = []
-
-        def resume(eng: Any) -> None:
-            with self._cv:
-                held, self._held = self._held, []
-                self._paused = False
-                owners = {out.request_id: self._owners.get(out.request_id) for out in held}
-            for out in held:
-                owner = owners[out.request_id]
-                if owner is None:  # its unit was aborted meanwhile (delivered already)
-                    continue
-                state, row = owner
-                eng.continue_request(out, state.requests[row].params or self.task.params)
-            count.append(len(held))
-            done.set()
-
-        with self._cv:
-            self._ops.append(resume)
-            self._cv.notify_all()
-        self._wait(done)
-        return count[0] if count else 0
-
-    def _abort_requests(self, eng: Any, rids: list[Any]) -> None:
-        """On the engine loop: end requests `rids`, held ones included, and deliver them."""
-        ids = set(rids)
-        with self._cv:
-            held = [out for out in self._held if out.request_id in ids]
-            self._held = [out for out in self._held if out.request_id not in ids]
-        self._deliver(held + eng.abort(rids))
 
     def shutdown(self) -> None:
         with self._cv:
@@ -469,17 +365,6 @@ class GenerationWorker:
             if not state.done.is_set():
                 state.error = exc
                 state.done.set()
-
-
-def _fill_aborted(state: _UnitState, reqs: list[tuple[Any, Any]], params: Any) -> None:
-    """Requests `reqs` of `state` end before the engine saw them: every sample "abort", no
-    tokens; the unit is done. params: the task's, for requests without their own."""
-    from engine.params import aborted_output
-
-    for rid, req in reqs:
-        state.outputs[rid[1]] = aborted_output(rid, req.prompt_id, req.prompt_tokens, req.params or params)
-    state.remaining = 0
-    state.done.set()
 
 
 def _node_id() -> str | None:

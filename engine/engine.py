@@ -24,14 +24,13 @@ free blocks become one range. This happens only between steps, and changes no sa
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence as Seq
 
 import torch
 
+from engine import preemption
 from engine.decode_batch import DecodeBatch
 from engine.kernels.kv_layout import KVLayout
 from engine.kv_cache import KVCache, StepBatch, default_kv_bytes, kv_budget_basis
@@ -397,7 +396,7 @@ class Engine:
         req.num_finished += 1
         if req.num_finished < req.params.num_samples:
             return None
-        return self._complete(req)
+        return preemption.complete(self, req)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, path: str | Path, *, step: int | None = None) -> dict:
@@ -445,102 +444,17 @@ class Engine:
 
     # ------------------------------------------------------------------ aborting and continuing
     def abort(self, request_ids: Iterable[Any]) -> list[RequestOutput]:
-        """End requests now (vLLM's abort_request), between steps; returns their outputs.
-
-        Each aborted request comes back whole, as a finished one does: samples already
-        finished as they are; running samples end at once with their tokens so far and
-        finish_reason "abort" (their KV runs and decoding slots freed); samples not admitted
-        yet with no tokens and finish_reason "abort". A waiting request leaves the queue. A
-        continued request (`continue_request`) is aborted by its request_id. Ids not in the
-        engine (unknown, or finished already: a finished output still comes from `step`) are
-        ignored. The other samples go on unchanged: on CPU with batch_invariant their tokens
-        and logprobs are bit-identical to a run without the abort (the decode batch is
-        rebuilt without the rows, as when a sample finishes).
-        """
-        ids = set(request_ids)
-
-        def aborted(req: Request) -> bool:
-            return req.request_id in ids or (req.parent is not None and req.parent.request_id in ids)
-
-        sched = self.scheduler
-        reqs: dict[int, Request] = {}
-        for r in [s.request for s in self.running.values()] + list(sched.waiting):
-            if aborted(r):
-                reqs.setdefault(id(r), r)
-        if not reqs:
-            return []
-        sched.waiting = type(sched.waiting)(r for r in sched.waiting if not aborted(r))
-        for req in reqs.values():  # samples never admitted
-            for j in range(req.next_sample, req.params.num_samples):
-                req.samples[j] = req.resume if req.resume is not None else Sample(
-                    prompt_id=req.prompt_id, sample_index=j, finish_reason="abort",
-                    num_prompt_tokens=len(req.prompt_tokens), seed=req.params.seed)
-                req.num_finished += 1
-            req.next_sample = req.params.num_samples
-        running = {id(s.request) for s in self.running.values()}
-        outs: list[RequestOutput] = []
-        for req in reqs.values():  # nothing running: done now (else its last running sample completes it)
-            out = None if id(req) in running else self._complete(req)
-            if out is not None:
-                outs.append(out)
-        for slot in [slot for slot, seq in self.running.items() if aborted(seq.request)]:
-            seq = self.running.pop(slot)
-            seq.finish_reason = seq.finish_reason or "abort"
-            out = self._finish(seq)
-            if out is not None:
-                outs.append(out)
-        return outs
+        """End requests now (vLLM's abort_request), between steps; returns their outputs:
+        finished samples as they are, running ones with their tokens so far and finish_reason
+        "abort", unadmitted ones with none. The other samples go on unchanged (bit-identical
+        on CPU). engine/preemption.py `abort` says it all."""
+        return preemption.abort(self, request_ids)
 
     def continue_request(self, output: RequestOutput, params: SamplingParams, request_id: Any = None) -> None:
-        """Queue again a request that `abort` ended, to finish it (vLLM's pause_generation
-        mode "keep", by recomputation): its finished samples are kept as they are; each
-        sample with finish_reason "abort" goes on from its tokens so far. Its prompt and those
-        tokens are prefilled again with the engine's current weights (the KV is recomputed,
-        not kept), and it draws its next tokens with the noise of its own (seed, prompt_id,
-        sample_index, position), so it continues where it stopped; its Sample.weight_versions
-        say which weights made each token. A request none of whose samples started is
-        simply queued again (its samples share one prefill, as new).
-        params: the request's SamplingParams, as first given. request_id: default
-        output.request_id. One RequestOutput comes from `step` when every sample is done.
-        """
-        rid = output.request_id if request_id is None else request_id
-        prompt = list(output.prompt_tokens)
-        samples = sorted(output.samples, key=lambda x: x.sample_index)
-        if all(x.finish_reason == "abort" and not x.tokens for x in samples):
-            self.add_request(prompt, params, output.prompt_id, request_id=rid)
-            return
-        parent = _Continued(rid, output.prompt_id, prompt, list(samples))
-        stop = self.default_stop_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
-        one = dataclasses.replace(params, num_samples=1)
-        for x in samples:
-            if x.finish_reason != "abort":
-                continue
-            if len(prompt) + len(x.tokens) >= self.max_seq_len or (
-                    params.max_tokens is not None and len(x.tokens) >= params.max_tokens):
-                x.finish_reason = "length"  # nothing left to generate
-                continue
-            parent.pending += 1
-            self.scheduler.add(Request((rid, x.sample_index), output.prompt_id, prompt + list(x.tokens), one, stop,
-                                       [None], resume=x, parent=parent))
-        if not parent.pending:
-            self._ready.append(RequestOutput(rid, output.prompt_id, prompt, parent.samples))
-
-    def _complete(self, req: Request) -> RequestOutput | None:
-        """Every sample of `req` is done: free its stored prompt and return its output (for a
-        continuation: fold its sample into its request, returned once all are done)."""
-        self.scheduler.release_prompt(req)
-        parent = req.parent
-        if parent is None:
-            return RequestOutput(request_id=req.request_id, prompt_id=req.prompt_id,
-                                 prompt_tokens=req.prompt_tokens, samples=list(req.samples))
-        sample = req.samples[0]
-        sample.num_prompt_tokens = len(parent.prompt_tokens)
-        parent.samples[sample.sample_index] = sample
-        parent.pending -= 1
-        if parent.pending:
-            return None
-        return RequestOutput(request_id=parent.request_id, prompt_id=parent.prompt_id,
-                             prompt_tokens=parent.prompt_tokens, samples=list(parent.samples))
+        """Queue again a request that `abort` ended, its aborted samples going on from their
+        tokens (KV recomputed with the current weights, noise keyed as before); one output
+        comes from `step` when all are done. engine/preemption.py `continue_request`."""
+        preemption.continue_request(self, output, params, request_id)
 
     # ------------------------------------------------------------------ batch API
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
@@ -574,18 +488,6 @@ class Engine:
                     others.append(out)
         self._ready.extend(others)  # streaming requests that finished meanwhile stay for their owner
         return results  # type: ignore[return-value]
-
-
-@dataclass(slots=True, eq=False)
-class _Continued:
-    """A request continued by Engine.continue_request: its samples (aborted ones replaced as
-    their continuations finish) and how many continuations are still running."""
-
-    request_id: Any
-    prompt_id: str
-    prompt_tokens: list[int]
-    samples: list[Sample]
-    pending: int = 0
 
 
 @torch.no_grad()

@@ -63,7 +63,7 @@ class Request:
     first_logits: Any = None
     prompt_state: dict | None = None
     resume: Sample | None = None  # a continuation (Engine.continue_request): the aborted sample it goes on from
-    parent: Any = None  # ... and the request it belongs to (engine.engine._Continued)
+    parent: Any = None  # ... and the request it belongs to (engine.preemption.Continued)
 
 
 @dataclass(slots=True)
