@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from cluster.dispatcher import UnitDispatcher
+from cluster.health import WorkerState
 from cluster.unit import UnitResult, WorkUnit
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -265,24 +266,13 @@ class RolloutRunner:
         its engine; second copies waiting in the queue are dropped (the first copy answers)."""
         import ray
 
-        queue = self.dispatcher.units
         lone: list[WorkUnit] = []
         for call in self._calls:
-            if not call.aborted:
-                continue
-            for i in sorted(call.remaining):
-                u = queue.units.get(i)
-                if u is None:
-                    continue
-                if u.copies:
-                    if u.queued:
-                        queue.queue.remove(u)
-                        u.queued = False
-                elif u.queued:
-                    lone.append(u.unit)
+            if call.aborted:
+                lone += self.dispatcher.units.unsent(call.remaining)
         if not lone:
             return
-        ready = [w for w in self.dispatcher.slots.live() if w.state.value == "ready"]
+        ready = [w for w in self.dispatcher.slots.live() if w.state == WorkerState.READY]
         if not ready:
             return  # the next round, once a worker is back
         try:

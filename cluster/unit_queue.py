@@ -263,3 +263,19 @@ class UnitQueue:
                 u.queued = False
             if u.state != UnitState.COMMITTED:
                 self.pending -= 1
+
+    def unsent(self, indices: Iterable[int]) -> list[WorkUnit]:
+        """Of units `indices` (an aborted call's), those waiting with no copy on a worker, in
+        index order; they stay queued until answered. Queued second copies of the others
+        leave the queue: the copy on a worker answers."""
+        out = []
+        for i in sorted(indices):
+            u = self.units.get(i)
+            if u is None or not u.queued:
+                continue
+            if u.copies:
+                self.queue.remove(u)
+                u.queued = False
+            else:
+                out.append(u.unit)
+        return out
