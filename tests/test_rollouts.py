@@ -295,6 +295,11 @@ def test_pause_wait_holds_new_calls_and_pause_abort_ends_open_ones(pool):
     h = pool.submit(_prompts()[:8])
     with pytest.raises(TimeoutError):
         next(h.results(timeout_s=0.5))  # nothing was dispatched
+    never = pool.submit(_prompts()[8:12])
+    assert never.abort(timeout_s=10)  # units no worker got: answered without an engine
+    rows = never.result().to_pylist()
+    assert len(rows) == 4 * N_SAMPLES and all(r["finish_reason"] == "abort" and r["tokens"] == [] and
+                                              r["prompt_tokens"] and r["weight_version"] == [] for r in rows)
     pool.resume()
     assert h.result(timeout_s=120).num_rows == 8 * N_SAMPLES
 
