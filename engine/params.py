@@ -168,13 +168,13 @@ class Sample:
         the same weights; "processed": the log-probability of the token under the distribution
         the sampler drew it from (0 for greedy).
     finish_reason: "stop" (a stop token was sampled, or a stop string completed), "length"
-        (max_tokens or the context window) or "error" (see `error`).
+        (max_tokens or the context window), "error" (see `error`) or "abort" (Engine.abort
+        ended it: its tokens are those generated so far, none if it never started).
     stop_reason: what ended a "stop" sample, as vLLM reports it: the stop token id (int, also
         tokens[-1]) or the stop string (str); None otherwise.
     weight_versions: one per token, the engine's `weight_version` when the token was sampled
         or forced (0: the weights loaded at start, +1 per swap). A sample paused and
         continued across a weights swap (Engine.continue_request) carries both versions.
-    finish_reason "abort": Engine.abort ended the sample; its tokens are those generated so far.
     """
 
     prompt_id: str
