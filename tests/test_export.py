@@ -214,13 +214,17 @@ def test_model_without_kv_forward_is_refused(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_failed_verification_leaves_no_directory(hf_checkpoint, tmp_path, monkeypatch):
-    """An export whose verification fails raises VerificationError and leaves nothing behind."""
+def test_failed_verification_leaves_no_directory(hf_checkpoint, tmp_path, monkeypatch, capsys):
+    """An export whose verification fails raises VerificationError, `batchgen export --verify`
+    exits 1 saying where, and nothing is left behind (here the logit tolerance is made 0)."""
     from engine.export import verify as verify_mod
+    from jobs.cli import main
 
     monkeypatch.setattr(verify_mod, "LOGIT_TOL", {torch.float32: 0.0, torch.float16: 0.0})
     with pytest.raises(VerificationError, match="logits at step"):
         export(hf_checkpoint("gpt2"), tmp_path / "out", verify=True, log=lambda *_: None)
+    assert main(["export", str(hf_checkpoint("gpt2")), "--out", str(tmp_path / "out"), "--verify"]) == 1
+    assert "verify FAILED: prompt 0: logits at step 0" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
