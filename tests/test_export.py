@@ -134,16 +134,17 @@ def _onnx(model, path: Path):
     return onnx_runner(path)
 
 
-def test_gguf_exports_and_verifies(tmp_path):
-    """A GGUF file (llama architecture, Q/K permuted, Q8_0 projections) loads into the Llama
-    model and exports and verifies like a Hugging Face directory."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gguf_exports_and_verifies(arch, tmp_path):
+    """GGUF files (llama: Q/K permuted; qwen3: q/k norms, explicit head_dim; Q8_0 projections)
+    load into the Llama model and export and verify like a Hugging Face directory."""
     from test_gguf import Q, random_model, write_gguf
 
-    path = write_gguf(tmp_path / "tiny.gguf", random_model("llama"),
+    path = write_gguf(tmp_path / "tiny.gguf", random_model(arch),
                       lambda hf: Q.Q8_0 if hf.endswith("proj.weight") else Q.F32)
     record = export(path, tmp_path / "out", verify=True, log=lambda *_: None)
     _exported_ok(record, tmp_path / "out")
-    assert record["source"]["format"] == "gguf" and record["model"]["arch"] == "llama"
+    assert record["source"]["format"] == "gguf" and record["model"]["arch"] == arch
 
 
 def test_verification_names_the_first_difference(hf_checkpoint, tmp_path):
