@@ -79,7 +79,11 @@ def function_schema(fn: Callable) -> tuple[str, dict]:
         hints = {}
     props: dict[str, dict] = {}
     required = []
-    for p in inspect.signature(fn).parameters.values():
+    try:
+        sig = inspect.signature(fn)
+    except (ValueError, TypeError):  # some builtins have none
+        return (inspect.getdoc(fn) or "").split("\n\n")[0].strip(), {"type": "object", "properties": {}}
+    for p in sig.parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         props[p.name] = _json_type(hints.get(p.name, Any))

@@ -297,3 +297,40 @@ def test_template_without_tools_gets_hermes_prompt_and_tool_response_tags(parts)
     assert text.startswith("<|im_start|>system\n# Tools\n") and json.dumps(schemas[0]) in text
     assert ToolResponses(plain, schemas).suffix_text("5") == (
         "<|im_end|>\n<|im_start|>tool\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+# ----------------------------------------------------------------------------- config
+def test_config_tools_validated_by_key_and_listed_as_a_list(tmp_path):
+    """`tools: [...]` in YAML is tools.functions; a bad entry is a SpecError (exit 2) naming
+    the file and key; a function path is checked for syntax only (it imports on workers);
+    the fingerprint holds the tools only when there are function tools (older outputs keep
+    theirs); Python tools join the config's, and a name used twice is refused."""
+    from jobs.config import load_spec
+    from jobs.errors import SpecError
+    from jobs.spec import JobSpec
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("tools:\n  - {name: fetch, function: no_such_module_xyz.sub:fetch, timeout_s: 2, max_calls: 3}\n")
+    spec = load_spec(cfg)
+    (tool,) = spec.tool_box().tools
+    assert (tool.name, tool.function, tool.timeout_s, tool.max_calls) == ("fetch", "no_such_module_xyz.sub:fetch", 2.0, 3)
+    assert spec.engine_kwargs()["tools"].max_turns == 8
+    assert spec.fingerprint_dict()["tools"]["functions"][0]["function"] == "no_such_module_xyz.sub:fetch"
+    assert JobSpec.from_dict({}).fingerprint_dict()["tools"] == {"calculator": True}
+    for text, key in [("tools:\n  - {name: f, function: 'not a path'}\n", "tools.functions.0.function"),
+                      ("tools:\n  - {function: a:b}\n", "tools.functions.0.name"),
+                      ("tools:\n  - {name: f, function: a:b, timeout_s: 0}\n", "tools.functions.0.timeout_s"),
+                      ("tools:\n  - {name: f, function: a:b, max_calls: -1}\n", "tools.functions.0.max_calls"),
+                      ("tools:\n  - {name: f, function: a:b, parameters: {x: 1}}\n", "tools.functions.0.parameters"),
+                      ("tools: {max_turns: 0}\n", "tools.max_turns"),
+                      ("tools:\n  - {name: f, function: a:b}\n  - {name: f, function: a:c}\n", "used twice")]:
+        cfg.write_text(text)
+        with pytest.raises(SpecError, match=key) as e:
+            load_spec(cfg)
+        assert e.value.exit_code == 2 and str(cfg) in str(e.value)
+    cfg.write_text("tools:\n  - {name: add, function: a:b}\n")
+    both = load_spec(cfg).with_python_tools([Tool("mul", add)])
+    assert [t.name for t in both.tool_box().tools] == ["add", "mul"]
+    assert both.fingerprint_dict()["tools"]["functions"][1]["function"] == f"{__name__}:add"
+    with pytest.raises(SpecError, match="used twice"):
+        load_spec(cfg).with_python_tools([add])
