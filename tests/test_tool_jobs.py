@@ -99,3 +99,23 @@ def test_a_job_runs_tools_and_names_every_failure(tmp_path, ray_local):
         outside = [i for i in range(len(r["tokens"])) if not a <= i < b]
         assert all(r["mask"][i] == 1 and r["logprobs"][i] is not None for i in outside)
     assert result.summary["tool_calls"] == len(CASES) and result.summary["tool_errors"] == len(CASES) - 1
+
+
+def test_a_pool_takes_python_tools_and_lists_them_in_chat_prompts(ray_local):
+    """GenerationPool(tools=[...]): chat prompts of a call list the tool (Hermes's block in
+    SmolLM2's system message) and the model's call is answered in the returned rows."""
+    from jobs import GenerationPool
+
+    config = {"model": {"path": "smollm2", "dtype": "float32", "max_seq_len": 1024},
+              "sampling": {"num_samples": 1, "max_tokens": 40, "temperature": 0.0}}
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "KEY"}}\n</tool_call>'
+    with GenerationPool(config, tools=[lookup]) as pool:
+        rows = pool.generate([conversation(call, "value-of-KEY")]).to_pylist()
+    (r,) = rows
+    from engine.loading.builtin import resolve_builtin
+    from engine.tokenizers.base import Tokenizer
+
+    prompt = Tokenizer.load(resolve_builtin("smollm2")).decode(r["prompt_tokens"])
+    assert prompt.startswith("<|im_start|>system\n# Tools\n") and '"name": "lookup"' in prompt
+    (c,) = r["tool_calls"]
+    assert (c["name"], c["output"], c["error"]) == ("lookup", "value-of-k3", None)
