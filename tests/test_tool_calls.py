@@ -86,6 +86,22 @@ def test_schema_from_signature_and_bad_tools_named():
         ToolBox([area, area])
 
 
+def test_runner_replaces_an_abandoned_thread():
+    """With one worker thread, a call that hangs and is abandoned (its timeout passed) does
+    not hold the next call back: a new thread takes its place. Results and errors come back
+    in futures (ToolError for a non-string result)."""
+    from engine.tool_runner import ToolError, ToolRunner
+
+    release = threading.Event()
+    runner = ToolRunner(max_workers=1)
+    hung = runner.submit(Tool("hang", lambda: release.wait(30) and "late"), {})
+    runner.abandon(hung)
+    assert runner.submit(Tool("add", add), {"a": 1, "b": 2}).result(timeout=10) == "3"
+    with pytest.raises(ToolError, match="returned int"):
+        runner.submit(Tool("n", not_text), {}).result(timeout=10)
+    release.set()
+
+
 # ----------------------------------------------------------------------------- engine
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
