@@ -1,7 +1,7 @@
 """GSM8K with and without a Python `calculate(expression)` tool, called in the Hermes format.
 
     .venv/bin/python bench/gsm8k_tools.py [--questions 32] [--samples 2] [--max-tokens 256]
-                                          [--temperature 0.7] [--model smollm2]
+                                          [--temperature 0.7] [--model smollm2] [--threads N]
 
 SmolLM2-135M-Instruct (default) answers GSM8K test questions twice, from the same few-shot
 examples: once with the `calculate` tool listed in the system prompt (Hermes's <tools> block,
@@ -96,14 +96,16 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (1 on a machine shared with other work: spinning threads collapse)")
     args = ap.parse_args()
     from engine import SamplingParams, load_engine
     from engine.engine import Engine
     from engine.tool_calls import ToolResponses
 
-    print(describe())
     rows = [json.loads(line) for line in DATA.open()][: args.questions]
-    eng = load_engine(args.model, dtype="float32", max_seq_len=2048, tools=[calculate])
+    eng = load_engine(args.model, dtype="float32", max_seq_len=2048, tools=[calculate], num_threads=args.threads)
+    print(describe())  # after load_engine has set the thread count
     plain = Engine(eng.model, eng.tokenizer, max_seq_len=2048)  # the same weights, no tools
     schemas = eng.tool_turns.box.schemas()
     params = SamplingParams(num_samples=args.samples, max_tokens=args.max_tokens, temperature=args.temperature,

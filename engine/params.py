@@ -154,7 +154,9 @@ class ToolCall:
         forced. error: why the call failed (None if it did not).
     name: the tool's name ("calculator" for nanochat's); arguments: the arguments as JSON
         text (None for the calculator, or when they did not parse).
-    latency_s: seconds from the call's completion to its result (None if not run).
+    latency_s: seconds from the call's submission to its tool's return (its wait for a thread
+        and its run; the timeout for one that timed out; 0 for one refused before running;
+        None if not run).
     forced_start: index in Sample.tokens of the first forced token of the result (the span
         [forced_start, end) has mask 0 and no logprobs); None if nothing was forced.
     """

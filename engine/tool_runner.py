@@ -21,6 +21,7 @@ import json
 import queue
 import re
 import threading
+import time
 import types
 import typing
 from concurrent.futures import Future
@@ -231,7 +232,8 @@ def call_tool(tool: Tool, arguments: dict) -> str:
 
 class ToolRunner:
     """Calls on daemon threads (see the module docstring). submit -> Future of the result
-    string (ToolError inside it for a failed call); abandon(future) when its timeout passed."""
+    string (ToolError inside it for a failed call), whose `batchgen_done_at` is the
+    time.perf_counter() at which the call returned; abandon(future) when its timeout passed."""
 
     def __init__(self, max_workers: int = 16):
         self.max_workers = max_workers
@@ -269,8 +271,11 @@ class ToolRunner:
             fut, tool, arguments = item
             if fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(call_tool(tool, arguments))
+                    result = call_tool(tool, arguments)
+                    fut.batchgen_done_at = time.perf_counter()  # type: ignore[attr-defined]
+                    fut.set_result(result)
                 except BaseException as e:  # noqa: BLE001 - delivered to the engine with the future
+                    fut.batchgen_done_at = time.perf_counter()  # type: ignore[attr-defined]
                     fut.set_exception(e)
             if getattr(fut, "_batchgen_abandoned", False):
                 return  # another thread took this one's place while it hung

@@ -92,12 +92,13 @@ class ToolTurns:
         for seq in self.waiting:
             p: PendingCall = seq.pending
             if p.future.done():
+                took = getattr(p.future, "batchgen_done_at", now) - p.t0  # queue + run, not our polling
                 try:
-                    self._answer(seq, p.call, p.future.result(), None, now - p.t0)
+                    self._answer(seq, p.call, p.future.result(), None, took)
                 except ToolError as e:
-                    self._answer(seq, p.call, None, str(e), now - p.t0)
+                    self._answer(seq, p.call, None, str(e), took)
                 except BaseException as e:  # noqa: BLE001 - a tool's own failure, never the engine's
-                    self._answer(seq, p.call, None, f"{p.call.name} raised {type(e).__name__}: {e}", now - p.t0)
+                    self._answer(seq, p.call, None, f"{p.call.name} raised {type(e).__name__}: {e}", took)
             elif now - p.t0 > p.timeout_s:
                 self.runner.abandon(p.future)
                 self._answer(seq, p.call, None, f"{p.call.name} timed out after {p.timeout_s:g} s", now - p.t0)
