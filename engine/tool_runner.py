@@ -246,10 +246,14 @@ class ToolRunner:
         fut: Future = Future()
         self._queue.put((fut, tool, arguments))
         with self._lock:
-            if self._idle == 0 and self._busy < self.max_workers:
-                self._busy += 1
-                threading.Thread(target=self._work, name=f"tool-{tool.name}", daemon=True).start()
+            self._grow()
         return fut
+
+    def _grow(self) -> None:
+        # under the lock: a thread for queued calls when none is idle and fewer than max_workers run
+        if self._idle == 0 and self._busy < self.max_workers and not self._queue.empty():
+            self._busy += 1
+            threading.Thread(target=self._work, name="batchgen-tool", daemon=True).start()
 
     def abandon(self, fut: Future) -> None:
         """Give up on a running call: its thread no longer counts as a worker (it exits when
@@ -260,6 +264,7 @@ class ToolRunner:
             if not getattr(fut, "_batchgen_abandoned", False):
                 fut._batchgen_abandoned = True  # type: ignore[attr-defined]
                 self._busy -= 1
+                self._grow()  # calls queued behind the hung one get a thread
 
     def _work(self) -> None:
         while True:

@@ -92,11 +92,14 @@ def test_runner_replaces_an_abandoned_thread():
     in futures (ToolError for a non-string result)."""
     from engine.tool_runner import ToolError, ToolRunner
 
-    release = threading.Event()
+    release, started = threading.Event(), threading.Event()
     runner = ToolRunner(max_workers=1)
-    hung = runner.submit(Tool("hang", lambda: release.wait(30) and "late"), {})
+    hung = runner.submit(Tool("hang", lambda: started.set() or (release.wait(30) and "late")), {})
+    started.wait(10)
+    queued = runner.submit(Tool("add", add), {"a": 1, "b": 2})  # behind the hung call
     runner.abandon(hung)
-    assert runner.submit(Tool("add", add), {"a": 1, "b": 2}).result(timeout=10) == "3"
+    assert queued.result(timeout=10) == "3"
+    assert runner.submit(Tool("add", add), {"a": 2, "b": 2}).result(timeout=10) == "4"
     with pytest.raises(ToolError, match="returned int"):
         runner.submit(Tool("n", not_text), {}).result(timeout=10)
     release.set()
