@@ -353,3 +353,15 @@ def test_config_tools_validated_by_key_and_listed_as_a_list(tmp_path):
     assert both.fingerprint_dict()["tools"]["functions"][1]["function"] == f"{__name__}:add"
     with pytest.raises(SpecError, match="used twice"):
         load_spec(cfg).with_python_tools([add])
+
+
+def test_a_model_without_a_chat_template_refuses_function_tools():
+    """nanochat's layout has no tool messages (its tool is the calculator): an engine with
+    function tools refuses to load, naming why, and its render_chat refuses a tool list."""
+    from engine import load_engine
+
+    with pytest.raises(ValueError, match="no chat template: tool results cannot be rendered"):
+        load_engine("tiny-random", device="cpu", tools=[add])
+    tok = load_engine("tiny-random", device="cpu").tokenizer
+    with pytest.raises(ValueError, match="no tool list"):
+        tok.render_chat([{"role": "user", "content": "hi"}], tools=ToolBox([add]).schemas())
