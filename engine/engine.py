@@ -18,6 +18,12 @@ slide down, their keys and values copied exactly, and the sequences' runs update
 free blocks become one range. This happens only between steps, and changes no sample's bits
 (attention reads a run the same wherever it starts).
 
+Tools (engine/tool_turns.py): a sample whose sampled text completes a Hermes <tool_call>
+leaves the decode batch while its tool runs on a thread; the others go on decoding. Once the
+result is in, the template's rendering of it is fed as forced tokens (mask 0, no logprob) and
+the sample samples again. When every running sample waits on a tool and nothing can be
+admitted, `step()` blocks on the tools (at most engine/tool_turns.py MAX_BLOCK_S).
+
 `generate()` runs steps until its prompts are done; workers use the streaming form
 (`add_request` / `step`) to keep one engine full across many work units.
 """
@@ -39,6 +45,9 @@ from engine.params import RequestOutput, Sample, SamplingParams, error_output
 from engine.sampling import request_key, row_kinds, sample_step
 from engine.scheduler import Admission, Scheduler, prefill_batches
 from engine.sequence import Request, Sequence, ToolTokens
+from engine.tool_calls import HermesScanner
+from engine.tool_runner import ToolBox
+from engine.tool_turns import ToolTurns
 
 BLOCK_SIZE = 16  # KV positions per allocation unit (engine/run_allocator.py)
 
@@ -68,16 +77,20 @@ class Engine:
             per step for all of them (cascade attention); False gives each sample its own
             copy of the prompt's KV (more memory, more reads; the logits differ in the last
             bits, the tokens only at rare near-ties).
+        tools: the tools the model may call in the Hermes format (engine/tool_runner.py: a
+            ToolBox, or a list of Tool / callables / dicts of Tool fields, max_turns 8);
+            None: none (nanochat's calculator does not need this).
     Attribute batched_sampling: the sampler's GPU path (engine/sampling.py: every row of a
     kind in one pass, no host synchronisation), True on a GPU; on CPU tensors it gives the
     CPU path's bits, so tests set it there.
-    Raises ValueError if the budget cannot hold one sequence of max_seq_len tokens.
+    Raises ValueError if the budget cannot hold one sequence of max_seq_len tokens, or when
+    tools are given and the tokenizer cannot render tool messages (no chat template).
     Not thread-safe: one thread drives an engine (cluster/worker.py serialises access).
     """
 
     def __init__(self, model: CausalLM, tokenizer, *, max_num_seqs: int = 256, kv_cache_bytes: int | None = None,
                  max_seq_len: int | None = None, max_prefill_tokens: int = 8192, batch_invariant: bool = True,
-                 prefix_sharing: bool = True, kv_share: float = 1.0):
+                 prefix_sharing: bool = True, kv_share: float = 1.0, tools: ToolBox | list | None = None):
         self.model = model
         self.tokenizer = tokenizer
         info = model.info
@@ -109,6 +122,8 @@ class Engine:
         self.batched_sampling = self.device.type != "cpu"
         self._ready: list[RequestOutput] = []
         self.tools = self._tool_tokens(tokenizer)
+        box = ToolBox.of(tools)
+        self.tool_turns = None if box is None else ToolTurns(box, tokenizer)
         # the checkpoint's own end tokens (Llama family: eos_token_id) when it names any
         self.default_stop_ids = frozenset(info.stop_token_ids or tokenizer.default_stop_token_ids)
         self.num_generated_tokens = 0
@@ -191,6 +206,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit and prefill, decode one token for every running sample; return finished requests."""
         done, self._ready = self._ready, []
+        turns = self.tool_turns
+        if turns is not None and turns.waiting and turns.poll():
+            self._batch = None  # samples whose tool answered rejoin the batch
         admissions = self._schedule()
         if not admissions and not self.running and self.scheduler.waiting:
             # Nothing runs and nothing fits: stored prompts of waiting requests hold the memory.
@@ -201,8 +219,10 @@ class Engine:
         if admissions:
             self._admit(admissions)
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_used_bytes)
-        if any(s.finish_reason is None for s in self.running.values()):
+        if any(s.finish_reason is None and s.pending is None for s in self.running.values()):
             self._decode()
+        elif turns is not None and turns.waiting and not admissions and turns.wait():
+            self._batch = None
         for slot in [s for s, seq in self.running.items() if seq.finish_reason is not None]:
             out = self._finish(self.running.pop(slot))
             if out is not None:
@@ -303,7 +323,8 @@ class Engine:
                 idx = a.first_sample + j if req.resume is None else req.resume.sample_index
                 seq = Sequence(req, idx, slot, request_key(req.params.seed, req.prompt_id, idx), own_block=block,
                                own_blocks=size, own_start=block * bs, own_pos0=P if self.prefix_sharing else 0,
-                               prefix_start=prompt_start if self.prefix_sharing else -1)
+                               prefix_start=prompt_start if self.prefix_sharing else -1,
+                               scanner=None if self.tool_turns is None else HermesScanner())
                 if not self.prefix_sharing:
                     copies.append((prompt_start, block * bs, P))
                 seq.weight_version = self.weight_version
@@ -355,11 +376,13 @@ class Engine:
             if seq.next_is_forced():  # a continuation stopped inside forced tool output
                 t, lp = seq.forced.popleft(), None
             seq.append(int(t), lp, self.tools, self.tokenizer, self.max_seq_len)
+            if seq.new_call is not None:
+                self.tool_turns.start(seq)
         self.num_generated_tokens += len(seqs)
 
     def _decode(self) -> None:
         if self._batch is None:
-            active = [s for s in self.running.values() if s.finish_reason is None]
+            active = [s for s in self.running.values() if s.finish_reason is None and s.pending is None]
             active.sort(key=lambda s: s.own_start)
             self._batch = DecodeBatch(active, self.device)
         db = self._batch
@@ -376,7 +399,9 @@ class Engine:
             else:
                 tok, lp = int(host[0][i]), host[1][i]
             seq.append(tok, lp, self.tools, self.tokenizer, self.max_seq_len)
-            changed |= seq.finish_reason is not None
+            if seq.new_call is not None:
+                self.tool_turns.start(seq)  # runs the tool (the sample waits) or queues its answer
+            changed |= seq.finish_reason is not None or seq.pending is not None
         self.num_generated_tokens += len(db.seqs)
         self._kv_row_bytes[0] += self.kv_used_bytes
         self._kv_row_bytes[1] += len(db.seqs)
@@ -519,7 +544,7 @@ def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str =
                 step: int | None = None, max_num_seqs: int = 256, kv_cache_bytes: int | None = None,
                 max_seq_len: int | None = None, max_prefill_tokens: int = 8192,
                 num_threads: int | None = None, batch_invariant: bool = True, prefix_sharing: bool = True,
-                kv_share: float = 1.0) -> Engine:
+                kv_share: float = 1.0, tools: ToolBox | list | None = None) -> Engine:
     """Load a checkpoint (engine/loading/checkpoint.py: "smollm2", "tiny-random", HF Llama family
     or GPT-2, GGUF, nanochat) into an Engine.
 
@@ -528,6 +553,7 @@ def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str =
         None leaves torch's default.
     kv_share: this engine's share of its device's free memory for the default KV budget
         (engine/kv_cache.py `default_kv_bytes`; a Ray worker passes its share of the node).
+    tools: the Hermes-format tools (see Engine).
     Raises FileNotFoundError / CheckpointError for bad checkpoints (see
     engine/loading/checkpoint.py).
     """
@@ -538,4 +564,4 @@ def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str =
     model, tok = load_checkpoint(path, device=device, dtype=dtype, tokenizer=tokenizer, step=step)
     return Engine(model, tok, max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes, max_seq_len=max_seq_len,
                   max_prefill_tokens=max_prefill_tokens, batch_invariant=batch_invariant,
-                  prefix_sharing=prefix_sharing, kv_share=kv_share)
+                  prefix_sharing=prefix_sharing, kv_share=kv_share, tools=tools)

@@ -139,13 +139,26 @@ LOGPROBS_MODES = ("raw", "processed")
 
 @dataclass(slots=True)
 class ToolCall:
-    """One calculator call inside a sample.
+    """One tool call inside a sample: the calculator's (nanochat's tokens) or a Hermes
+    <tool_call> (engine/tool_calls.py).
 
-    start: index in Sample.tokens of <|python_start|>.
-    end: index one past the last token of the call's span: past <|output_end|> when the
-        output was forced, past <|python_end|> otherwise (the sample ended first).
-    expr: the decoded expression; output: what was forced between <|output_start|> and
-    <|output_end|> (None if nothing was); error: why the call failed (None if it did not).
+    start: index in Sample.tokens of <|python_start|>, or of the token where "<tool_call>"
+        begins.
+    end: index one past the last forced token of the result (past <|output_end|>, or past
+        the template's rendering of the tool message and the next assistant header); past
+        the call itself when nothing was forced (the sample ended first, or the call was not
+        run).
+    expr: the calculator's decoded expression, or the text between <tool_call> and
+        </tool_call>.
+    output: the text shown to the model (the result, or "Error: <why>"); None if nothing was
+        forced. error: why the call failed (None if it did not).
+    name: the tool's name ("calculator" for nanochat's); arguments: the arguments as JSON
+        text (None for the calculator, or when they did not parse).
+    latency_s: seconds from the call's submission to its tool's return (its wait for a thread
+        and its run; the timeout for one that timed out; 0 for one refused before running;
+        None if not run).
+    forced_start: index in Sample.tokens of the first forced token of the result (the span
+        [forced_start, end) has mask 0 and no logprobs); None if nothing was forced.
     """
 
     start: int
@@ -153,6 +166,10 @@ class ToolCall:
     expr: str
     output: str | None
     error: str | None
+    name: str | None = None
+    arguments: str | None = None
+    latency_s: float | None = None
+    forced_start: int | None = None
 
 
 @dataclass(slots=True)

@@ -6,18 +6,25 @@ is then forced into the sequence as <|output_start|> result <|output_end|>, one 
 step, with mask 0 and no logprob. Unlike nanochat, a failed call is not silent: the model
 sees "Error: <why>" as the output, and every call is recorded as a ToolCall.
 
+Hermes tool calls (engine/tool_calls.py): with an engine's tools, the sampled tokens' bytes
+feed a `HermesScanner`; a completed <tool_call>...</tool_call> is left in `new_call` for the
+engine, which runs it on a thread while the sample waits (`pending`) outside the decode batch,
+then forces the template's rendering of the result, as the calculator's output is forced.
+
 A sample ends on a stop token (kept as its last token, with mask 1 and its logprob: the
 model chose to stop, and a trainer must score that choice), on a stop string completed in
 its text (engine/tokenizers/stop_strings.py; every token kept), or at max_tokens / the context window.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.params import Sample, SamplingParams, ToolCall
 from engine.tokenizers.stop_strings import StopStringMatcher, token_bytes
+from engine.tool_calls import HermesScanner
 from engine.tools import calculator
 
 
@@ -99,6 +106,11 @@ class Sequence:
     stop_matcher: StopStringMatcher | None = None
     num_prior: int = 0  # tokens replayed from an aborted sample (`replay`); they are in the prompt's KV too
     weight_version: int = 0  # the engine's weight_version when the sample was admitted
+    scanner: HermesScanner | None = None  # Hermes tool calls in the sampled text (engine tools only)
+    new_call: tuple[int, str] | None = None  # (start token, call text) completed by the last token
+    pending: Any = None  # engine.engine.PendingCall while a tool runs: the sample waits
+    num_turns: int = 0  # tool results forced so far (Hermes calls)
+    calls_by_name: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.request.params.stop:
@@ -131,11 +143,14 @@ class Sequence:
         if not forced and token in self.request.stop_ids:
             self.finish_reason, self.stop_reason = "stop", token
             return
+        data = token_bytes(tokenizer, token) if self.stop_matcher is not None or self.scanner is not None else b""
         if self.stop_matcher is not None:
-            hit = self.stop_matcher.feed(token_bytes(tokenizer, token))
+            hit = self.stop_matcher.feed(data)
             if hit is not None:
                 self.finish_reason, self.stop_reason = "stop", hit
                 return
+        if self.scanner is not None and not forced:
+            self.new_call = self.scanner.feed(len(self.tokens) - 1, data)
         if tools is not None and not forced and self.request.params.calculator:
             self._tool_step(token, tools, tokenizer)
         limit = self.request.params.max_tokens  # None: only the context window ends it
@@ -147,12 +162,14 @@ class Sequence:
             self.in_python = True
             self.expr_tokens = []
             self.tool_calls.append(ToolCall(start=len(self.tokens) - 1, end=len(self.tokens), expr="",
-                                            output=None, error=None))
+                                            output=None, error=None, name="calculator"))
         elif token == tools.python_end and self.in_python:
             self.in_python = False
             call = self.tool_calls[-1]
             call.expr = _decode(tokenizer, self.expr_tokens)
+            t0 = time.perf_counter()
             result = calculator(call.expr) if call.expr.strip() else None
+            call.latency_s = time.perf_counter() - t0
             if result is None:
                 call.error = "empty expression"
                 text = "Error: empty expression"
@@ -162,6 +179,7 @@ class Sequence:
             else:
                 text = result.output
             call.output = text
+            call.forced_start = len(self.tokens)
             out = [tools.output_start, *tokenizer.encode(text), tools.output_end]
             self.forced.extend(out)
             call.end = len(self.tokens) + len(out)
@@ -176,8 +194,14 @@ class Sequence:
             call.expr = _decode(tokenizer, self.expr_tokens)
             call.error = "call not finished: the sample ended before <|python_end|>"
             call.end = n
+        if self.scanner is not None and self.scanner.open_at is not None:  # inside <tool_call> ...
+            self.tool_calls.append(ToolCall(start=self.scanner.open_start, end=n, expr=self.scanner.open_text(),
+                                            output=None, error="call not finished: the sample ended before "
+                                            "</tool_call>"))
         for call in self.tool_calls:
             call.end = min(call.end, n)
+            if call.forced_start is not None and call.forced_start >= n:
+                call.forced_start = None
         p = self.request.params
         return Sample(prompt_id=self.request.prompt_id, sample_index=self.sample_index, tokens=self.tokens,
                       mask=self.mask, logprobs=self.logprobs, finish_reason=self.finish_reason or "length",

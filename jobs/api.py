@@ -41,12 +41,16 @@ class JobResult:
 
 
 def run_job(config: str | Path | Mapping[str, Any] | Any, overrides: Iterable[str] | Mapping[str, Any] = (), *,
-            overwrite: bool = False, progress: bool | None = False) -> JobResult:
+            overwrite: bool = False, progress: bool | None = False, tools: Iterable[Any] | None = None) -> JobResult:
     """Run (or resume) a job and return its JobResult.
 
     config: a YAML path, a dict of sections ({"model": {...}, "input": {...}, ...}) or a
     jobs.spec.JobSpec; overrides: see load_job_spec. overwrite: replace another job's output
     in output.path. progress: show the progress bar (None: when stderr is a terminal).
+    tools: Python tools the model may call, added to the config's tools.functions: callables
+    (named by __name__; parameters from the signature) or engine.tool_runner.Tool objects
+    (docs/rl.md#tools). They travel to the workers pickled (by reference for module-level
+    functions, by value for closures and lambdas, as Ray pickles).
     Raises SpecError / InputError / OutputError before any work (as `batchgen run` exits 2)
     and JobFailed when the job cannot finish (exit 1; committed units are kept and a rerun
     resumes).
@@ -58,6 +62,8 @@ def run_job(config: str | Path | Mapping[str, Any] | Any, overrides: Iterable[st
     from jobs.runner import run_job as run
 
     spec = load_job_spec(config, overrides)
+    if tools:
+        spec = spec.with_python_tools(tools)
     run(spec, overwrite=overwrite, progress=progress, echo=False)
     od = OutputDir(spec.output.path)
     summary = od.status()["summary"] or {}

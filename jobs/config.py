@@ -83,6 +83,8 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
     if not isinstance(data, dict):
         raise SpecError(f"{source}: expected a mapping of sections (model, input, output, sampling, tools, "
                         f"cluster), got {type(data).__name__}")
+    if isinstance(data.get("tools"), list):  # `tools: [{name, function, ...}]` lists the function tools
+        data["tools"] = {"functions": data["tools"]}
     for key, value in data.items():
         if key not in spec_sections():
             raise SpecError(f"{source}: unknown key {key} (sections: {', '.join(spec_sections())})")

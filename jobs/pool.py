@@ -55,7 +55,7 @@ class PoolSetup:
 
 
 def pool_setup(config: Any, overrides: Iterable[str] | Mapping[str, Any] = (), *,
-               model: str | None = None) -> PoolSetup:
+               model: str | None = None, tools: Iterable[Any] | None = None) -> PoolSetup:
     """Validate a job config for a GenerationPool and connect Ray as a job would (a local
     instance when cluster.address is null). Raises SpecError naming the key (bad config,
     a model path or tokenizer that does not exist, a CUDA device without
@@ -63,6 +63,8 @@ def pool_setup(config: Any, overrides: Iterable[str] | Mapping[str, Any] = (), *
     spec = load_job_spec({} if config is None else config, overrides)
     if model is not None:
         spec = load_job_spec(spec, {"model.path": str(model)})
+    if tools:
+        spec = spec.with_python_tools(tools)  # Python tools beside the config's (run_job's rules)
     check_model_path(spec)
     check_device(spec)
     check_local_gpus(spec)
@@ -82,7 +84,8 @@ class GenerationPool:
     GenerationPool(config=None, overrides=(), *, model=None): config is a job config as
     `run_job` takes it (a YAML path, a dict of sections or a JobSpec; None: the defaults),
     overrides "section.key=value" strings or a {"section.key": value} mapping, and `model`
-    a shorthand for model.path. The `output` section is not used. `cluster` sets the
+    a shorthand for model.path, `tools` Python tools as run_job takes them. The `output`
+    section is not used. `cluster` sets the
     workers (num_workers, cpus_per_worker, gpus_per_worker, address: a local Ray instance is
     started for the pool and shut down by `close()`, an initialised one is used as is),
     unit_rows (most prompts per unit; a call is cut into at least two units per worker),
@@ -93,8 +96,8 @@ class GenerationPool:
     """
 
     def __init__(self, config: Any = None, overrides: Iterable[str] | Mapping[str, Any] = (), *,
-                 model: str | None = None) -> None:
-        setup = pool_setup(config, overrides, model=model)
+                 model: str | None = None, tools: Iterable[Any] | None = None) -> None:
+        setup = pool_setup(config, overrides, model=model, tools=tools)
         self.task: PromptTask = setup.task
         self.unit_rows = max(1, int(setup.unit_rows))
         self._ray_started = setup.ray_started

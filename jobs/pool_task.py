@@ -142,7 +142,7 @@ class PoolTask(JobTask):
             raise ValueError(f"prompt ids given twice: prompt_ids and the table's column {id_column!r}")
         layout = RowLayout(format=job.format, column=job.column, id_column=id_column,
                            sampling_column=job.sampling_column, passthrough=job.passthrough,
-                           chat_template_date=job.chat_template_date)
+                           chat_template_date=job.chat_template_date, tools=job.tools)
         columns = {c: table.column(c).to_pylist() for c in layout.columns()}
         if id_column is None:
             id_column = ID_COLUMN if ID_COLUMN not in columns else "_prompt_id"
@@ -155,7 +155,7 @@ class PoolTask(JobTask):
         fmt = _list_format(prompts)
         column = DEFAULT_COLUMNS[fmt]
         layout = RowLayout(format=fmt, column=column, id_column=ID_COLUMN,
-                           chat_template_date=self.layout.chat_template_date)
+                           chat_template_date=self.layout.chat_template_date, tools=self.layout.tools)
         return layout, (), {column: prompts, ID_COLUMN: _ids(prompt_ids, len(prompts))}
 
     # ------------------------------------------------------------ worker side

@@ -8,7 +8,7 @@ file, a dict or a JobSpec, with --set overrides, by jobs/config.py).
     output:   {path: out/demo, lease_timeout_s: 120}
     sampling: {num_samples: 4, max_tokens: 256, temperature: 1.0, top_k: 50, top_p: 1.0,
                min_p: 0.0, seed: 0, stop_token_ids: null, stop: null, logprobs_mode: raw}
-    tools:    {calculator: true}
+    tools:    {calculator: true, max_turns: 8, functions: []}   # functions: [{name, function, timeout_s, ...}]
     cluster:  {address: null, num_workers: 1, gpus_per_worker: 0, cpus_per_worker: 1,
                unit_rows: 256, max_unit_attempts: 3, unit_timeout_s: null}
 
@@ -56,7 +56,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 from engine.params import check_sampling_value
 from jobs.errors import SpecError
@@ -240,8 +241,75 @@ class SamplingSpec(_Section):
         return list(v) if isinstance(v, tuple) else v
 
 
+class FunctionToolSpec(_Section):
+    """One tool the model may call in the Hermes format (engine/tool_runner.py Tool): its
+    `function` is imported on the workers, on first use; only its syntax is checked here."""
+
+    name: NonEmptyStr
+    function: NonEmptyStr
+    description: str | None = None
+    parameters: dict | None = None
+    timeout_s: Any = 30.0
+    max_calls: Any = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        from engine.tool_runner import check_tool_name
+
+        why = check_tool_name(v)
+        if why is not None:
+            raise ValueError(why)
+        return v
+
+    @field_validator("function")
+    @classmethod
+    def _function(cls, v: str) -> str:
+        from engine.tool_runner import check_function_path
+
+        why = check_function_path(v)
+        if why is not None:
+            raise ValueError(why)
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, v: dict | None) -> dict | None:
+        if v is not None and v.get("type") != "object":
+            raise ValueError(f'must be a JSON schema object ({{"type": "object", "properties": {{...}}}}), got {v!r}')
+        return v
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _timeout(cls, v: Any) -> Any:
+        _check_number(v)
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"must be a number of seconds > 0, got {v!r}")
+        return float(v)
+
+    @field_validator("max_calls")
+    @classmethod
+    def _max_calls(cls, v: Any) -> Any:
+        return v if v is None else _check_int(v, 1, " >= 1 (or null for no limit)")
+
+
 class ToolsSpec(_Section):
+    """Tools: nanochat's calculator, and functions the model calls in the Hermes format (a
+    `tools: [...]` list in the YAML is `tools: {functions: [...]}`), at most max_turns tool
+    results per sample."""
+
     calculator: bool = True
+    max_turns: PositiveInt = 8
+    functions: list[FunctionToolSpec] = Field(default_factory=list)
+
+    @field_validator("functions")
+    @classmethod
+    def _unique(cls, v: list[FunctionToolSpec]) -> list[FunctionToolSpec]:
+        names = [f.name for f in v]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"the tool name {dup!r} is used twice")
+        return v
 
 
 class ClusterSpec(_Section):
@@ -293,6 +361,8 @@ class JobSpec(_Section):
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
     # Where the spec came from (for messages); not part of the YAML.
     source: str = "<spec>"
+    # Tools given as Python objects (run_job / GenerationPool `tools=`): engine.tool_runner.Tool
+    _python_tools: list = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _openai_defaults(self) -> "JobSpec":
@@ -308,6 +378,8 @@ class JobSpec(_Section):
     def from_dict(cls, data: dict[str, Any] | None, source: str = "<spec>") -> "JobSpec":
         """Validate a config dict (the parsed YAML). Raises SpecError naming `source` and the key."""
         data = {} if data is None else data
+        if isinstance(data, dict) and isinstance(data.get("tools"), list):  # `tools: [...]`: the functions
+            data = {**data, "tools": {"functions": data["tools"]}}
         if not isinstance(data, dict):
             raise SpecError(f"{source}: expected a mapping of sections (model, input, output, sampling, tools, "
                             f"cluster), got {type(data).__name__}")
@@ -329,6 +401,29 @@ class JobSpec(_Section):
                               stop=None if s.stop is None else tuple(s.stop), logprobs_mode=s.logprobs_mode,
                               calculator=self.tools.calculator)
 
+    def with_python_tools(self, tools: Any) -> "JobSpec":
+        """A copy with `tools` (Python callables, engine.tool_runner.Tool objects or dicts of
+        Tool fields) added to tools.functions. Raises SpecError naming the bad one."""
+        from engine.tool_runner import Tool
+
+        out = self.model_copy()
+        try:
+            out._python_tools = list(self._python_tools) + [Tool.of(t) for t in (tools or [])]
+            out.tool_box()
+        except ValueError as e:
+            raise SpecError(f"{self.source}: tools: {e}") from None
+        return out
+
+    def tool_box(self) -> Any:
+        """The engine.tool_runner.ToolBox of tools.functions and the Python tools (None
+        without any). Raises ValueError for a name used twice."""
+        from engine.tool_runner import Tool, ToolBox
+
+        tools = [Tool(name=f.name, function=f.function, description=f.description, parameters=f.parameters,
+                      timeout_s=f.timeout_s, max_calls=f.max_calls) for f in self.tools.functions]
+        tools += self._python_tools
+        return ToolBox(tools, self.tools.max_turns) if tools else None
+
     def resolved_device(self) -> str:
         """model.device with "auto" resolved: "cuda" when cluster.gpus_per_worker > 0, else "cpu"."""
         d = self.model.device
@@ -346,13 +441,13 @@ class JobSpec(_Section):
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.load_engine: path, device and dtype (resolved, see the
         module docstring), tokenizer, max_num_seqs, kv_cache_bytes (kv_cache_gb * 2**30, or
-        None), max_seq_len, batch_invariant and prefix_sharing."""
+        None), max_seq_len, batch_invariant, prefix_sharing, and tools (`tool_box()`)."""
         m = self.model
         return {"path": m.path, "device": self.resolved_device(), "dtype": self.resolved_dtype(), "tokenizer": m.tokenizer,
                 "max_num_seqs": m.max_num_seqs,
                 "kv_cache_bytes": None if m.kv_cache_gb is None else int(m.kv_cache_gb * 2**30),
                 "max_seq_len": m.max_seq_len, "batch_invariant": m.batch_invariant,
-                "prefix_sharing": m.prefix_sharing}
+                "prefix_sharing": m.prefix_sharing, "tools": self.tool_box()}
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a plain dict (YAML/JSON-able), without `source`."""
@@ -380,11 +475,26 @@ class JobSpec(_Section):
                       "device": self.resolved_device().split(":")[0],
                       "max_seq_len": self.model.max_seq_len, "batch_invariant": self.model.batch_invariant},
             "sampling": self.sampling.model_dump(mode="json"),
-            "tools": self.tools.model_dump(mode="json"),
+            "tools": self._tools_identity(),
             "input": {"format": self.input.format, "column": self.input.column, "id_column": self.input.id_column,
                       "passthrough": list(self.input.passthrough), "sampling_column": self.input.sampling_column},
             "unit_rows": self.cluster.unit_rows,
         } | self._chat_identity()
+
+    def _tools_identity(self) -> dict[str, Any]:
+        """tools as the fingerprint holds them: the calculator flag, and (only with function
+        tools, so that older outputs keep their fingerprint) max_turns and every tool's
+        name, function ("module:qualname" for a Python object: its code is not hashed),
+        description, parameters, timeout and max_calls."""
+        out: dict[str, Any] = {"calculator": self.tools.calculator}
+        box = self.tool_box()
+        if box is not None:
+            out["max_turns"] = box.max_turns
+            out["functions"] = [{"name": t.name, "function": t.function if isinstance(t.function, str) else
+                                 f"{getattr(t.function, '__module__', '?')}:{getattr(t.function, '__qualname__', '?')}",
+                                 "description": t.description, "parameters": t.parameters, "timeout_s": t.timeout_s,
+                                 "max_calls": t.max_calls} for t in box.tools]
+        return out
 
     def _chat_identity(self) -> dict[str, Any]:
         """The day chat templates render at, for the formats that render them (a template

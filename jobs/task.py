@@ -120,8 +120,9 @@ class JobTask:
                         text = completion_text(tokenizer, s.tokens, s.stop_reason)
                     except Exception:  # decoding is best effort; tokens are the data
                         text = None
-                calls = [{"start": c.start, "end": c.end, "expr": c.expr, "output": c.output, "error": c.error}
-                         for c in s.tool_calls]
+                calls = [{"start": c.start, "end": c.end, "expr": c.expr, "output": c.output, "error": c.error,
+                          "name": c.name, "arguments": c.arguments, "latency_s": c.latency_s,
+                          "forced_start": c.forced_start} for c in s.tool_calls]
                 cols["prompt_id"].append(req.prompt_id)
                 cols["sample_index"].append(s.sample_index)
                 cols["prompt_tokens"].append(prompt)

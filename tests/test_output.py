@@ -95,7 +95,8 @@ def test_write_unit_schema_rows_and_counts(tmp_path):
     r0 = rows[0]
     assert r0["tokens"] == [82, 115, 11] and r0["mask"] == [1, 0, 1] and r0["logprobs"] == [-0.5, None, -1.25]
     assert r0["text"] == "Hi\x01" and r0["finish_reason"] == "stop" and r0["num_tokens"] == 3
-    assert r0["tool_calls"][1] == {"start": 2, "end": 3, "expr": "1/0", "output": None, "error": "ZeroDivisionError"}
+    assert r0["tool_calls"][1] == {"start": 2, "end": 3, "expr": "1/0", "output": None, "error": "ZeroDivisionError",
+                                   "name": None, "arguments": None, "latency_s": None, "forced_start": None}
     assert r0["answer"] == 0 and r0["error"] is None and r0["prompt_tokens"] == [10 + ord("q"), 10 + ord("0")]
     bad = rows[6]
     assert bad["finish_reason"] == "error" and "in.parquet row 3 column 'prompt': prompt is null" in bad["error"]

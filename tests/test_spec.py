@@ -25,7 +25,7 @@ def test_defaults_from_empty_file(tmp_path):
     assert d["output"] == {"path": "out/demo", "lease_timeout_s": 120}
     assert d["sampling"] == {"num_samples": 4, "max_tokens": 256, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
                              "min_p": 0.0, "seed": 0, "stop_token_ids": None, "stop": None, "logprobs_mode": "raw"}
-    assert d["tools"] == {"calculator": True}
+    assert d["tools"] == {"calculator": True, "max_turns": 8, "functions": []}
     assert d["cluster"] == {"address": None, "num_workers": 1, "gpus_per_worker": 0, "cpus_per_worker": 1,
                             "unit_rows": 256, "max_unit_attempts": 3, "unit_timeout_s": None}
 
@@ -145,7 +145,7 @@ def test_sampling_params_and_engine_kwargs(tmp_path):
         (2, 9, 0.0, 0, (5,), False)
     assert spec.engine_kwargs() == {"path": "tiny-random", "device": "cpu", "dtype": "float32", "tokenizer": None,
                                     "max_num_seqs": 8, "kv_cache_bytes": None, "max_seq_len": 128,
-                                    "batch_invariant": True, "prefix_sharing": True}
+                                    "batch_invariant": True, "prefix_sharing": True, "tools": None}
 
 
 def test_device_and_dtype_resolved_on_the_driver(tmp_path):

@@ -123,9 +123,10 @@ class Tokenizer(ABC):
         ValueError for an id outside the vocabulary."""
 
     @abstractmethod
-    def render_chat(self, messages: list[dict], *, date: Any = None) -> list[int]:
+    def render_chat(self, messages: list[dict], *, date: Any = None, tools: list[dict] | None = None) -> list[int]:
         """Token ids priming the assistant's reply to `messages` ([{"role", "content"}, ...]).
         date: the day a chat template that prints the date sees (a datetime.date or
         "YYYY-MM-DD"; None: today in UTC), so that a job renders the same tokens on every
-        worker, day and retry. Raises ValueError naming what is wrong, or for a tokenizer
-        without a chat format."""
+        worker, day and retry. tools: JSON schemas of callable tools, shown to the model as
+        its template shows them (engine/tool_calls.py). Raises ValueError naming what is
+        wrong, or for a tokenizer without a chat format (or without a tool list, given tools)."""

@@ -12,7 +12,7 @@ templates shipped in `tokenizer_config.json`, `chat_template.jinja` and GGUF fil
   builds dicts, and a `namespace` that refuses underscore-prefixed attributes; the `tojson`
   filter is `json.dumps(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`
   (no HTML escaping, unlike jinja's own).
-- variables: `messages`, `tools` (None), `documents` (None), `add_generation_prompt`, and the
+- variables: `messages`, `tools` (None unless given), `documents` (None), `add_generation_prompt`, and the
   tokenizer's named special tokens as strings (`bos_token`, `eos_token`, `unk_token`,
   `pad_token`, ... and model-specific `*_token` entries of tokenizer_config.json).
 - messages are normalised first: keys whose value is None are dropped, values are rebuilt out
@@ -177,13 +177,16 @@ def normalize_messages(messages: Any) -> list[dict]:
 
 
 def render_chat_template(source: str, messages: Any, special_tokens: Mapping[str, str], *,
-                         add_generation_prompt: bool = True, date: "date | str | None" = None) -> str:
+                         add_generation_prompt: bool = True, date: "date | str | None" = None,
+                         tools: list[dict] | None = None) -> str:
     """The text of `messages` rendered by the template `source`.
 
     messages: [{"role": ..., "content": ..., ...}, ...] (any keys the template reads).
     special_tokens: template variables such as {"bos_token": "<s>", "eos_token": "</s>"}.
     add_generation_prompt: end with the header that opens the assistant's reply.
     date: the day `strftime_now` formats (midnight UTC; `chat_moment`), None for now in UTC.
+    tools: the template's `tools` variable (JSON schemas, as transformers'
+    apply_chat_template(tools=...) passes them); None for none.
     Raises ChatTemplateError (a ValueError) with the template's message when it raises
     (`raise_exception`, an undefined or invalid operation, a sandbox violation) or does not
     compile, or when `messages` is not a non-empty list of dicts.
@@ -193,7 +196,7 @@ def render_chat_template(source: str, messages: Any, special_tokens: Mapping[str
     moment = chat_moment(date)
     variables = {k: _plain(v) for k, v in special_tokens.items()}
     try:
-        return template.render(messages=chat, tools=None, documents=None,
+        return template.render(messages=chat, tools=_plain(tools), documents=None,
                                add_generation_prompt=add_generation_prompt,
                                strftime_now=lambda fmt: moment.strftime(fmt), **variables)
     except jinja2.exceptions.TemplateError as e:

@@ -42,6 +42,7 @@ from tokenizers import Tokenizer as Backend
 
 from engine.tokenizers.byte_level import UNICODE_TO_BYTE
 from engine.tokenizers.chat_template import ChatTemplateError, render_chat_template
+from engine.tool_calls import template_reads_tools, with_hermes_system
 
 # decode(): transformers' clean_up_tokenization (applied only to non-BPE models that ask for it)
 _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
@@ -231,24 +232,36 @@ class HFTokenizer:
                 return bytes(table[c] for c in text)
         return text.replace("\u2581", " ").encode("utf-8")
 
-    def render_chat(self, messages: list[dict], *, date: Any = None) -> list[int]:
+    def render_chat(self, messages: list[dict], *, date: Any = None, tools: list[dict] | None = None) -> list[int]:
         """Token ids priming the assistant's reply: the model's chat template rendered with
         add_generation_prompt=True, then encoded (transformers' apply_chat_template(messages,
-        add_generation_prompt=True, tokenize=True)).
+        add_generation_prompt=True, tokenize=True, tools=tools)).
 
         messages: [{"role": ..., "content": ...}, ...]; the template decides what it accepts.
         date: the day the template's `strftime_now` sees (a date or "YYYY-MM-DD"; None: now,
         in UTC; engine/tokenizers/chat_template.py says why).
+        tools: JSON schemas of the tools the model may call ({"type": "function", "function":
+        {...}}), handed to the template as `tools`; a template that never reads `tools`
+        (SmolLM2's) gets them as Hermes's tool block in the system message instead
+        (engine/tool_calls.py `with_hermes_system`).
         Raises ValueError: the template's own message when it raises (e.g. roles that do not
         alternate), a Jinja error, or "... has no chat template ..." without a template.
         """
+        return self.encode(self.render_chat_text(messages, date=date, tools=tools))
+
+    def render_chat_text(self, messages: list[dict], *, add_generation_prompt: bool = True, date: Any = None,
+                         tools: list[dict] | None = None) -> str:
+        """The text `render_chat` encodes (add_generation_prompt: end with the assistant's
+        header). Raises as render_chat."""
         if self._template is None:
             names = sorted(self._template_source) if isinstance(self._template_source, Mapping) else None
             raise ValueError(f"tokenizer {self.name} has no chat template"
                              + (f" named 'default' (it has {names})" if names else "")
                              + "; send token ids or plain text prompts instead")
-        text = render_chat_template(self._template, messages, self._map, add_generation_prompt=True, date=date)
-        return self.encode(text)
+        if tools and not template_reads_tools(self._template):
+            messages, tools = with_hermes_system(messages, tools), None
+        return render_chat_template(self._template, messages, self._map, add_generation_prompt=add_generation_prompt,
+                                    date=date, tools=tools or None)
 
 
 def _restore(backend_json: str, special_tokens_map: dict, chat_template: Any, cleanup: bool, name: str) -> HFTokenizer:

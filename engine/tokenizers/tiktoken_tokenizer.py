@@ -307,12 +307,16 @@ class TiktokenTokenizer:
             raise ValueError(f"token id {token!r} is not in the vocabulary of {self.name} "
                              f"(size {self._vocab_size})") from None
 
-    def render_chat(self, messages: list[dict], *, date: Any = None) -> list[int]:
+    def render_chat(self, messages: list[dict], *, date: Any = None, tools: list[dict] | None = None) -> list[int]:
         """Token ids priming the assistant's reply, in nanochat's render_for_completion layout
         (engine/tokenizers/nanochat_chat.py says what `messages` may hold; it has no date, so
         `date` is accepted and unused). Raises ValueError
         naming the message (index in `messages`) and what is wrong, or "... has no chat
-        format ..." for a tokenizer without nanochat's chat tokens (GPT-2)."""
+        format ..." for a tokenizer without nanochat's chat tokens (GPT-2), or for `tools`
+        (nanochat's layout has no tool list: its one tool is the calculator)."""
+        if tools:
+            raise ValueError(f"tokenizer {self.name}: nanochat's chat layout has no tool list (its only tool is the "
+                             f"calculator, tools.calculator); tools.functions need a model with a chat template")
         return render_chat(messages, self._specials, self.enc.encode_ordinary, self.name)
 
 

@@ -44,14 +44,16 @@ class RowLayout:
     sampling_column: str | None = None
     passthrough: tuple[str, ...] = ()
     chat_template_date: str | None = None
+    tools: Any = None  # engine.tool_runner.ToolBox: chat prompts list its tools (None: none)
 
     @classmethod
     def of(cls, spec: Any) -> "RowLayout":
-        """The layout of a spec's `input` section, at its model.chat_template_date."""
+        """The layout of a spec's `input` section, at its model.chat_template_date, with its
+        function tools."""
         inp = spec.input
         return cls(format=inp.format, column=inp.column, id_column=inp.id_column,
                    sampling_column=inp.sampling_column, passthrough=tuple(inp.passthrough),
-                   chat_template_date=spec.model.chat_template_date)
+                   chat_template_date=spec.model.chat_template_date, tools=spec.tool_box())
 
     def columns(self) -> list[str]:
         """The columns a row is read from, each once: the prompt, the id, the sampling struct,
@@ -108,12 +110,13 @@ def check_messages(messages: Any) -> str | None:
 
 def tokenize(value: Any, fmt: str, tokenizer: Any, bos: int | None, vocab: int | None,
              chat_date: str | None = None,
-             message_keys: tuple[str, ...] = ()) -> tuple[list[int] | None, str | None]:
+             message_keys: tuple[str, ...] = (), tools: list[dict] | None = None) -> tuple[list[int] | None, str | None]:
     """(token ids, None) or (None, why) for one prompt of format `fmt` (text, chat or tokens);
     `bos`: text_bos(tokenizer) for text prompts, `vocab`: the tokenizer's vocab_size,
     `chat_date`: the day a chat template renders at. A chat message reaches the template as
     its role and content, and the `message_keys` it has (an OpenAI batch line's name,
-    tool_calls, tool_call_id)."""
+    tool_calls, tool_call_id). `tools`: JSON schemas a chat template lists (the job's function
+    tools; engine/tokenizers/hf_tokenizer.py `render_chat`)."""
     if fmt == "text":
         if value is None:
             return None, "prompt is null"
@@ -134,7 +137,7 @@ def tokenize(value: Any, fmt: str, tokenizer: Any, bos: int | None, vocab: int |
         if why is not None:
             return None, why
         try:
-            ids = list(tokenizer.render_chat(msgs, date=chat_date))
+            ids = list(tokenizer.render_chat(msgs, date=chat_date, **({"tools": tools} if tools else {})))
         except (ValueError, TypeError, KeyError) as e:
             return None, f"cannot render the conversation: {e}"
         if not ids:
@@ -166,6 +169,7 @@ def requests_from_columns(layout: RowLayout, params: Any, columns: dict[str, lis
     passthrough = {c: columns[c] for c in layout.passthrough}
     sampling = columns[layout.sampling_column] if layout.sampling_column else None
     bos = text_bos(tokenizer) if layout.format == "text" else None
+    tools = layout.tools.schemas() if layout.tools is not None and layout.format == "chat" else None
     vocab = getattr(tokenizer, "vocab_size", None)
     out: list[UnitRequest] = []
     for i, value in enumerate(prompts):
@@ -184,7 +188,7 @@ def requests_from_columns(layout: RowLayout, params: Any, columns: dict[str, lis
             error = error or why
         tokens = None
         if error is None:
-            tokens, why = tokenize(value, layout.format, tokenizer, bos, vocab, layout.chat_template_date)
+            tokens, why = tokenize(value, layout.format, tokenizer, bos, vocab, layout.chat_template_date, tools=tools)
             if why is not None:
                 error = f"{where} column {layout.column!r}: {why}"
                 tokens = None

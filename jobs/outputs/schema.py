@@ -14,6 +14,9 @@ import pyarrow as pa
 TOOL_CALL_TYPE = pa.struct([
     pa.field("start", pa.int32()), pa.field("end", pa.int32()), pa.field("expr", pa.string()),
     pa.field("output", pa.string()), pa.field("error", pa.string()),
+    # appended for Hermes tool calls (docs/output.md): readers by field name are unaffected
+    pa.field("name", pa.string()), pa.field("arguments", pa.string()), pa.field("latency_s", pa.float64()),
+    pa.field("forced_start", pa.int32()),
 ])
 
 OUTPUT_SCHEMA = pa.schema([

@@ -1,0 +1,133 @@
+"""Multi-turn tool use inside the step loop: a sample's Hermes call run while the others decode.
+
+When a sampled token completes <tool_call>...</tool_call> (engine/sequence.py leaves it in
+`Sequence.new_call`), `ToolTurns.start` parses it and either answers at once (bad JSON, an
+unknown tool, max_calls reached: an error message) or submits it to the `ToolRunner`'s
+threads; the sample then waits (`Sequence.pending`) outside the decode batch, holding its slot
+and KV run, while every other sample decodes. `poll` collects finished calls and calls past
+their timeout; the result (or "Error: <why>") is rendered as the chat template renders a tool
+message (engine/tool_calls.py `ToolResponses`) and queued in `Sequence.forced`: the engine
+feeds those tokens one per step (their KV computed as the calculator's output is), with mask 0
+and no logprob, and the sample goes on sampling after them.
+
+Why a waiting sample's tokens do not change: its noise is keyed by position (engine/sampling.py),
+not by step, and on CPU with batch_invariant a row's logits do not depend on the batch it sits
+in, so leaving the batch for a few steps and coming back gives the same bits as not leaving.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine.params import ToolCall
+from engine.tool_calls import ToolResponses, parse_tool_call
+from engine.tool_runner import ToolBox, ToolError, ToolRunner
+
+MAX_BLOCK_S = 0.05  # longest `wait` blocks when only tool calls are left: new requests may arrive
+
+
+@dataclass(slots=True)
+class PendingCall:
+    """A call running on a tool thread: its record, the tool's future, when it started."""
+
+    call: ToolCall
+    future: concurrent.futures.Future
+    t0: float
+    timeout_s: float
+
+
+class ToolTurns:
+    """The engine's tools (a ToolBox), their threads, and the samples waiting on them.
+
+    ToolTurns(box, tokenizer): raises ValueError when the tokenizer cannot render tool
+    messages (engine/tool_calls.py ToolResponses)."""
+
+    def __init__(self, box: ToolBox, tokenizer: Any, max_workers: int = 16):
+        self.box = box
+        self.responses = ToolResponses(tokenizer, box.schemas())
+        self.runner = ToolRunner(max_workers)
+        self.waiting: list[Any] = []  # Sequences with a pending call
+
+    def start(self, seq: Any) -> None:
+        """Handle `seq.new_call` (set by its last token): record it, then answer it, run it or
+        refuse it. A sample that has ended (max_tokens, context) records it as not run."""
+        start, text = seq.new_call
+        seq.new_call = None
+        call = ToolCall(start=start, end=len(seq.tokens), expr=text, output=None, error=None)
+        seq.tool_calls.append(call)
+        parsed = parse_tool_call(text)
+        call.name = parsed.name
+        call.arguments = None if parsed.arguments is None else json.dumps(parsed.arguments, ensure_ascii=False)
+        if seq.finish_reason is not None:
+            call.error = f"not run: the sample ended ({seq.finish_reason}) with the call"
+            return
+        if seq.num_turns >= self.box.max_turns:
+            call.error = f"not run: the sample reached max_turns ({self.box.max_turns})"
+            return
+        seq.num_turns += 1
+        error = parsed.error
+        tool = None if error else self.box.by_name.get(parsed.name)
+        if error is None and tool is None:
+            error = f"unknown tool {parsed.name!r} (tools: {', '.join(self.box.by_name) or 'none'})"
+        if error is None:
+            used = seq.calls_by_name.get(tool.name, 0)
+            if tool.max_calls is not None and used >= tool.max_calls:
+                error = f"{tool.name} may be called {tool.max_calls} times per sample"
+            seq.calls_by_name[tool.name] = used + 1
+        if error is not None:
+            self._answer(seq, call, None, error, 0.0)
+            return
+        seq.pending = PendingCall(call, self.runner.submit(tool, parsed.arguments), time.perf_counter(),
+                                  float(tool.timeout_s))
+        self.waiting.append(seq)
+
+    def poll(self) -> bool:
+        """Answer every waiting sample whose call finished or ran past its timeout. Returns
+        True if any sample left the waiting list (the decode batch must be rebuilt)."""
+        now = time.perf_counter()
+        still = []
+        for seq in self.waiting:
+            p: PendingCall = seq.pending
+            if p.future.done():
+                took = getattr(p.future, "batchgen_done_at", now) - p.t0  # queue + run, not our polling
+                try:
+                    self._answer(seq, p.call, p.future.result(), None, took)
+                except ToolError as e:
+                    self._answer(seq, p.call, None, str(e), took)
+                except BaseException as e:  # noqa: BLE001 - a tool's own failure, never the engine's
+                    self._answer(seq, p.call, None, f"{p.call.name} raised {type(e).__name__}: {e}", took)
+            elif now - p.t0 > p.timeout_s:
+                self.runner.abandon(p.future)
+                self._answer(seq, p.call, None, f"{p.call.name} timed out after {p.timeout_s:g} s", now - p.t0)
+            else:
+                still.append(seq)
+                continue
+            seq.pending = None
+        changed = len(still) != len(self.waiting)
+        self.waiting = still
+        return changed
+
+    def wait(self) -> bool:
+        """Block until a waiting call finishes, times out, or MAX_BLOCK_S passes (the engine
+        has nothing else to do); then `poll`."""
+        if self.waiting:
+            now = time.perf_counter()
+            first_deadline = min(s.pending.t0 + s.pending.timeout_s for s in self.waiting)
+            timeout = max(0.0, min(MAX_BLOCK_S, first_deadline - now))
+            concurrent.futures.wait([s.pending.future for s in self.waiting], timeout=timeout,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        return self.poll()
+
+    def _answer(self, seq: Any, call: ToolCall, output: str | None, error: str | None, latency: float) -> None:
+        text = output if error is None else f"Error: {error}"
+        call.output, call.error, call.latency_s = text, error, latency
+        toks = self.responses.suffix(text)
+        call.forced_start = len(seq.tokens)
+        call.end = len(seq.tokens) + len(toks)
+        seq.forced.extend(toks)
+
+
+__all__ = ["ToolTurns", "PendingCall"]

@@ -1,0 +1,367 @@
+"""Multi-turn tool use in the Hermes / Qwen format: parsing (engine/tool_calls.py), tools and
+their schemas (engine/tool_runner.py), and the engine running calls while other samples decode
+(engine/tool_turns.py).
+
+The engine tests run a small random Llama with a Qwen2.5-layout tokenizer and Qwen2.5's real
+chat template (tests/hf_cases.py), and script the sampler: a scripted sample's sampled tokens
+are replaced by the tokens of a fixed tool call (with the model's own raw logprob of each), and
+after its scripts run out it samples freely. So what is tested is the engine's handling of
+a call the model makes: detection, the forced result, masks and logprobs, waiting, errors.
+"""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+import engine.engine as engine_mod
+from engine import SamplingParams
+from engine.engine import Engine
+from engine.tool_calls import HermesScanner, ToolResponses, parse_tool_call
+from engine.tool_runner import Tool, ToolBox, function_schema
+
+pytest.importorskip("transformers")
+
+
+# ----------------------------------------------------------------------------- parsing
+def test_parse_tool_call_accepts_hermes_json_and_names_what_is_wrong():
+    """A call is {"name", "arguments"}; arguments may be a JSON string; bad JSON, a non-object
+    and a missing name come back as errors naming the problem, never as exceptions."""
+    p = parse_tool_call('\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n')
+    assert (p.name, p.arguments, p.error) == ("add", {"a": 1, "b": 2}, None)
+    assert parse_tool_call('{"name": "add", "arguments": "{\\"a\\": 1}"}').arguments == {"a": 1}
+    assert parse_tool_call('{"name": "now"}').arguments == {}
+    assert "not JSON" in parse_tool_call('{name: add}').error
+    assert "JSON object" in parse_tool_call("[1, 2]").error
+    assert 'no "name"' in parse_tool_call('{"arguments": {}}').error
+    assert "must be a JSON object" in parse_tool_call('{"name": "add", "arguments": [1]}').error
+
+
+def test_scanner_finds_calls_split_across_tokens_and_their_start_token():
+    """Tags split over several tokens are found when the closing token arrives; the start is
+    the token where "<tool_call>" begins; text outside tags and a lone closing tag are not
+    calls; after a call the search starts afresh."""
+    toks = [b"Hi <", b"tool", b"_call", b">\n{\"name\"", b": \"x\"}\n</", b"tool_call", b">\n", b"</tool_call>"]
+    sc = HermesScanner()
+    found = [sc.feed(i, t) for i, t in enumerate(toks)]
+    assert found[:6] == [None] * 6
+    assert found[6] == (0, '\n{"name": "x"}\n')
+    assert found[7] is None and sc.open_at is None
+    sc = HermesScanner()
+    sc.feed(0, b"<tool_call>")
+    sc.feed(1, b'{"name"')
+    assert sc.open_start == 0 and sc.open_text() == '{"name"'
+
+
+def test_scanner_keeps_bounded_memory_on_long_text_without_calls():
+    sc = HermesScanner()
+    for i in range(5000):
+        assert sc.feed(i, b"word> ") is None
+    assert len(sc.buf) < 1024
+    assert sc.feed(5000, b"<tool_call>{}</tool_call>") == (5000, "{}")
+
+
+def test_schema_from_signature_and_bad_tools_named():
+    """Parameters come from type hints (required: no default), the description from the
+    docstring's first paragraph; a bad name, path, timeout or max_calls raises naming it."""
+    def area(width: float, height: float = 1.0, unit: str | None = None) -> str:
+        """Area of a rectangle.
+
+        More text."""
+        return str(width * height)
+
+    desc, params = function_schema(area)
+    assert desc == "Area of a rectangle."
+    assert params == {"type": "object", "properties": {"width": {"type": "number"}, "height": {"type": "number"},
+                                                       "unit": {"type": "string"}}, "required": ["width"]}
+    assert Tool.of(area).schema()["function"]["name"] == "area"
+    for kw, word in [({"name": "a b", "function": area}, "name"), ({"name": "t", "function": "no colon"}, "function"),
+                     ({"name": "t", "function": area, "timeout_s": 0}, "timeout_s"),
+                     ({"name": "t", "function": area, "max_calls": 0}, "max_calls")]:
+        with pytest.raises(ValueError, match=word):
+            Tool(**kw)
+    with pytest.raises(ValueError, match="twice"):
+        ToolBox([area, area])
+
+
+def test_runner_replaces_an_abandoned_thread():
+    """With one worker thread, a call that hangs and is abandoned (its timeout passed) does
+    not hold the next call back: a new thread takes its place. Results and errors come back
+    in futures (ToolError for a non-string result)."""
+    from engine.tool_runner import ToolError, ToolRunner
+
+    release, started = threading.Event(), threading.Event()
+    runner = ToolRunner(max_workers=1)
+    hung = runner.submit(Tool("hang", lambda: started.set() or (release.wait(30) and "late")), {})
+    started.wait(10)
+    queued = runner.submit(Tool("add", add), {"a": 1, "b": 2})  # behind the hung call
+    runner.abandon(hung)
+    assert queued.result(timeout=10) == "3"
+    assert runner.submit(Tool("add", add), {"a": 2, "b": 2}).result(timeout=10) == "4"
+    with pytest.raises(ToolError, match="returned int"):
+        runner.submit(Tool("n", not_text), {}).result(timeout=10)
+    release.set()
+
+
+# ----------------------------------------------------------------------------- engine
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """(model, tokenizer): a random 2-layer Llama (transformers save_pretrained) and the
+    Qwen2.5-layout tokenizer with Qwen2.5's template (which reads `tools`)."""
+    import hf_cases as C
+    import transformers
+
+    from engine import load_engine
+
+    tok_dir = C.case_dir("qwen2", str(tmp_path_factory.mktemp("tok")))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=3072, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    d = tmp_path_factory.mktemp("llama")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    eng = load_engine(d, device="cpu", dtype="float32", tokenizer=tok_dir)
+    return eng.model, eng.tokenizer
+
+
+def add(a: int, b: int) -> str:
+    """Add two integers."""
+    return str(a + b)
+
+
+def call_text(name, args) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """script(engine, {prompt_id: [turn text, ...]}): the sampled tokens of every sample of
+    those prompts spell turn k's text right after its k-th tool result (or at the start),
+    each with its raw logprob; after the last turn it samples freely."""
+    def install(eng, scripts):
+        real = engine_mod.sample_step
+        enc = {pid: [eng.tokenizer.encode(t) for t in turns] for pid, turns in scripts.items()}
+
+        def step(logits, temperature, top_k, top_p, min_p, keys, positions, kinds, processed, batched=None):
+            lsm = torch.log_softmax(logits.float(), -1)
+            toks, lps = real(logits, temperature, top_k, top_p, min_p, keys, positions, kinds, processed, batched)
+            by_key = {seq.key: seq for seq in eng.running.values()}
+            for i, key in enumerate(keys.tolist()):
+                seq = by_key.get(tuple(key))  # None: another engine's row (an earlier script's wrapper)
+                turns = None if seq is None else enc.get(seq.request.prompt_id)
+                if not turns or seq.forced or seq.pending is not None:
+                    continue  # not scripted, or its row's token is dropped for a forced one
+                answered = [c for c in seq.tool_calls if c.forced_start is not None]
+                done = len(answered)
+                k = len(seq.tokens) - max((c.end for c in answered), default=0)
+                if done < len(turns) and k < len(turns[done]):
+                    toks[i] = turns[done][k]
+                    lps[i] = lsm[i, turns[done][k]]
+            return toks, lps
+
+        monkeypatch.setattr(engine_mod, "sample_step", step)
+    return install
+
+
+PARAMS = SamplingParams(num_samples=1, max_tokens=100, temperature=1.0, seed=3, stop_token_ids=[])
+
+
+def chat(tok, prompt="What is 2+3?", tools=None):
+    return tok.render_chat([{"role": "user", "content": prompt}], tools=tools)
+
+
+def test_result_is_forced_as_the_template_renders_it(parts, scripted):
+    """A scripted call: the tool runs, and the tokens after the call are exactly the template's
+    rendering of the conversation [user, assistant(call), tool(result)] with the generation
+    prompt (mask 0, no logprob); then the sample goes on sampling (mask 1, logprobs); the call
+    is recorded with name, arguments, output, latency and its forced span."""
+    model, tok = parts
+    eng = Engine(model, tok, tools=[add])
+    schemas = eng.tool_turns.box.schemas()
+    text = call_text("add", {"a": 2, "b": 3})
+    scripted(eng, {"q": [text]})
+    prompt = chat(tok, tools=schemas)
+    assert "<tools>" in tok.decode(prompt) and '"name": "add"' in tok.decode(prompt)  # the template lists the tool
+    s = eng.generate([prompt], PARAMS, prompt_ids=["q"])[0][0]
+    (c,) = [c for c in s.tool_calls if c.forced_start is not None][:1]
+    assert (c.name, json.loads(c.arguments), c.output, c.error) == ("add", {"a": 2, "b": 3}, "5", None)
+    assert c.start == 0 and c.latency_s >= 0
+    assert tok.decode(s.tokens[:c.forced_start]) == text
+    conv = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": text},
+            {"role": "tool", "content": "5"}]
+    assert tok.decode(prompt + s.tokens[:c.end]) == tok.render_chat_text(conv, tools=schemas)
+    assert s.tokens[c.forced_start:c.end] == ToolResponses(tok, schemas).suffix("5")
+    assert tok.decode(s.tokens[c.forced_start:c.end]) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n"
+                                                          "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert set(s.mask[c.forced_start:c.end]) == {0} and set(s.logprobs[c.forced_start:c.end]) == {None}
+    rest = range(len(s.tokens))
+    sampled = [i for i in rest if not c.forced_start <= i < c.end]
+    assert all(s.mask[i] == 1 and s.logprobs[i] is not None for i in sampled)
+    assert len(s.tokens) == 100 and c.end < 100  # generation continued after the result
+
+
+def boom(x: int = 0) -> str:
+    raise RuntimeError("kaput")
+
+
+def not_text() -> str:
+    return 42  # type: ignore[return-value]
+
+
+def test_failures_become_error_messages_and_the_samples_complete(parts, scripted):
+    """A tool that raises, hangs past its timeout, returns a non-string or does not import; a
+    call that is not JSON; an unknown tool name: each is recorded with an error naming it,
+    the model sees "Error: ..." as the tool message, and every sample finishes."""
+    model, tok = parts
+    release = threading.Event()
+    tools = [Tool("boom", boom), Tool("hang", lambda: release.wait(30) and "late", timeout_s=0.2),
+             Tool("not_text", not_text), Tool("missing", "no_such_module_xyz.sub:fn")]
+    eng = Engine(model, tok, tools=tools)
+    cases = {"boom": (call_text("boom", {"x": 1}), "boom raised RuntimeError: kaput"),
+             "hang": (call_text("hang", {}), "hang timed out after 0.2 s"),
+             "not_text": (call_text("not_text", {}), "not_text returned int, not a string"),
+             "missing": (call_text("missing", {}), "'no_such_module_xyz.sub:fn' does not import: ModuleNotFoundError"),
+             "json": ("<tool_call>\n{name: boom}\n</tool_call>", "the tool call is not JSON"),
+             "unknown": (call_text("weather", {"city": "Oslo"}), "unknown tool 'weather'")}
+    scripted(eng, {k: [v[0]] for k, v in cases.items()})
+    params = SamplingParams(num_samples=1, max_tokens=200, seed=3, stop_token_ids=[])
+    try:
+        res = eng.generate([chat(tok, tools=eng.tool_turns.box.schemas())] * len(cases), params, prompt_ids=list(cases))
+    finally:
+        release.set()
+    for (pid, (_, why)), (s,) in zip(cases.items(), res):
+        c = s.tool_calls[0]
+        assert s.finish_reason == "length" and s.error is None, pid
+        assert why in c.error, (pid, c.error)
+        assert c.output == f"Error: {c.error}"
+        assert f"Error: {c.error}" in tok.decode(s.tokens[c.forced_start:c.end])
+        assert set(s.mask[c.forced_start:c.end]) == {0}
+    assert res[1][0].tool_calls[0].latency_s >= 0.2
+
+
+def test_max_calls_and_max_turns_are_enforced(parts, scripted):
+    """max_calls=1: a second call of the same tool is answered with an error; max_turns=2: a
+    third call is recorded but not run (nothing forced) and the sample goes on."""
+    model, tok = parts
+    eng = Engine(model, tok, tools=ToolBox([Tool("add", add, max_calls=1)], max_turns=2))
+    t = call_text("add", {"a": 1, "b": 1})
+    scripted(eng, {"q": [t, t, t]})
+    s = eng.generate([chat(tok)], SamplingParams(num_samples=1, max_tokens=260, seed=0, stop_token_ids=[]),
+                     prompt_ids=["q"])[0][0]
+    first, second = s.tool_calls[0], s.tool_calls[1]
+    assert (first.output, first.error) == ("2", None)
+    assert "may be called 1 times" in second.error
+    third = s.tool_calls[2]
+    assert "not run: the sample reached max_turns (2)" in third.error
+    assert third.forced_start is None and third.output is None and third.end == third.start + 39  # the call text
+    assert s.mask[third.end:] == [1] * (260 - third.end)  # nothing forced: the model goes on
+
+
+def test_a_waiting_sample_holds_no_one_back_and_its_tokens_do_not_change(parts, scripted):
+    """Sample A calls a tool that blocks; sample B keeps decoding meanwhile (B gains tokens
+    while A waits). A's tokens and logprobs equal those of a run where the tool answers at
+    once, and B's equal B run alone on an engine without tools, bit for bit: noise is keyed
+    by position and a row's logits do not depend on its batch."""
+    model, tok = parts
+    gate = threading.Event()
+
+    def gated(a: int, b: int) -> str:
+        gate.wait(30)
+        return str(a + b)
+
+    params = SamplingParams(num_samples=1, max_tokens=100, temperature=1.0, top_k=40, seed=7, stop_token_ids=[])
+
+    def run(pre_open: bool):
+        eng = Engine(model, tok, tools=[Tool("add", gated)])
+        scripted(eng, {"A": [call_text("add", {"a": 2, "b": 3})]})
+        if pre_open:
+            gate.set()
+        else:
+            gate.clear()
+        eng.add_request(chat(tok), params, "A")
+        eng.add_request(chat(tok, "Name a prime."), params, "B")
+        out, waited = {}, 0
+        while eng.has_unfinished_requests():
+            seqs = {s.request.prompt_id: s for s in eng.running.values()}
+            if not pre_open and "A" in seqs and seqs["A"].pending is not None and not gate.is_set():
+                a_len, b_len = len(seqs["A"].tokens), len(seqs["B"].tokens)
+                for _ in range(5):
+                    eng.step()
+                assert len(seqs["A"].tokens) == a_len and len(seqs["B"].tokens) == b_len + 5
+                waited += 1
+                gate.set()
+            for o in eng.step():
+                out[o.prompt_id] = o.samples[0]
+        assert waited == (0 if pre_open else 1)
+        return out
+
+    waited, direct = run(False), run(True)
+    assert waited["A"].tokens == direct["A"].tokens and waited["A"].logprobs == direct["A"].logprobs
+    assert waited["A"].tool_calls[0].output == "5"
+    alone = Engine(model, tok).generate([chat(tok, "Name a prime.")], params, prompt_ids=["B"])[0][0]
+    assert waited["B"].tokens == alone.tokens and waited["B"].logprobs == alone.logprobs
+
+
+def test_template_without_tools_gets_hermes_prompt_and_tool_response_tags(parts):
+    """A template that never reads `tools` (SmolLM2's ChatML) gets Hermes's tool block in the
+    system message, and results inside <tool_response> tags in a "tool" message."""
+    _, tok = parts
+    from engine.tokenizers.hf_tokenizer import HFTokenizer
+
+    smol = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    plain = HFTokenizer(tok.backend, special_tokens_map=tok.special_tokens_map, chat_template=smol, name="chatml")
+    schemas = ToolBox([add]).schemas()
+    text = plain.render_chat_text([{"role": "user", "content": "hi"}], tools=schemas)
+    assert text.startswith("<|im_start|>system\n# Tools\n") and json.dumps(schemas[0]) in text
+    assert ToolResponses(plain, schemas).suffix_text("5") == (
+        "<|im_end|>\n<|im_start|>tool\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+# ----------------------------------------------------------------------------- config
+def test_config_tools_validated_by_key_and_listed_as_a_list(tmp_path):
+    """`tools: [...]` in YAML is tools.functions; a bad entry is a SpecError (exit 2) naming
+    the file and key; a function path is checked for syntax only (it imports on workers);
+    the fingerprint holds the tools only when there are function tools (older outputs keep
+    theirs); Python tools join the config's, and a name used twice is refused."""
+    from jobs.config import load_spec
+    from jobs.errors import SpecError
+    from jobs.spec import JobSpec
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("tools:\n  - {name: fetch, function: no_such_module_xyz.sub:fetch, timeout_s: 2, max_calls: 3}\n")
+    spec = load_spec(cfg)
+    (tool,) = spec.tool_box().tools
+    assert (tool.name, tool.function, tool.timeout_s, tool.max_calls) == ("fetch", "no_such_module_xyz.sub:fetch", 2.0, 3)
+    assert spec.engine_kwargs()["tools"].max_turns == 8
+    assert spec.fingerprint_dict()["tools"]["functions"][0]["function"] == "no_such_module_xyz.sub:fetch"
+    assert JobSpec.from_dict({}).fingerprint_dict()["tools"] == {"calculator": True}
+    for text, key in [("tools:\n  - {name: f, function: 'not a path'}\n", "tools.functions.0.function"),
+                      ("tools:\n  - {function: a:b}\n", "tools.functions.0.name"),
+                      ("tools:\n  - {name: f, function: a:b, timeout_s: 0}\n", "tools.functions.0.timeout_s"),
+                      ("tools:\n  - {name: f, function: a:b, max_calls: -1}\n", "tools.functions.0.max_calls"),
+                      ("tools:\n  - {name: f, function: a:b, parameters: {x: 1}}\n", "tools.functions.0.parameters"),
+                      ("tools: {max_turns: 0}\n", "tools.max_turns"),
+                      ("tools:\n  - {name: f, function: a:b}\n  - {name: f, function: a:c}\n", "used twice")]:
+        cfg.write_text(text)
+        with pytest.raises(SpecError, match=key) as e:
+            load_spec(cfg)
+        assert e.value.exit_code == 2 and str(cfg) in str(e.value)
+    cfg.write_text("tools:\n  - {name: add, function: a:b}\n")
+    both = load_spec(cfg).with_python_tools([Tool("mul", add)])
+    assert [t.name for t in both.tool_box().tools] == ["add", "mul"]
+    assert both.fingerprint_dict()["tools"]["functions"][1]["function"] == f"{__name__}:add"
+    with pytest.raises(SpecError, match="used twice"):
+        load_spec(cfg).with_python_tools([add])
+
+
+def test_a_model_without_a_chat_template_refuses_function_tools():
+    """nanochat's layout has no tool messages (its tool is the calculator): an engine with
+    function tools refuses to load, naming why, and its render_chat refuses a tool list."""
+    from engine import load_engine
+
+    with pytest.raises(ValueError, match="no chat template: tool results cannot be rendered"):
+        load_engine("tiny-random", device="cpu", tools=[add])
+    tok = load_engine("tiny-random", device="cpu").tokenizer
+    with pytest.raises(ValueError, match="no tool list"):
+        tok.render_chat([{"role": "user", "content": "hi"}], tools=ToolBox([add]).schemas())
