@@ -209,6 +209,7 @@ class Engine:
         turns = self.tool_turns
         if turns is not None and turns.waiting and turns.poll():
             self._batch = None  # samples whose tool answered rejoin the batch
+            self._force_first()
         admissions = self._schedule()
         if not admissions and not self.running and self.scheduler.waiting:
             # Nothing runs and nothing fits: stored prompts of waiting requests hold the memory.
@@ -223,6 +224,7 @@ class Engine:
             self._decode()
         elif turns is not None and turns.waiting and not admissions and turns.wait():
             self._batch = None
+            self._force_first()
         for slot in [s for s, seq in self.running.items() if seq.finish_reason is not None]:
             out = self._finish(self.running.pop(slot))
             if out is not None:
@@ -330,6 +332,9 @@ class Engine:
                 seq.weight_version = self.weight_version
                 if req.resume is not None:  # a continuation: its tokens so far, whose KV is the prompt's
                     seq.replay(req.resume, self.tools, self.tokenizer, self.max_seq_len)
+                    if seq.new_call is not None:  # cut while its tool ran: run it again
+                        self.tool_turns.start(seq)
+                        seq.first_pending = seq.pending is not None
                 self.running[slot] = seq
                 seqs.append(seq)
                 rows.append(lg)
@@ -373,12 +378,23 @@ class Engine:
                                 batched=self.batched_sampling)
         host = torch.stack([toks.double(), lps.double()]).tolist()
         for seq, t, lp in zip(seqs, host[0], host[1]):
+            if seq.first_pending:  # its first token is the tool's result: see _force_first
+                continue
             if seq.next_is_forced():  # a continuation stopped inside forced tool output
                 t, lp = seq.forced.popleft(), None
             seq.append(int(t), lp, self.tools, self.tokenizer, self.max_seq_len)
             if seq.new_call is not None:
                 self.tool_turns.start(seq)
         self.num_generated_tokens += len(seqs)
+
+    def _force_first(self) -> None:
+        """Continuations admitted while their tool ran again (`first_pending`) take the
+        result's first token now, as _sample_first would have: the last replayed token's KV
+        is the prompt's, so the decode must start from a token it has not seen."""
+        for seq in self.running.values():
+            if seq.first_pending and seq.pending is None:
+                seq.first_pending = False
+                seq.append(seq.forced.popleft(), None, self.tools, self.tokenizer, self.max_seq_len)
 
     def _decode(self) -> None:
         if self._batch is None:

@@ -77,6 +77,8 @@ def abort(engine: Any, request_ids: Iterable[Any]) -> list[RequestOutput]:
             outs.append(out)
     for slot in [slot for slot, seq in engine.running.items() if aborted(seq.request)]:
         seq = engine.running.pop(slot)
+        if seq.pending is not None:  # its tool still runs: the call is recorded as not finished
+            engine.tool_turns.cancel(seq)
         seq.finish_reason = seq.finish_reason or "abort"
         out = engine._finish(seq)
         if out is not None:

@@ -17,6 +17,7 @@ its text (engine/tokenizers/stop_strings.py; every token kept), or at max_tokens
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -111,6 +112,7 @@ class Sequence:
     pending: Any = None  # engine.engine.PendingCall while a tool runs: the sample waits
     num_turns: int = 0  # tool results forced so far (Hermes calls)
     calls_by_name: dict = field(default_factory=dict)
+    first_pending: bool = False  # a continuation whose first token is a tool result still running
 
     def __post_init__(self) -> None:
         if self.request.params.stop:
@@ -219,4 +221,26 @@ class Sequence:
         for tok, lp in zip(prior.tokens, prior.logprobs):
             if lp is None and self.forced:
                 self.forced.popleft()
+            self.new_call = None  # only a call the last token closes is still to handle
             self.append(tok, lp, tools, tokenizer, max_len)
+        if self.scanner is not None:
+            self._restore_hermes_calls(prior)
+
+    def _restore_hermes_calls(self, prior: Sample) -> None:
+        """Hermes calls are recorded by the engine's ToolTurns, not by `append`: take the prior
+        sample's records, and its turn and per-tool counts, as they were. A call the abort cut
+        while its tool ran ("not finished") is left out: its closing token, the last replayed,
+        leaves it in `new_call`, and the engine runs it again. So is an open call (the scanner
+        holds it again)."""
+        cut = self.new_call[0] if self.new_call is not None else None
+        for c in prior.tool_calls:
+            if c.name == "calculator" or (c.error or "").startswith(("call not finished", "not finished")):
+                continue
+            if c.start == cut:  # answered or refused already: nothing to run again
+                self.new_call = None
+            self.tool_calls.append(dataclasses.replace(c))
+            if not (c.error or "").startswith("not run"):
+                self.num_turns += 1
+                if c.name is not None:
+                    self.calls_by_name[c.name] = self.calls_by_name.get(c.name, 0) + 1
+        self.tool_calls.sort(key=lambda c: c.start)

@@ -121,6 +121,17 @@ class ToolTurns:
                                     return_when=concurrent.futures.FIRST_COMPLETED)
         return self.poll()
 
+    def cancel(self, seq: Any) -> None:
+        """`seq` is aborted while its tool runs: it stops waiting, the call is abandoned (a
+        thread cannot be killed: its result is dropped) and recorded as not finished; a
+        continuation of the sample runs it again (Sequence.replay)."""
+        p: PendingCall = seq.pending
+        self.waiting = [s for s in self.waiting if s is not seq]
+        self.runner.abandon(p.future)
+        p.call.error = "not finished: the sample was aborted while the tool ran"
+        p.call.latency_s = time.perf_counter() - p.t0
+        seq.pending = None
+
     def _answer(self, seq: Any, call: ToolCall, output: str | None, error: str | None, latency: float) -> None:
         text = output if error is None else f"Error: {error}"
         call.output, call.error, call.latency_s = text, error, latency

@@ -365,3 +365,52 @@ def test_a_model_without_a_chat_template_refuses_function_tools():
     tok = load_engine("tiny-random", device="cpu").tokenizer
     with pytest.raises(ValueError, match="no tool list"):
         tok.render_chat([{"role": "user", "content": "hi"}], tools=ToolBox([add]).schemas())
+
+
+def test_a_sample_aborted_while_its_tool_runs_continues_with_every_call_recorded_once(parts, scripted):
+    """pause("keep") with tools: sample A makes one call (answered), then a second call whose
+    tool blocks; A is aborted while it waits. The aborted sample records the second call as
+    not finished; continue_request replays A's tokens, keeps the first call's record, runs the
+    second call again and forces its result as the template renders it. The continued sample
+    has the uninterrupted run's tokens and masks and the same calls, each recorded once."""
+    model, tok = parts
+    gate = threading.Event()
+
+    def gated(a: int, b: int) -> str:
+        if a == 4:  # the second call blocks until the gate opens
+            gate.wait(30)
+        return str(a + b)
+
+    params = SamplingParams(num_samples=1, max_tokens=150, temperature=1.0, top_k=40, seed=7, stop_token_ids=[])
+    turns = [call_text("add", {"a": 2, "b": 3}), call_text("add", {"a": 4, "b": 5})]
+
+    def engine():
+        eng = Engine(model, tok, tools=[Tool("add", gated)])
+        scripted(eng, {"A": turns})
+        return eng
+
+    gate.set()
+    eng = engine()
+    (full,) = eng.generate([chat(tok)], params, prompt_ids=["A"])[0]
+
+    gate.clear()
+    eng = engine()
+    eng.add_request(chat(tok), params, "A")
+    while not any(s.pending is not None and len(s.tool_calls) == 2 for s in eng.running.values()):
+        assert not eng.step()
+    (out,) = eng.abort(["A"])
+    cut = out.samples[0]
+    assert cut.finish_reason == "abort" and not eng.has_unfinished_requests() and eng.kv_used_bytes == 0
+    assert [c.output for c in cut.tool_calls] == ["5", None] and "aborted" in cut.tool_calls[1].error
+    assert cut.tokens == full.tokens[:len(cut.tokens)]
+
+    eng.continue_request(out, params)
+    gate.set()
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    s = outs[0].samples[0]
+    assert s.tokens == full.tokens and s.mask == full.mask
+    key = [(c.name, c.start, c.end, c.forced_start, c.output, c.error) for c in full.tool_calls]
+    assert [(c.name, c.start, c.end, c.forced_start, c.output, c.error) for c in s.tool_calls] == key
+    assert [c.output for c in s.tool_calls] == ["5", "9"]
