@@ -69,3 +69,24 @@ def test_the_footer_hash_reads_only_the_footer(tmp_path):
     prompts.write_bytes(prompts.read_bytes()[:-3])
     with pytest.raises(InputError, match="prompts.parquet: not a readable Parquet file"):
         plan_job(_spec(tmp_path, prompts))
+
+
+def test_an_output_of_an_older_layout_is_not_resumed(tmp_path, monkeypatch):
+    """A release that changes the output's rows (here: the weight_version column and the
+    tool_calls fields) bumps FINGERPRINT_VERSION, so an output written by the previous release
+    is never resumed into a mix of two layouts; the refusal says why."""
+    import jobs.plan.fingerprint as fp
+    from jobs.outputs.output_dir import OutputDir
+    from jobs.outputs.schema import output_schema  # noqa: F401 - the layout the version guards
+    from jobs.plan.planner import plan_job
+
+    prompts = tmp_path / "prompts.parquet"
+    _write(prompts, ["apple", "berry"])
+    spec = _spec(tmp_path, prompts)
+    monkeypatch.setattr(fp, "FINGERPRINT_VERSION", fp.FINGERPRINT_VERSION - 1)
+    old = plan_job(spec)
+    monkeypatch.undo()
+    out = OutputDir(spec.output.path)
+    assert out.prepare(old, spec) == "new"
+    with pytest.raises(OutputError, match=r"written by another batchgen release"):
+        out.prepare(plan_job(spec), spec)

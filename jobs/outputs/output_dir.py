@@ -49,7 +49,10 @@ def describe_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     for key in sorted(set(fo) | set(fn)):
         if key == "input.files":
             continue
-        if fo.get(key, "<absent>") != fn.get(key, "<absent>"):
+        if key == "version" and fo.get(key) != fn.get(key):
+            lines.append(f"the output was written by another batchgen release, whose rows differ (output layout "
+                         f"version {fo.get(key, '<absent>')} -> {fn.get(key)}): it cannot be resumed")
+        elif fo.get(key, "<absent>") != fn.get(key, "<absent>"):
             lines.append(f"{key}: {fo.get(key, '<absent>')!r} -> {fn.get(key, '<absent>')!r}")
     of = {f[0]: f[1:] for f in fo.get("input.files", []) or []}
     nf = {f[0]: f[1:] for f in fn.get("input.files", []) or []}

@@ -31,7 +31,8 @@ CHUNK = 8 << 20
 # 2: checkpoint content hashes, resolved device kind and dtype, row-group units; the stop
 # token kept in `tokens`, the stop_reason column, per-row sampling parameters
 # 3: each Parquet input's footer sha256 and modification time; chat jobs' template date
-FINGERPRINT_VERSION = 3
+# 4: the weight_version column; tool_calls' name, arguments, latency_s and forced_start
+FINGERPRINT_VERSION = 4
 
 
 def fingerprint_of(data: dict[str, Any]) -> str:
