@@ -2,7 +2,7 @@
 
     from jobs import GenerationPool
     with GenerationPool("configs/rl.yaml", {"cluster.num_workers": 2}) as pool:
-        table = pool.generate(["What is 2+2?", "Name a prime."], {"temperature": 0.7, "seed": step})
+        table = pool.generate(["What is 2+2?", "Name a prime."], {"temperature": 0.7})  # fresh noise each call
         pool.load_weights("ckpt/step-200")          # every worker, in place
         table = pool.generate(prompts)               # now from step-200's weights
 
@@ -11,8 +11,8 @@ retries and worker replacement as a job) started once and fed with the units of 
 The prompts travel inside their units and the rows come back through Ray, never through
 files. What the prompts and rows are is the task's business (cluster.unit.PromptTask): here
 jobs.pool_task.PoolTask, which reads and writes them exactly as a job does, so a call's rows
-equal, bit for bit, what `run_job` writes for the same prompts, ids, parameters and
-checkpoint.
+equal, bit for bit, what `run_job` writes for the same prompts, ids, parameters (the seed
+given explicitly: a call without one draws fresh noise) and checkpoint.
 
 `from cluster import GenerationPool` still works for one release, with a DeprecationWarning
 (cluster/ never imports jobs/ otherwise).
@@ -87,6 +87,7 @@ class GenerationPool:
         self.unit_rows = max(1, int(setup.unit_rows))
         self._ray_started = setup.ray_started
         self._next_index = 0  # unit indices count up over the pool's life (late copies never collide)
+        self.num_calls = 0  # calls made; a call without an explicit seed mixes its number into its seed
         self.dispatcher = UnitDispatcher(setup.task, **setup.dispatcher_options)
         try:
             self.dispatcher.wait_ready()
@@ -103,6 +104,10 @@ class GenerationPool:
         of strings, token-id lists or chat message lists, or a pyarrow.Table with the job's
         input columns; params an engine SamplingParams or a dict of `sampling` keys over
         the config's; prompt_ids one id per prompt, default "0", "1", ...).
+        Noise: without an explicit `seed` in params, the call's seed is derived from the
+        config's and the pool's call count (jobs.pool_task.call_seed), so each call draws
+        fresh samples; the rows' `seed` column holds it, and `{"seed": that}` (same prompts,
+        ids and other params) gives the same rows again. An explicit seed is used as is.
         Raises ValueError (SpecError, InputError) for input the task refuses, before any
         work, and cluster.unit.UnitFailed when the call cannot finish (a unit failing
         max_unit_attempts times, no worker able to start); the workers stay up.
@@ -112,7 +117,9 @@ class GenerationPool:
         n = len(prompts)
         per_unit = max(1, min(self.unit_rows, math.ceil(n / (self.dispatcher.num_workers
                                                              * self.dispatcher.in_flight_per_worker))))
-        units, call = self.task.make_units(prompts, params, prompt_ids, self._next_index, per_unit)
+        call_number, self.num_calls = self.num_calls, self.num_calls + 1
+        units, call = self.task.make_units(prompts, params, prompt_ids, self._next_index, per_unit,
+                                           call_number=call_number)
         self._next_index += len(units)
         results = self.dispatcher.run(units) if units else []
         return self.task.collect(call, results)
