@@ -99,7 +99,8 @@ class WorkerSlots:
     timeouts: as UnitDispatcher's. events: the dispatcher's event log, (time, kind, detail).
     refs: every pending Ray call to a worker, ObjectRef -> (kind, worker), kind "ready",
     "poll" or "unit" (the dispatcher's run_unit calls, registered with `track`).
-    weights: the checkpoint swapped in by load_weights, which workers started from now on load.
+    weights: the weights swapped in last (cluster.weight_buckets.PoolWeights), which workers
+    started from now on load.
     """
 
     def __init__(self, task: UnitTask, *, num_workers: int, num_cpus: float, num_gpus: float,
@@ -117,7 +118,7 @@ class WorkerSlots:
         self.max_start_failures = max(1, int(max_start_failures))
         self.may_add_nodes = may_add_nodes
         self.events = events
-        self.weights: tuple[str, int | None] | None = None
+        self.weights: Any = None  # cluster.weight_buckets.PoolWeights of the last swap; None: the task's
         self.waiting_for_nodes = ""  # why no worker can start now (when may_add_nodes)
         self.auto_dtype: str | None = None  # what the workers resolved model dtype "auto" to
         self.tokens_by_worker: dict[str, int] = {}

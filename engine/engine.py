@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import time
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Any, Sequence as Seq
 
 import torch
 
@@ -112,6 +112,7 @@ class Engine:
         self.default_stop_ids = frozenset(info.stop_token_ids or tokenizer.default_stop_token_ids)
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
+        self.weight_version = 0  # weight swaps so far (load_weights, update_weights); a pool sets its own count
         self.peak_kv_bytes = 0  # most KV memory reserved at once
         self.num_compactions = 0  # arena compactions (see _compact), the positions they moved, their time
         self.compacted_positions = 0
@@ -399,10 +400,11 @@ class Engine:
         only config.json and weights will do, and the engine keeps its tokenizer. Nothing is
         reallocated: the parameters keep their storage, the KV cache is the same tensors.
         Afterwards the engine generates what `load_engine(path)` would (on CPU in float32:
-        bit for bit), given the same tokenizer. Peak memory: one more copy of the weights,
-        in host RAM. step: for a nanochat directory (default: its highest step).
-        Returns {"path", "step", "description"}. Raises RuntimeError while requests are
-        unfinished, FileNotFoundError / CheckpointError from the loaders, and
+        bit for bit), given the same tokenizer. Host memory above the model: one tensor at a
+        time for Hugging Face and nanochat directories (read file by file); one more copy of
+        the weights for a GGUF file. step: for a nanochat directory (default: its highest).
+        Returns {"path", "step", "description", "weight_version"}. Raises RuntimeError while
+        requests are unfinished, FileNotFoundError / CheckpointError from the loaders, and
         engine.loading.weight_swap.WeightsMismatch naming what differs; on any of these the
         engine keeps its weights.
         """
@@ -410,7 +412,7 @@ class Engine:
         return self.apply_weights(self.stage_weights(path, step=step))
 
     def stage_weights(self, path: str | Path, *, step: int | None = None):
-        """The first half of `load_weights`: load and check checkpoint `path`, change nothing.
+        """The first half of `load_weights`: check checkpoint `path`, change nothing.
         Only reads the engine, so it may run on another thread while the engine steps.
         Returns an engine.loading.weight_swap.StagedWeights for `apply_weights`; raises as
         load_weights."""
@@ -418,15 +420,41 @@ class Engine:
 
         return stage_weights(self.model, path, dtype=self.dtype, step=step)
 
-    def apply_weights(self, staged) -> dict:
+    def apply_weights(self, staged, *, version: int | None = None) -> dict:
         """The second half of `load_weights`: copy staged weights into the model in place.
-        Returns {"path", "step", "description"}. Raises RuntimeError while requests are
-        unfinished (their cached keys and values came from the old weights)."""
+        version: the weight_version to take (default: one more). Returns {"path", "step",
+        "description", "weight_version"}. Raises RuntimeError while requests are unfinished
+        (their cached keys and values came from the old weights)."""
         from engine.loading.weight_swap import apply_weights
 
         self._check_idle("apply_weights")
         apply_weights(self.model, staged)
-        return {"path": staged.path, "step": staged.step, "description": staged.description}
+        return self.weights_swapped(staged.path, staged.step, staged.description, version)
+
+    def update_weights(self, named_tensors: Any) -> dict:
+        """Replace the model's weights with a trainer's tensors from memory, in place: a
+        mapping or an iterable of (name, tensor), named as the trainer's model names them
+        (transformers' names for the Llama family and GPT-2, nanochat's own for nanochat),
+        any floating dtype and device, cast and fused as the loaders do
+        (engine/loading/weight_map.py), so the engine then generates what it would on a
+        checkpoint of those tensors. All are checked before any is copied: every tensor of
+        the model named once, in its shape. Returns as load_weights (path "<memory>").
+        Raises RuntimeError while requests are unfinished, WeightsMismatch naming every
+        difference (the engine keeps its weights)."""
+        from engine.loading.weight_swap import MEMORY, check_tensors, copy_tensors
+
+        self._check_idle("update_weights")
+        pairs = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        check_tensors(self.model, [(n, str(t.dtype).replace("torch.", ""), tuple(t.shape)) for n, t in pairs])
+        copy_tensors(self.model, pairs)
+        self.model.weights_changed()
+        return self.weights_swapped(MEMORY, None, self.model.info.description)
+
+    def weights_swapped(self, path: str, step: int | None, description: str, version: int | None = None) -> dict:
+        """Record a finished swap: weight_version becomes `version` (default: one more).
+        Returns {"path", "step", "description", "weight_version"}."""
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
+        return {"path": path, "step": step, "description": description, "weight_version": self.weight_version}
 
     def _check_idle(self, what: str) -> None:
         if self.has_unfinished_requests():

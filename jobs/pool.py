@@ -4,6 +4,7 @@
     with GenerationPool("configs/rl.yaml", {"cluster.num_workers": 2}) as pool:
         table = pool.generate(["What is 2+2?", "Name a prime."], {"temperature": 0.7})  # fresh noise each call
         pool.load_weights("ckpt/step-200")          # every worker, in place
+        pool.update_weights(trainer.state_dict())    # or the trainer's tensors from memory, in buckets
         table = pool.generate(prompts)               # now from step-200's weights
 
 A pool is a UnitDispatcher (cluster/dispatcher.py: the same GenerationWorker actors, deadlines,
@@ -29,6 +30,8 @@ from jobs.config import load_job_spec
 from jobs.plan.planner import check_device, check_local_gpus, check_model_path, with_chat_template_date
 from jobs.pool_task import PoolTask
 from jobs.runner import connect_ray
+
+DEFAULT_BUCKET_BYTES = 512 << 20  # update_weights' bucket size (slime's ~512 MB buckets)
 
 
 @dataclass(slots=True)
@@ -135,6 +138,29 @@ class GenerationPool:
         Raises cluster.weight_sync.WeightsRefused naming the worker and what does not fit (every
         worker keeps its weights) and UnitFailed when no worker runs."""
         return self.dispatcher.load_weights(str(checkpoint_path), step=step)
+
+    def update_weights(self, named_tensors: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[dict]:
+        """Swap a trainer's tensors from memory into every worker's engine, in place: same
+        actors, same KV cache, all workers or none (UnitDispatcher.update_weights,
+        cluster/weight_sync.py).
+
+        named_tensors: a state dict or an iterable of (name, tensor), named as the trainer's
+            model names them: transformers' names for Llama-family models (a GGUF-loaded one
+            too) and GPT-2, nanochat's own for nanochat; any floating dtype, on any device.
+            Every tensor of the model must be named once, in its shape; each is cast to the
+            engine's dtype and fused or transposed as the loaders do
+            (engine/loading/weight_map.py). The tensors are referenced, not copied, until
+            packed (a generator's tensors are all held until the call ends).
+        bucket_bytes: about how many bytes are packed into one buffer and put into Ray's
+            object store at once (default 512 MiB); at most two buckets are in flight.
+        Afterwards `generate` equals a pool started on a checkpoint of those tensors, bit for
+        bit; workers replaced later get them too (the object store keeps the last update's
+        buckets). Returns each worker's state (its "weight_version" one more than before).
+        Raises cluster.weight_sync.WeightsRefused naming the worker and every difference
+        (missing or unknown names, shapes; every worker keeps its weights), TypeError for an
+        entry that is not a (name, tensor) pair, UnitFailed when no worker runs."""
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        return self.dispatcher.update_weights(list(items), bucket_bytes=bucket_bytes)
 
     def workers(self) -> list[dict]:
         """The worker slots: name, state, info from when it started (pid, host, device, dtype)."""

@@ -190,6 +190,42 @@ def load_model(path: str | Path, device: str | torch.device = "auto", dtype: str
     return _load_model(fmt, path, dev, dt, step, vocab_size)[0]
 
 
+def model_skeleton(path: str | Path, device: str | torch.device, dtype: str | torch.dtype, *,
+                   step: int | None = None):
+    """The model checkpoint `path` loads as on `device` in `dtype`, built on the meta device
+    from its files' headers (config, names, shapes, dtypes; no tensor data is read), and its
+    tensors to read one at a time (engine.loading.tensor_files.TensorFiles); None for a
+    format that is not read tensor by tensor (a GGUF file is dequantized whole; built-in
+    names). Hugging Face directories (Llama family, GPT-2) and nanochat directories (`step`,
+    default the highest). Raises as load_checkpoint for a checkpoint that cannot load."""
+    from engine.loading.tensor_files import TensorFiles
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    fmt = detect_format(path)
+    if fmt not in ("llama", "gpt2", "nanochat"):
+        return None
+    build_dt = torch.float32 if dt == torch.bfloat16 and dev.type == "cpu" and native_kernels() is not None else dt
+    meta, p = torch.device("meta"), Path(path)
+    if fmt == "nanochat":
+        from engine.loading.nanochat import find_files, load_nanochat_checkpoint
+
+        files = TensorFiles([find_files(p, step)[0]])
+        model = load_nanochat_checkpoint(p, meta, build_dt, step=step, weights=files.meta())
+    else:
+        from engine.loading.gpt2 import load_gpt2_checkpoint
+        from engine.loading.hf_weights import weight_files
+        from engine.loading.llama import load_llama_checkpoint
+
+        paths, where = weight_files(p)
+        files = TensorFiles(paths)
+        loader = load_llama_checkpoint if fmt == "llama" else load_gpt2_checkpoint
+        model = loader(p, meta, build_dt, weights=(files.meta(), where))
+    if build_dt != dt:
+        model.use_bfloat16_weights()
+    return model.eval(), files
+
+
 def nanochat_step(path: str | Path, step: int | None = None) -> int | None:
     """The step a nanochat directory loads (`step`, else its highest); None for other formats.
     Raises as load_checkpoint for a nanochat directory without that step."""
