@@ -156,20 +156,25 @@ class UnitDispatcher:
         Raises WeightsRefused naming the worker and every difference (every worker keeps its
         weights), TypeError for an entry that is not a (name, tensor) pair, UnitFailed when
         no worker is running. A worker that dies or fails in the middle is replaced, with the
-        new weights."""
+        new weights; if the driver fails while sending, every worker is replaced and holds
+        the pool's last checkpoint (the task's, or the last load_weights')."""
         live, replace, keeps = self._swap_start("update_weights")
         version = self._version() + 1
-        base = self.slots.weights
+        base = self.slots.weights or PoolWeights(version=0)
         failed: list[tuple[WorkerRecord, str]] = []
+
+        def agreed() -> None:  # the previous update's buckets go: the store never holds two
+            self.slots.weights = PoolWeights(version=base.version, path=base.path, step=base.step) \
+                if base.version else None
+
         try:
             states, refs = update_everywhere(live, pairs, int(bucket_bytes), version, keeps,
-                                             lambda w, why: failed.append((w, why)))
+                                             lambda w, why: failed.append((w, why)), agreed)
         except BaseException:
-            for w, why in failed:  # refused, or the driver failed: replacements get the old weights
+            for w, why in failed:  # refused, or the driver failed: replacements get the pool's checkpoint
                 replace(w, why)
             raise
-        self.slots.weights = PoolWeights(version=version, path=base.path if base else None,
-                                         step=base.step if base else None, buckets=tuple(refs))
+        self.slots.weights = PoolWeights(version=version, path=base.path, step=base.step, buckets=tuple(refs))
         self._event("weights", f"{len(pairs)} tensors from memory in {len(refs)} bucket(s) (version {version})")
         for w, why in failed:  # replaced only now, to start with the new weights
             replace(w, why)

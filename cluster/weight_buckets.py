@@ -1,23 +1,23 @@
-"""Weights from memory as buckets: a trainer's tensors packed into a few large byte buffers
-for Ray's object store, and applied to an engine straight from them.
+"""Weights from memory as buckets: a trainer's tensors grouped into a few large buffers for
+Ray's object store, and applied to an engine straight from them.
 
     index = tensor_index(pairs)                      # [(name, dtype, shape), ...]: what workers check first
-    for bucket in pack_buckets(pairs, 512 << 20):    # (index, uint8 numpy array), one at a time
-        ref = ray.put(bucket)                        # once; every worker on a node reads the same copy
+    for bucket in pack_buckets(pairs, 512 << 20):    # (index, a flat uint8 view per tensor), one at a time
+        ref = ray.put(bucket)                        # one buffer in the store; every worker on a node reads it
     copy_bucket(engine, ray.get(ref))                # in a worker: each tensor into its place, in place
 
-The layout follows slime's flattened-bucket weight updates: one contiguous buffer per bucket
-and a small index of name, dtype, shape and offset, so a bucket is one object in the store
-(no per-tensor overhead) and numpy's buffer is read by the workers without a copy. No Ray
-here: cluster/weight_sync.py moves the buckets, cluster/worker.py applies them.
+The layout follows slime's flattened-bucket weight updates: a bucket is one contiguous
+buffer in the object store (Ray writes numpy buffers out of band, one after another) and a
+small index of name, dtype and shape, so it is one object (no per-tensor overhead), written
+once straight from the trainer's tensors (no packing copy in the driver) and read by the
+workers without a copy. cluster/weight_sync.py moves the buckets, cluster/worker.py applies
+them; Ray is imported only where a worker fetches a pool's kept buckets (`load_pool_weights`).
 """
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
-
-ALIGN = 64  # byte alignment of each tensor in a bucket (any dtype's view needs its own size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,53 +46,54 @@ def tensor_index(pairs: list[tuple[str, Any]]) -> list[tuple[str, str, tuple[int
     return out
 
 
-def pack_buckets(pairs: list[tuple[str, Any]], bucket_bytes: int) -> Iterator[tuple[list, Any]]:
+def pack_buckets(pairs: list[tuple[str, Any]], bucket_bytes: int) -> Iterator[tuple[list, list]]:
     """The tensors of `pairs` in buckets of about `bucket_bytes` (a larger tensor has one of
-    its own): each (index, data), data one uint8 numpy array holding the tensors' bytes one
-    after another (each at an offset aligned to 64 bytes), index [(name, dtype name, shape,
-    offset, nbytes), ...]. One bucket exists at a time: the next is packed when the caller
-    asks for it. Tensors on a device are copied to the host first, one at a time."""
-    import numpy as np
-    import torch
-
+    its own): each (index, data), index [(name, dtype name, shape), ...] and data the
+    tensors' bytes, one flat uint8 numpy view per tensor (no copy of a contiguous CPU
+    tensor). `ray.put` of a bucket writes all its views, out of band, into one contiguous
+    buffer of the object store (one copy, 64-byte aligned each), which a worker reads back
+    as views again. One bucket is made at a time, when the caller asks for it; a tensor on
+    a device (or not contiguous) is copied to the host as its bucket is made."""
     group: list[tuple[str, Any]] = []
     size = 0
-    for name, t in pairs + [("", None)]:
-        n = 0 if t is None else t.numel() * t.element_size()
-        if group and (t is None or size + n > bucket_bytes):
-            index, off = [], 0
-            for gname, g in group:
-                index.append((gname, str(g.dtype).replace("torch.", ""), tuple(g.shape), off,
-                              g.numel() * g.element_size()))
-                off += -(-(g.numel() * g.element_size()) // ALIGN) * ALIGN
-            data = np.empty(off, dtype=np.uint8)
-            flat = torch.from_numpy(data)
-            for (gname, g), (_, _, _, o, nb) in zip(group, index):
-                if nb:
-                    flat[o:o + nb].copy_(g.detach().contiguous().reshape(-1).view(torch.uint8))
-            yield index, data
-            del flat, data
+    for name, t in pairs:
+        n = t.numel() * t.element_size()
+        if group and size + n > bucket_bytes:
+            yield _bucket(group)
             group, size = [], 0
-        if t is not None:
-            group.append((name, t))
-            size += -(-n // ALIGN) * ALIGN
+        group.append((name, t))
+        size += n
+    if group:
+        yield _bucket(group)
 
 
-def copy_bucket(engine: Any, bucket: tuple[list, Any]) -> int:
+def _bucket(group: list[tuple[str, Any]]) -> tuple[list, list]:
+    import torch
+
+    index, data = [], []
+    for name, t in group:
+        t = t.detach()
+        t = (t.cpu() if t.device.type != "cpu" else t).contiguous()
+        index.append((name, str(t.dtype).replace("torch.", ""), tuple(t.shape)))
+        data.append(t.reshape(-1).view(torch.uint8).numpy())
+    return index, data
+
+
+def copy_bucket(engine: Any, bucket: tuple[list, list]) -> int:
     """Copy a bucket's tensors (`pack_buckets`) into `engine`'s model in place, straight from
-    its bytes (a read-only view of the object store's copy); how many were copied."""
+    its bytes (read-only views of the object store's copy); how many were copied."""
     import torch
 
     from engine.loading.weight_swap import copy_tensors
 
     index, data = bucket
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: only read here
-        flat = torch.from_numpy(data)
 
     def tensors():
-        for name, dtype, shape, off, nb in index:
-            yield name, flat[off:off + nb].view(getattr(torch, dtype)).view(shape)
+        for (name, dtype, shape), raw in zip(index, data):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: only read here
+                flat = torch.from_numpy(raw)
+            yield name, flat.view(getattr(torch, dtype)).view(shape)
 
     return copy_tensors(engine.model, tensors())
 
@@ -118,4 +119,4 @@ def load_pool_weights(engine: Any, weights: PoolWeights | tuple) -> dict:
     return engine.weights_swapped(out.get("path"), out.get("step"), out.get("description"), weights.version)
 
 
-__all__ = ["ALIGN", "PoolWeights", "copy_bucket", "load_pool_weights", "pack_buckets", "tensor_index"]
+__all__ = ["PoolWeights", "copy_bucket", "load_pool_weights", "pack_buckets", "tensor_index"]

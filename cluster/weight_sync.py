@@ -18,17 +18,19 @@ reallocating its KV cache.
 UnitDispatcher.update_weights, for GenerationPool.update_weights, does the same with tensors
 from memory (the approach of slime's and SGLang's weight updates): first every worker checks
 the tensors' index, (name, dtype, shape) each, against its model (check_update; nothing is
-sent yet), all or none as above; then the tensors are packed into buckets of about
-`bucket_bytes` (one contiguous byte buffer and a small index of name, dtype, shape and
-offset: cluster/weight_buckets.py), each bucket put into the object store once (one copy per node,
+sent yet), all or none as above; then the tensors are grouped into buckets of about
+`bucket_bytes` (one contiguous buffer in the store and a small index of name, dtype and
+shape: cluster/weight_buckets.py), each bucket put into the object store once (one copy per node,
 which the workers there read without copying) and applied by every worker (apply_bucket:
 each tensor cast and copied into its place, engine/loading/weight_map.py), at most two
-buckets in flight; finish_update ends the swap. Host memory above the model: the bucket
-being packed in the driver and the buckets in flight, never a staged copy per worker. The
+buckets in flight; finish_update ends the swap. Host memory above the model: the buckets
+in the object store, never a staged copy per worker (nor a packed copy in the driver). The
 object store keeps the last update's buckets (one copy of the model per cluster, which Ray
-spills to disk under memory pressure): a worker started later (replacing a crashed one)
-loads the pool's checkpoint and then applies them (cluster/weight_buckets.py
-`load_pool_weights`).
+spills to disk under memory pressure; the previous update's are dropped once the workers
+agree, so there is never a second): a worker started later (replacing a crashed one) loads
+the pool's checkpoint and then applies them (cluster/weight_buckets.py
+`load_pool_weights`). If the driver fails while sending (interrupted, out of memory), every
+worker it had started sending to is replaced and holds the pool's last checkpoint again.
 
 A worker that dies while checking, or fails in the middle of its swap, is handed to
 `replace` (uncharged); the dispatcher then starts its replacement with the new weights once
@@ -113,13 +115,15 @@ def commit_everywhere(staged: dict[WorkerRecord, Any], replace: Replace, version
 
 
 def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bucket_bytes: int, version: int,
-                      keeps: str, replace: Replace) -> tuple[list[dict], list[Any]]:
-    """Every worker of `live` checks the tensors' index, then (all agreeing) applies them
-    bucket by bucket and takes weight_version `version` (see the module docstring).
-    Returns (their engine_state() replies, the buckets' ObjectRefs, for workers started
-    later). Raises WeightsRefused (every worker keeps its weights) when one refused or all
-    died, TypeError for an entry that is not a (name, tensor) pair. A worker that fails
-    while copying is handed to `replace` once every bucket is in the object store."""
+                      keeps: str, replace: Replace,
+                      on_agreed: Callable[[], None] = lambda: None) -> tuple[list[dict], list[Any]]:
+    """Every worker of `live` checks the tensors' index, then (all agreeing: `on_agreed()`
+    is called, e.g. to drop the previous update's buckets) applies them bucket by bucket
+    and takes weight_version `version` (see the module docstring). Returns (their
+    engine_state() replies, the buckets' ObjectRefs, for workers started later). Raises
+    WeightsRefused (every worker keeps its weights) when one refused or all died,
+    TypeError for an entry that is not a (name, tensor) pair. A worker that fails while
+    copying is handed to `replace` (by the caller, once every bucket is in the store)."""
     import ray
 
     index = tensor_index(pairs)
@@ -127,6 +131,7 @@ def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bu
                                "update_weights", keeps, replace)
     if isinstance(checked, str):
         raise WeightsRefused(checked)
+    on_agreed()
     ok = list(checked)
     failed: list[tuple[WorkerRecord, str]] = []
     refs: list[Any] = []

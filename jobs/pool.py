@@ -130,9 +130,11 @@ class GenerationPool:
     def load_weights(self, checkpoint_path: str, *, step: int | None = None) -> list[dict]:
         """Load checkpoint `checkpoint_path`'s weights into every worker's engine, in place:
         same actors (same pids), same KV cache, all workers or none (UnitDispatcher.load_weights).
-        The checkpoint needs the same architecture and shapes (engine/loading/weight_swap.py); its
-        tokenizer is not read (the pool keeps the config's). Afterwards `generate` equals a
-        job on the new checkpoint, bit for bit; workers replaced later load it too.
+        The checkpoint needs the same architecture and shapes (engine/loading/weight_swap.py),
+        checked from its files' headers before any worker swaps; each worker then reads it
+        tensor by tensor (a GGUF file: whole). Its tokenizer is not read (the pool keeps the
+        config's). Afterwards `generate` equals a job on the new checkpoint, bit for bit;
+        workers replaced later load it too; weight_version counts one more.
         step: for a nanochat directory (default: its highest step now).
         Returns each worker's state ({"worker", "pid", "weights", "kv_cache_ptr", ...}).
         Raises cluster.weight_sync.WeightsRefused naming the worker and what does not fit (every
