@@ -14,7 +14,8 @@ Memory: the proportional set size (PSS, shared pages split between the processes
 them) summed over this process and every process Ray started under it (raylet, object
 store, workers), sampled every 50 ms; "peak" is the highest sum during the operation and
 "+peak" its rise over the sum just before. The object store's buckets live in /dev/shm and
-count in the processes that map them.
+count in the processes that map them; a checkpoint's pages read through a memory map count
+in the workers while mapped (page cache, not anonymous memory).
 
     python bench/bench_weight_sync.py [--models smollm2,llama-1b] [--layers 18] [--repeat 3] [--bucket-mb 512]
 
@@ -138,6 +139,7 @@ def bench_model(name: str, directory: Path, tokenizer: str, repeat: int, bucket_
               "sampling": {"num_samples": 2, "max_tokens": 8, "temperature": 0.0, "seed": 0, "stop_token_ids": []},
               "cluster": {"num_workers": 2}}
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=max(4 * bucket_bytes, 1 << 30),  # two buckets in flight, with room
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     try:
         holder = {}

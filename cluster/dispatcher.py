@@ -95,8 +95,8 @@ class UnitDispatcher:
     # what the collaborators know, as the dispatcher's own (reports, tests)
     @property
     def weights(self) -> PoolWeights | None:
-        """The weights swapped in last (a checkpoint's path and step, or the buckets of an
-        update from memory) and the count of swaps; None: the task's checkpoint."""
+        """The weights swapped in last (a checkpoint's path and step, whether an update from
+        memory came since) and the count of swaps; None: the task's checkpoint."""
         return self.slots.weights
 
     @property
@@ -156,27 +156,22 @@ class UnitDispatcher:
         Raises WeightsRefused naming the worker and every difference (every worker keeps its
         weights), TypeError for an entry that is not a (name, tensor) pair, UnitFailed when
         no worker is running. A worker that dies or fails in the middle is replaced, with the
-        new weights; if the driver fails while sending, every worker is replaced and holds
-        the pool's last checkpoint (the task's, or the last load_weights')."""
+        new weights (copied from a live worker); if the driver fails while sending, every
+        worker it sent to is replaced."""
         live, replace, keeps = self._swap_start("update_weights")
         version = self._version() + 1
         base = self.slots.weights or PoolWeights(version=0)
         failed: list[tuple[WorkerRecord, str]] = []
-
-        def agreed() -> None:  # the previous update's buckets go: the store never holds two
-            self.slots.weights = PoolWeights(version=base.version, path=base.path, step=base.step) \
-                if base.version else None
-
         try:
-            states, refs = update_everywhere(live, pairs, int(bucket_bytes), version, keeps,
-                                             lambda w, why: failed.append((w, why)), agreed)
+            states = update_everywhere(live, pairs, int(bucket_bytes), version, keeps,
+                                       lambda w, why: failed.append((w, why)))
         except BaseException:
-            for w, why in failed:  # refused, or the driver failed: replacements get the pool's checkpoint
+            for w, why in failed:  # refused, or the driver failed: replacements get the pool's old weights
                 replace(w, why)
             raise
-        self.slots.weights = PoolWeights(version=version, path=base.path, step=base.step, buckets=tuple(refs))
-        self._event("weights", f"{len(pairs)} tensors from memory in {len(refs)} bucket(s) (version {version})")
-        for w, why in failed:  # replaced only now, to start with the new weights
+        self.slots.weights = PoolWeights(version=version, path=base.path, step=base.step, from_memory=True)
+        self._event("weights", f"{len(pairs)} tensors from memory (version {version})")
+        for w, why in failed:  # replaced only now, to copy the new weights from a live worker
             replace(w, why)
         self.slots.fill()
         return states
@@ -186,6 +181,7 @@ class UnitDispatcher:
         uncharged replace function, and what the workers keep if it is refused."""
         if self._closed:
             raise RuntimeError("this UnitDispatcher is closed")
+        self.slots.weights_lost = ""  # this swap gives the workers known weights again
         self.wait_ready()
         live = self.slots.live()
         if not live:
@@ -196,8 +192,8 @@ class UnitDispatcher:
             self._replace(w, why, charge=False)
 
         w = self.weights
-        keeps = ("the pool's checkpoint" if w is None else f"update {w.version} (from memory)" if w.buckets
-                 else f"{w.path!r}")
+        keeps = ("the pool's checkpoint" if w is None else f"update {w.version} (from memory)" if w.from_memory
+                 else f"{w.path!r}" if w.path else "the pool's checkpoint")
         return live, replace, keeps
 
     def _version(self) -> int:
@@ -255,6 +251,7 @@ class UnitDispatcher:
         results: list[UnitResult] = []
         next_progress = time.monotonic() + self.progress_interval_s
         while self.units.pending:
+            self.slots.check_weights()
             if watchdog is not None:
                 watchdog()
             now = time.monotonic()

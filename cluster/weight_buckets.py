@@ -11,7 +11,9 @@ buffer in the object store (Ray writes numpy buffers out of band, one after anot
 small index of name, dtype and shape, so it is one object (no per-tensor overhead), written
 once straight from the trainer's tensors (no packing copy in the driver) and read by the
 workers without a copy. cluster/weight_sync.py moves the buckets, cluster/worker.py applies
-them; Ray is imported only where a worker fetches a pool's kept buckets (`load_pool_weights`).
+them; Ray is imported only where a new worker fetches a live worker's weights
+(`load_pool_weights`, from `export_bucket`: after an update from memory, the live workers
+are the only holders of the pool's weights, so nothing is kept for later).
 """
 from __future__ import annotations
 
@@ -23,13 +25,15 @@ from typing import Any, Iterator
 @dataclass(frozen=True, slots=True)
 class PoolWeights:
     """The weights a pool's workers hold, for a worker started now: the checkpoint of the
-    last load_weights (path, step; None: the task's), then the buckets of the last
-    update_weights since (ObjectRefs; empty: none), and the pool's count of swaps."""
+    last load_weights (path, step; None: the task's), whether an update_weights came since
+    (`from_memory`: then a new worker copies the weights from a live one, `peers`, which
+    the dispatcher fills in as it starts the worker), and the pool's count of swaps."""
 
     version: int
     path: str | None = None
     step: int | None = None
-    buckets: tuple = ()
+    from_memory: bool = False
+    peers: tuple = ()
 
 
 def tensor_index(pairs: list[tuple[str, Any]]) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -79,9 +83,11 @@ def _bucket(group: list[tuple[str, Any]]) -> tuple[list, list]:
     return index, data
 
 
-def copy_bucket(engine: Any, bucket: tuple[list, list]) -> int:
+def copy_bucket(engine: Any, bucket: tuple[list, list], *, own_names: bool = False) -> int:
     """Copy a bucket's tensors (`pack_buckets`) into `engine`'s model in place, straight from
-    its bytes (read-only views of the object store's copy); how many were copied."""
+    its bytes (read-only views of the object store's copy); how many were copied.
+    own_names: the bucket holds the model's own state-dict names (`export_bucket`), not a
+    trainer's."""
     import torch
 
     from engine.loading.weight_swap import copy_tensors
@@ -95,28 +101,68 @@ def copy_bucket(engine: Any, bucket: tuple[list, list]) -> int:
                 flat = torch.from_numpy(raw)
             yield name, flat.view(getattr(torch, dtype)).view(shape)
 
-    return copy_tensors(engine.model, tensors())
+    if not own_names:
+        return copy_tensors(engine.model, tensors())
+    params = engine.model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        n = 0
+        for name, t in tensors():
+            params[name].copy_(t)
+            n += 1
+    return n
+
+
+def export_bucket(engine: Any, number: int, bucket_bytes: int) -> tuple[list, list] | None:
+    """Bucket `number` (0, 1, ...) of `engine`'s model as it is now, under the model's own
+    state-dict names (a tied tensor once), for a new worker to copy (`load_pool_weights`);
+    None past the last. Views of the parameters, no copy: Ray copies them into the store."""
+    seen: set[int] = set()
+    pairs = []
+    for name, t in engine.model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            pairs.append((name, t))
+    for i, bucket in enumerate(pack_buckets(pairs, bucket_bytes)):
+        if i == number:
+            return bucket
+    return None
+
+
+PEER_BUCKET_BYTES = 256 << 20  # bucket size when a new worker copies a live one's weights
 
 
 def load_pool_weights(engine: Any, weights: PoolWeights | tuple) -> dict:
-    """Bring a freshly loaded engine to a pool's weights: the checkpoint, then the buckets
-    (fetched from the object store one at a time), then the pool's weight_version. Returns
-    the engine's swap record ({"path", "step", "description", "weight_version"})."""
+    """Bring a freshly loaded engine to a pool's weights: the checkpoint, then (after an
+    update from memory) a live worker's weights, bucket by bucket through the object store
+    (the first of `weights.peers` that answers), then the pool's weight_version. Returns
+    the engine's swap record ({"path", "step", "description", "weight_version"}). Raises
+    RuntimeError when no peer could send its weights."""
     if isinstance(weights, tuple):  # (path, step), as before PoolWeights
         weights = PoolWeights(version=1, path=weights[0], step=weights[1])
     out: dict = {}
     if weights.path is not None:
         out = engine.load_weights(weights.path, step=weights.step)
-    if weights.buckets:
+    if weights.from_memory:
         import ray  # only in a worker that Ray started
 
         from engine.loading.weight_swap import MEMORY
 
-        for ref in weights.buckets:
-            copy_bucket(engine, ray.get(ref))
+        errors = []
+        for peer in weights.peers:
+            try:
+                number = 0
+                while (bucket := ray.get(peer.export_weights.remote(number, PEER_BUCKET_BYTES))) is not None:
+                    copy_bucket(engine, bucket, own_names=True)
+                    number += 1
+                break
+            except Exception as exc:  # noqa: BLE001 - a peer gone meanwhile: the next one sends everything
+                errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+        else:
+            raise RuntimeError(f"no live worker could send the pool's weights (update {weights.version}): "
+                               + ("; ".join(errors) or "no peer"))
         engine.model.weights_changed()
         out = {"path": MEMORY, "step": None, "description": engine.model.info.description}
     return engine.weights_swapped(out.get("path"), out.get("step"), out.get("description"), weights.version)
 
 
-__all__ = ["PoolWeights", "copy_bucket", "load_pool_weights", "pack_buckets", "tensor_index"]
+__all__ = ["PoolWeights", "copy_bucket", "export_bucket", "load_pool_weights", "pack_buckets", "tensor_index"]

@@ -4,7 +4,7 @@ tensors from memory sent in buckets through Ray's object store.
     staged = stage_everywhere(live, path, step, keeps, replace)   # every worker checks the checkpoint
     states = commit_everywhere(staged, replace, version)          # only then does each swap it in
 
-    states, refs = update_everywhere(live, named_tensors, bucket_bytes, version, keeps, replace)
+    states = update_everywhere(live, named_tensors, bucket_bytes, version, keeps, replace)
 
 UnitDispatcher.load_weights (cluster/dispatcher.py) runs the first two between runs, for
 GenerationPool.load_weights (jobs/pool.py): first every live worker checks that the
@@ -24,13 +24,13 @@ shape: cluster/weight_buckets.py), each bucket put into the object store once (o
 which the workers there read without copying) and applied by every worker (apply_bucket:
 each tensor cast and copied into its place, engine/loading/weight_map.py), at most two
 buckets in flight; finish_update ends the swap. Host memory above the model: the buckets
-in the object store, never a staged copy per worker (nor a packed copy in the driver). The
-object store keeps the last update's buckets (one copy of the model per cluster, which Ray
-spills to disk under memory pressure; the previous update's are dropped once the workers
-agree, so there is never a second): a worker started later (replacing a crashed one) loads
-the pool's checkpoint and then applies them (cluster/weight_buckets.py
-`load_pool_weights`). If the driver fails while sending (interrupted, out of memory), every
-worker it had started sending to is replaced and holds the pool's last checkpoint again.
+in flight in the object store (at most two, each freed once every worker applied it), never
+a staged copy per worker, nor a packed copy in the driver. Nothing is kept afterwards: a
+worker started later (replacing a crashed one) loads the pool's checkpoint and then copies
+a live worker's weights, bucket by bucket (cluster/weight_buckets.py `load_pool_weights`);
+if none is left, the update's weights are lost and runs fail, naming it, until the next
+swap (cluster/health.py). If the driver fails while sending (interrupted, out of memory),
+every worker it had started sending to is replaced.
 
 A worker that dies while checking, or fails in the middle of its swap, is handed to
 `replace` (uncharged); the dispatcher then starts its replacement with the new weights once
@@ -115,15 +115,14 @@ def commit_everywhere(staged: dict[WorkerRecord, Any], replace: Replace, version
 
 
 def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bucket_bytes: int, version: int,
-                      keeps: str, replace: Replace,
-                      on_agreed: Callable[[], None] = lambda: None) -> tuple[list[dict], list[Any]]:
-    """Every worker of `live` checks the tensors' index, then (all agreeing: `on_agreed()`
-    is called, e.g. to drop the previous update's buckets) applies them bucket by bucket
-    and takes weight_version `version` (see the module docstring). Returns (their
-    engine_state() replies, the buckets' ObjectRefs, for workers started later). Raises
-    WeightsRefused (every worker keeps its weights) when one refused or all died,
-    TypeError for an entry that is not a (name, tensor) pair. A worker that fails while
-    copying is handed to `replace` (by the caller, once every bucket is in the store)."""
+                      keeps: str, replace: Replace) -> list[dict]:
+    """Every worker of `live` checks the tensors' index, then (all agreeing) applies them
+    bucket by bucket and takes weight_version `version` (see the module docstring).
+    Returns their engine_state() replies. Raises WeightsRefused (every worker keeps its
+    weights) when one refused or all died, TypeError for an entry that is not a (name,
+    tensor) pair. A worker that fails while copying is handed to `replace` (the caller
+    replaces it once the update is recorded, so its replacement copies the new weights);
+    a failure of the driver while sending hands every worker that got a bucket to it."""
     import ray
 
     index = tensor_index(pairs)
@@ -131,10 +130,8 @@ def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bu
                                "update_weights", keeps, replace)
     if isinstance(checked, str):
         raise WeightsRefused(checked)
-    on_agreed()
     ok = list(checked)
     failed: list[tuple[WorkerRecord, str]] = []
-    refs: list[Any] = []
     window: deque = deque()
 
     def drain(calls: dict) -> None:
@@ -148,9 +145,10 @@ def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bu
 
     try:
         for bucket in pack_buckets(pairs, bucket_bytes):
-            refs.append(ray.put(bucket))
+            ref = ray.put(bucket)  # freed once every worker applied it (no call holds it then)
             del bucket
-            window.append({w.handle.apply_bucket.remote(refs[-1]): w for w in ok})
+            window.append({w.handle.apply_bucket.remote(ref): w for w in ok})
+            del ref
             if len(window) > 1:
                 drain(window.popleft())
         while window:
@@ -169,7 +167,7 @@ def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bu
             states.append(ray.get(ref))
         except Exception as exc:  # noqa: BLE001
             replace(w, f"finishing its weights update failed: {short_error(exc, 300)}")
-    return states, refs
+    return states
 
 
 __all__ = ["PoolWeights", "WeightsRefused", "commit_everywhere", "stage_everywhere", "update_everywhere"]

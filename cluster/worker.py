@@ -231,6 +231,18 @@ class GenerationWorker:
 
         return self._run_control(lambda eng: copy_bucket(eng, bucket), "copying a bucket of weights", hold=True)
 
+    def export_weights(self, number: int, bucket_bytes: int) -> Any:
+        """Bucket `number` of this worker's weights as they are now, under the model's own
+        names (cluster.weight_buckets.export_bucket), for a new worker of the pool to copy;
+        None past the last. Only reads the model (no swap runs while workers start)."""
+        from cluster.weight_buckets import export_bucket
+
+        with self._cv:
+            engine, broken = self.engine, self._broken
+        if broken is not None or engine is None:
+            raise EngineLoopError(f"worker {self.name}: engine failed earlier: {broken!r}")
+        return export_bucket(engine, number, bucket_bytes)
+
     def finish_update(self, version: int) -> dict:
         """End a swap from memory: the engine drops what it derived from its old weights and
         takes weight_version `version`, and new prompts may run again. Returns

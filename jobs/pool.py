@@ -156,8 +156,9 @@ class GenerationPool:
         bucket_bytes: about how many bytes are packed into one buffer and put into Ray's
             object store at once (default 512 MiB); at most two buckets are in flight.
         Afterwards `generate` equals a pool started on a checkpoint of those tensors, bit for
-        bit; workers replaced later get them too (the object store keeps the last update's
-        buckets). Returns each worker's state (its "weight_version" one more than before).
+        bit; a worker replaced later copies them from a live one (nothing is kept in the
+        object store; if every worker died at once, calls raise UnitFailed naming the lost
+        update until the next swap). Returns each worker's state (its "weight_version" one more than before).
         Raises cluster.weight_sync.WeightsRefused naming the worker and every difference
         (missing or unknown names, shapes; every worker keeps its weights), TypeError for an
         entry that is not a (name, tensor) pair, UnitFailed when no worker runs."""

@@ -12,8 +12,9 @@ Pool level (a real Ray head, 2 workers, a tiny Llama written by transformers):
 `GenerationPool.update_weights` in buckets smaller than one tensor and larger than several
 gives rows equal to a fresh engine on checkpoint 2, in the same worker processes and KV
 cache, with weight_version counted; a mismatch is refused naming the worker and each
-difference and the rows stay; a worker killed after the update is replaced by one with
-the updated weights.
+difference and the rows stay; a worker killed after the update is replaced by one that
+copies the weights from a live worker; with every worker killed, the update is reported
+lost rather than silently replaced by the checkpoint.
 """
 from __future__ import annotations
 
@@ -168,10 +169,13 @@ def test_pool_update_in_buckets_equals_a_fresh_engine(pool, cases):
     assert _pool_rows(pool) == _engine_rows(two, cases["tokenizer"])
 
 
-def test_pool_refuses_a_mismatch_and_replacements_get_the_update(pool, cases):
+def test_pool_refuses_a_mismatch_and_replacements_copy_the_update(pool, cases):
     """A state dict with a tensor missing and one misshapen: WeightsRefused names a worker and
-    both, and the rows do not change. Then, after an update, both workers killed: the next
-    call runs on new processes that applied the update."""
+    both, and the rows do not change. After an update, one worker killed: its replacement
+    copies the weights from the live one (rows equal checkpoint 2's). Both killed: the
+    update's weights are lost, and the next call fails naming it instead of running on the
+    checkpoint; a new update_weights makes the pool whole again."""
+    from cluster.unit import UnitFailed
     from cluster.weight_sync import WeightsRefused
 
     one, two, sd = cases["llama"]
@@ -183,11 +187,17 @@ def test_pool_refuses_a_mismatch_and_replacements_get_the_update(pool, cases):
                                              r"lm_head.weight \(10, 32\) \(expected \(300, 32\)\).*keep the weights"):
         pool.update_weights(bad)
     assert _pool_rows(pool) == before
-    pool.update_weights(sd, bucket_bytes=64 << 10)
-    old = sorted(s["pid"] for s in pool.engine_states())
-    for pid in old:
-        os.kill(pid, signal.SIGKILL)
-    assert _pool_rows(pool) == _engine_rows(two, cases["tokenizer"])
+    version = pool.update_weights(sd, bucket_bytes=64 << 10)[0]["weight_version"]
+    want = _engine_rows(two, cases["tokenizer"])
+    killed = pool.engine_states()[0]["pid"]
+    os.kill(killed, signal.SIGKILL)
+    assert _pool_rows(pool) == want
     states = pool.engine_states()
-    assert not {s["pid"] for s in states} & set(old)
-    assert {s["weights"]["path"] for s in states} == {"<memory>"}
+    assert len(states) == 2 and killed not in {s["pid"] for s in states}
+    assert {s["weight_version"] for s in states} == {version} and {s["weights"]["path"] for s in states} == {"<memory>"}
+    for s in states:
+        os.kill(s["pid"], signal.SIGKILL)
+    with pytest.raises(UnitFailed, match=r"weights of update_weights \(weight version \d+\) were lost"):
+        pool.generate(PROMPTS, {"seed": 3}, prompt_ids=IDS)
+    pool.update_weights(sd)
+    assert _pool_rows(pool) == want
