@@ -201,3 +201,44 @@ def test_pool_refuses_a_mismatch_and_replacements_copy_the_update(pool, cases):
         pool.generate(PROMPTS, {"seed": 3}, prompt_ids=IDS)
     pool.update_weights(sd)
     assert _pool_rows(pool) == want
+
+
+def test_worker_holds_new_prompts_during_a_swap_from_memory():
+    """A GenerationWorker without Ray: from its first bucket until finish_update, a unit's
+    prompts wait in its inbox (the engine never steps on half-swapped weights); then they
+    run, on the new weights, as a fresh engine given the same tensors generates them."""
+    import threading
+
+    from cluster.weight_buckets import pack_buckets
+    from cluster.worker import GenerationWorker
+    from engine.loading.weight_swap import weight_map
+    from jobs.config import load_job_spec
+    from jobs.pool_task import PoolTask
+
+    task = PoolTask(load_job_spec({"model": {"path": "tiny-random", "max_num_seqs": 8, "max_seq_len": 64},
+                                   "sampling": {"num_samples": 2, "max_tokens": 4, "seed": 1}}))
+    w = GenerationWorker(task, "w0", num_threads=1)
+    try:
+        params = w.engine.model.state_dict()
+        pairs = [(name, params[t.param] * 0.5) for name, t in weight_map(w.engine.model).targets.items() if t]
+        bucket = next(pack_buckets(pairs, 1 << 30))
+        w.check_update(bucket[0])
+        assert w.apply_bucket(bucket) == len(pairs)
+        units, call = task.make_units(PROMPTS, {"seed": 1}, IDS, 0, 8)
+        results = []
+        t = threading.Thread(target=lambda: results.append(w.run_unit(units[0])))
+        t.start()
+        with w._cv:
+            assert w._cv.wait_for(lambda: w._inbox, timeout=60)
+        assert not w.engine.has_unfinished_requests() and not results
+        assert w.finish_update(7)["weight_version"] == 7
+        t.join(60)
+        got = task.collect(call, results)
+    finally:
+        w.shutdown()
+    fresh = load_engine("tiny-random", device="cpu", dtype=str(w.engine.dtype).replace("torch.", ""), max_seq_len=64,
+                        num_threads=1)
+    fresh.update_weights(pairs)
+    want = fresh.generate(PROMPTS, task.call_params({"seed": 1}), prompt_ids=IDS)
+    assert got.column("tokens").to_pylist() == [s.tokens for r in want for s in r]
+    assert got.column("logprobs").to_pylist() == [s.logprobs for r in want for s in r]
