@@ -56,13 +56,10 @@ Replace = Callable[[WorkerRecord, str], None]
 
 def stage_everywhere(live: list[WorkerRecord], path: str, step: int | None, keeps: str,
                      replace: Replace) -> dict[WorkerRecord, dict]:
-    """Every worker of `live` loads and checks checkpoint `path`; returns {worker: its
-    stage_weights() reply} when all of them could. Raises WeightsRefused (after every worker
-    dropped its staged copy) when one refused it or all died; `keeps` names the weights they
-    keep, for the message."""
-    import ray
-    from ray.exceptions import RayTaskError
-
+    """Every worker of `live` checks checkpoint `path`; returns {worker: its stage_weights()
+    reply} when all of them could. Raises WeightsRefused (after every worker dropped what it
+    staged) when one refused it or all died; `keeps` names the weights they keep, for the
+    message."""
     staged = _everyone_agrees({w.handle.stage_weights.remote(path, step): w for w in live},
                               f"load_weights({path!r})", keeps, replace)
     if isinstance(staged, str):

@@ -37,9 +37,9 @@ from typing import Any, Iterable
 
 import torch
 
-from engine.loading.checkpoint import load_model, model_skeleton, nanochat_step
+from engine.loading.checkpoint import copy_tensors, load_model, model_skeleton, nanochat_step, weight_map
 from engine.loading.errors import CheckpointError
-from engine.loading.weight_map import WeightMap, copy_tensor, index_differences, listed
+from engine.loading.weight_map import index_differences, listed
 from engine.models.base import CausalLM
 
 MEMORY = "<memory>"  # the `path` of weights that came from memory
@@ -123,37 +123,6 @@ def check_tensors(model: CausalLM, index: Iterable[tuple[str, str, tuple[int, ..
     diffs = index_differences(model, weight_map(model), index)
     if diffs:
         raise WeightsMismatch("weights from memory do not fit the loaded model: " + "; ".join(diffs))
-
-
-def copy_tensors(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy (name, tensor) pairs, checked by `check_tensors`, into `model` in place through
-    its weight map, cast to each parameter's dtype; returns how many were copied (ignored
-    names, such as a tied head, are not counted). Call with no forward running on `model`,
-    and `model.weights_changed()` after the last one."""
-    wmap = weight_map(model)
-    params = model.state_dict(keep_vars=True)
-    n = 0
-    with torch.no_grad():
-        for name, t in named_tensors:
-            n += copy_tensor(params, wmap, name, t)
-    return n
-
-
-def weight_map(model: torch.nn.Module) -> WeightMap:
-    """The WeightMap of a loaded model's family. Raises TypeError for a model without one."""
-    from engine.models.gpt2 import GPT2
-    from engine.models.llama import LlamaModel
-    from engine.models.nanochat import NanochatGPT
-
-    if isinstance(model, LlamaModel):
-        from engine.loading.llama import weight_map as family
-    elif isinstance(model, GPT2):
-        from engine.loading.gpt2 import weight_map as family
-    elif isinstance(model, NanochatGPT):
-        from engine.loading.nanochat import weight_map as family
-    else:
-        raise TypeError(f"{type(model).__name__} has no weight map: its weights cannot be updated tensor by tensor")
-    return family(model)
 
 
 def differences(old: CausalLM, new: CausalLM) -> list[str]:
