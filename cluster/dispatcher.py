@@ -408,6 +408,38 @@ class UnitDispatcher:
     def _event(self, kind: str, detail: str) -> None:
         self.events.append((time.time(), kind, detail))
 
+    # ------------------------------------------------------------------ runs driven from outside
+    def add_units(self, units: Iterable[WorkUnit]) -> None:
+        """Queue units into a run driven by `advance` (cluster/rollout.py), which may already
+        be under way. Raises ValueError for a unit index queued already."""
+        if self._closed:
+            raise RuntimeError("this UnitDispatcher is closed")
+        if not self.units.pending:
+            self.slots.new_run()
+        self.units.add(units)
+        self.start()
+
+    def advance(self, on_result: Callable[[UnitResult], None], timeout_s: float, *, dispatch: bool = True,
+                deadlines: bool = True) -> None:
+        """One round of `run`'s loop over the queued units, waiting at most `timeout_s` for a
+        reply: refill slots, dispatch (unless `dispatch` is False: paused), handle replies
+        (on_result for each committed unit), then deadlines and suspects (unless
+        `deadlines` is False: a pause holds units on purpose). Raises UnitFailed as `run`."""
+        import ray
+
+        self.slots.check_weights()
+        now = time.monotonic()
+        self.slots.fill()
+        if dispatch:
+            self._dispatch(now)
+        self._wait_and_handle(ray, min(timeout_s, self._wakeup(now, False)), [], on_result)
+        now = time.monotonic()
+        if deadlines:
+            self._check_deadlines(now)
+            for w, why, charge in self.slots.check_suspects(now, self.unit_timeout()):
+                self._replace(w, why, charge=charge)
+        self.slots.check_can_run(now)
+
 
 def run_units(task: UnitTask, units: list[WorkUnit], *, num_workers: int, num_cpus: float = 1, num_gpus: float = 0,
               max_unit_attempts: int = 3, on_result: Callable[[UnitResult], None] | None = None,

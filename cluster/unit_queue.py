@@ -236,3 +236,46 @@ class UnitQueue:
             u.state = UnitState.FAILED
             raise UnitFailed(f"{describe(u.unit)} failed {u.attempts} times "
                              f"(max_unit_attempts={self.max_unit_attempts}); last error: {why}")
+
+    # ------------------------------------------------------------------ runs fed while running (cluster/rollout.py)
+    def add(self, units: Iterable[WorkUnit]) -> None:
+        """Queue more units into the run under way, in index order after those waiting.
+        Raises ValueError for an index the run holds already."""
+        new = sorted((UnitEntry(u) for u in units), key=lambda x: x.unit.index)
+        for u in new:
+            if u.unit.index in self.units:
+                raise ValueError(f"unit {u.unit.index} is in the run already")
+        for u in new:
+            self.units[u.unit.index] = u
+            self.enqueue(u)
+        self.pending += len(new)
+
+    def forget(self, indices: Iterable[int]) -> None:
+        """Drop units from the run's books: committed ones (a long-lived run stays small) or
+        ones whose call ended otherwise (failed, or answered without a worker); copies still
+        running are ignored when they return (`settled`)."""
+        for i in indices:
+            u = self.units.pop(i, None)
+            if u is None:
+                continue
+            if u.queued:
+                self.queue.remove(u)
+                u.queued = False
+            if u.state != UnitState.COMMITTED:
+                self.pending -= 1
+
+    def unsent(self, indices: Iterable[int]) -> list[WorkUnit]:
+        """Of units `indices` (an aborted call's), those waiting with no copy on a worker, in
+        index order; they stay queued until answered. Queued second copies of the others
+        leave the queue: the copy on a worker answers."""
+        out = []
+        for i in sorted(indices):
+            u = self.units.get(i)
+            if u is None or not u.queued:
+                continue
+            if u.copies:
+                self.queue.remove(u)
+                u.queued = False
+            else:
+                out.append(u.unit)
+        return out

@@ -31,6 +31,9 @@ and the driver replaces the whole process (cluster/dispatcher.py). An engine is 
 rebuilt in the same process, where the failed one may still hold its KV cache and device
 memory.
 
+A pool's calls can abort a worker's units and pause its engine (vLLM's "keep" mode): those
+methods are in cluster/worker_rollout.py, mixed in.
+
 Ray is imported only by `make_actor_class`: this module's logic runs (and is unit-tested)
 without it. engine/ is imported lazily, when a worker starts.
 """
@@ -44,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.unit import UnitResult, UnitTask, WorkUnit
+from cluster.worker_rollout import RolloutMethods, fill_aborted
 
 
 class EngineLoopError(RuntimeError):
@@ -70,6 +74,7 @@ class _UnitState:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     in_engine: bool = False  # its requests were handed to the engine (guarded by _cv)
+    requests: list[Any] | None = None  # the unit's UnitRequests (their params, to continue them)
 
 
 def _load_engine(task: UnitTask, num_threads: int | None) -> Any:
@@ -104,8 +109,9 @@ def node_share() -> float:
         return 1.0
 
 
-class GenerationWorker:
-    """Loads the engine once and runs units through it (see the module docstring)."""
+class GenerationWorker(RolloutMethods):
+    """Loads the engine once and runs units through it (see the module docstring); aborts
+    and pauses its units for a pool's calls (cluster/worker_rollout.py)."""
 
     def __init__(self, task: UnitTask, worker_name: str, num_threads: int | None = None,
                  weights: Any = None) -> None:
@@ -133,6 +139,10 @@ class GenerationWorker:
         self._broken: BaseException | None = None  # the engine raised; guarded by _cv
         self._started = time.time()
         self._node = _node_id()
+        self._ops: list[Any] = []  # fn(engine) for the engine loop's next round, busy or not (cluster/rollout.py)
+        self._aborted: set[int] = set()  # units of aborted calls: their requests end at once
+        self._paused = False  # pause_engine: unfinished requests held, none admitted until resume_engine
+        self._held: list[Any] = []  # RequestOutputs that pause_engine aborted, to continue on resume
         self._thread = threading.Thread(target=self._engine_loop, name=f"{worker_name}-engine", daemon=True)
         self._thread.start()
 
@@ -287,7 +297,7 @@ class GenerationWorker:
         params = self.task.params
         outputs: list[Any] = [None] * len(requests)
         good: list[tuple[Any, Any]] = []
-        state = _UnitState(unit=unit, outputs=outputs, remaining=0)
+        state = _UnitState(unit=unit, outputs=outputs, remaining=0, requests=requests)
         for row, req in enumerate(requests):
             rid = (unit.index, row)
             if req.prompt_tokens is None:
@@ -301,14 +311,17 @@ class GenerationWorker:
             with self._cv:
                 if self._broken is not None:
                     raise EngineLoopError(f"worker {self.name}: engine failed earlier: {self._broken!r}")
-                for rid, _ in good:
-                    if rid in self._owners:
-                        raise RuntimeError(f"unit {unit.index} is already running on worker {self.name}")
-                for rid, _ in good:
-                    self._owners[rid] = (state, rid[1])
-                self._units.add(state)
-                self._inbox.append((state, good))
-                self._cv.notify_all()
+                if unit.index in self._aborted:  # its call was aborted before the unit arrived
+                    fill_aborted(state, good, self.task.params)
+                else:
+                    for rid, _ in good:
+                        if rid in self._owners:
+                            raise RuntimeError(f"unit {unit.index} is already running on worker {self.name}")
+                    for rid, _ in good:
+                        self._owners[rid] = (state, rid[1])
+                    self._units.add(state)
+                    self._inbox.append((state, good))
+                    self._cv.notify_all()
             self._wait(state.done)
             if state.error is not None:
                 raise EngineLoopError(
@@ -335,22 +348,27 @@ class GenerationWorker:
         while True:
             control = None
             with self._cv:
-                while not (self._stopped or busy or self._control or (self._inbox and not self._holding)):
+                while not (self._stopped or busy or self._control or self._ops
+                           or (self._inbox and not self._paused and not self._holding)):
                     self._cv.wait()
                 if self._stopped:
                     return
-                if self._control or self._holding:
-                    # the engine drains first; new prompts wait until the control has run (and,
-                    # during a swap from memory, until it is finished)
+                if self._control:
+                    # the engine drains first; new prompts wait until the control has run
                     inbox = []
-                    if not busy and self._control:
+                    if not busy:
                         control = self._control.pop(0)
                         if control.hold is not None:
                             self._holding = control.hold
+                elif self._paused or self._holding:
+                    inbox = []  # held until resume_engine, or until a swap from memory ends
                 else:
                     inbox, self._inbox = self._inbox, []
                     for state, _ in inbox:
                         state.in_engine = True
+                ops = []
+                if control is None:  # a control runs alone; the ops run in the next round
+                    ops, self._ops = self._ops, []
             if control is not None:
                 try:
                     control.result = control.fn(eng)
@@ -362,6 +380,8 @@ class GenerationWorker:
                     control.done.set()
                 continue
             try:
+                for op in ops:
+                    op(eng)
                 for state, reqs in inbox:
                     for rid, req in reqs:
                         eng.add_request(req.prompt_tokens, req.params or self.task.params, req.prompt_id, request_id=rid)

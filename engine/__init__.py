@@ -20,6 +20,10 @@ def __getattr__(name: str):
         from engine import engine as _engine
 
         return getattr(_engine, name)
+    if name == "export":  # engine.export(...): engine/export/, a callable package (imports torch when called)
+        import importlib
+
+        return importlib.import_module("engine.export")
     if name == "Tokenizer":  # the interface (engine/tokenizers/base.py): Tokenizer.load(path)
         from engine.tokenizers.base import Tokenizer
 

@@ -26,10 +26,11 @@ from __future__ import annotations
 import bisect
 import time
 from pathlib import Path
-from typing import Any, Sequence as Seq
+from typing import Any, Iterable, Sequence as Seq
 
 import torch
 
+from engine import preemption
 from engine.decode_batch import DecodeBatch
 from engine.kernels.kv_layout import KVLayout
 from engine.kv_cache import KVCache, StepBatch, default_kv_bytes, kv_budget_basis
@@ -112,12 +113,12 @@ class Engine:
         self.default_stop_ids = frozenset(info.stop_token_ids or tokenizer.default_stop_token_ids)
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
-        self.weight_version = 0  # weight swaps so far (load_weights, update_weights); a pool sets its own count
         self.peak_kv_bytes = 0  # most KV memory reserved at once
         self.num_compactions = 0  # arena compactions (see _compact), the positions they moved, their time
         self.compacted_positions = 0
         self.compaction_seconds = 0.0
         self._kv_row_bytes = [0, 0]  # (sum over decode steps of reserved bytes, of running rows)
+        self.weight_version = 0  # +1 per swap (a pool sets its own count); tokens record it (Sample.weight_versions)
 
     @staticmethod
     def _tool_tokens(tokenizer) -> ToolTokens | None:
@@ -299,12 +300,15 @@ class Engine:
             prompt_start = req.kv_block * bs
             size = self.scheduler.own_blocks(req)
             for j, (slot, block) in enumerate(zip(a.slots, a.own_blocks)):
-                idx = a.first_sample + j
+                idx = a.first_sample + j if req.resume is None else req.resume.sample_index
                 seq = Sequence(req, idx, slot, request_key(req.params.seed, req.prompt_id, idx), own_block=block,
                                own_blocks=size, own_start=block * bs, own_pos0=P if self.prefix_sharing else 0,
                                prefix_start=prompt_start if self.prefix_sharing else -1)
                 if not self.prefix_sharing:
                     copies.append((prompt_start, block * bs, P))
+                seq.weight_version = self.weight_version
+                if req.resume is not None:  # a continuation: its tokens so far, whose KV is the prompt's
+                    seq.replay(req.resume, self.tools, self.tokenizer, self.max_seq_len)
                 self.running[slot] = seq
                 seqs.append(seq)
                 rows.append(lg)
@@ -348,6 +352,8 @@ class Engine:
                                 batched=self.batched_sampling)
         host = torch.stack([toks.double(), lps.double()]).tolist()
         for seq, t, lp in zip(seqs, host[0], host[1]):
+            if seq.next_is_forced():  # a continuation stopped inside forced tool output
+                t, lp = seq.forced.popleft(), None
             seq.append(int(t), lp, self.tools, self.tokenizer, self.max_seq_len)
         self.num_generated_tokens += len(seqs)
 
@@ -383,13 +389,14 @@ class Engine:
         self.scheduler.release_sample(seq.slot, seq.own_block, seq.own_blocks)
         self._batch = None
         req = seq.request
-        req.samples[seq.sample_index] = seq.to_sample(self.tokenizer)
+        sample = seq.to_sample(self.tokenizer)
+        prior = req.resume.weight_versions if req.resume is not None else []
+        sample.weight_versions = list(prior) + [seq.weight_version] * (len(sample.tokens) - len(prior))
+        req.samples[0 if req.parent is not None else seq.sample_index] = sample
         req.num_finished += 1
         if req.num_finished < req.params.num_samples:
             return None
-        self.scheduler.release_prompt(req)
-        return RequestOutput(request_id=req.request_id, prompt_id=req.prompt_id, prompt_tokens=req.prompt_tokens,
-                             samples=list(req.samples))
+        return preemption.complete(self, req)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, path: str | Path, *, step: int | None = None) -> dict:
@@ -428,8 +435,10 @@ class Engine:
         from engine.loading.weight_swap import apply_weights
 
         self._check_idle("apply_weights")
+        # before the copy: a half-done swap is not the old weights either
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
         apply_weights(self.model, staged)
-        return self.weights_swapped(staged.path, staged.step, staged.description, version)
+        return self.weights_swapped(staged.path, staged.step, staged.description, self.weight_version)
 
     def update_weights(self, named_tensors: Any) -> dict:
         """Replace the model's weights with a trainer's tensors from memory, in place: a
@@ -446,9 +455,10 @@ class Engine:
         self._check_idle("update_weights")
         pairs = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
         check_tensors(self.model, [(n, str(t.dtype).replace("torch.", ""), tuple(t.shape)) for n, t in pairs])
+        self.weight_version += 1  # before the copy, as apply_weights
         copy_tensors(self.model, pairs)
         self.model.weights_changed()
-        return self.weights_swapped(MEMORY, None, self.model.info.description)
+        return self.weights_swapped(MEMORY, None, self.model.info.description, self.weight_version)
 
     def weights_swapped(self, path: str, step: int | None, description: str, version: int | None = None) -> dict:
         """Record a finished swap: weight_version becomes `version` (default: one more).
@@ -460,6 +470,20 @@ class Engine:
         if self.has_unfinished_requests():
             raise RuntimeError(f"{what}: the engine has unfinished requests; finish them first (their KV cache "
                                f"entries come from the current weights)")
+
+    # ------------------------------------------------------------------ aborting and continuing
+    def abort(self, request_ids: Iterable[Any]) -> list[RequestOutput]:
+        """End requests now (vLLM's abort_request), between steps; returns their outputs:
+        finished samples as they are, running ones with their tokens so far and finish_reason
+        "abort", unadmitted ones with none. The other samples go on unchanged (bit-identical
+        on CPU). engine/preemption.py `abort` says it all."""
+        return preemption.abort(self, request_ids)
+
+    def continue_request(self, output: RequestOutput, params: SamplingParams, request_id: Any = None) -> None:
+        """Queue again a request that `abort` ended, its aborted samples going on from their
+        tokens (KV recomputed with the current weights, noise keyed as before); one output
+        comes from `step` when all are done. engine/preemption.py `continue_request`."""
+        preemption.continue_request(self, output, params, request_id)
 
     # ------------------------------------------------------------------ batch API
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],

@@ -168,9 +168,13 @@ class Sample:
         the same weights; "processed": the log-probability of the token under the distribution
         the sampler drew it from (0 for greedy).
     finish_reason: "stop" (a stop token was sampled, or a stop string completed), "length"
-        (max_tokens or the context window) or "error" (see `error`).
+        (max_tokens or the context window), "error" (see `error`) or "abort" (Engine.abort
+        ended it: its tokens are those generated so far, none if it never started).
     stop_reason: what ended a "stop" sample, as vLLM reports it: the stop token id (int, also
         tokens[-1]) or the stop string (str); None otherwise.
+    weight_versions: one per token, the engine's `weight_version` when the token was sampled
+        or forced (0: the weights loaded at start, +1 per swap). A sample paused and
+        continued across a weights swap (Engine.continue_request) carries both versions.
     """
 
     prompt_id: str
@@ -184,6 +188,7 @@ class Sample:
     num_prompt_tokens: int = 0
     seed: int = 0
     stop_reason: int | str | None = None
+    weight_versions: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -205,4 +210,14 @@ def error_output(request_id: Any, prompt_id: str, prompt_tokens: list[int] | Non
     toks = list(prompt_tokens or [])
     samples = [Sample(prompt_id=prompt_id, sample_index=j, finish_reason="error", error=message,
                       num_prompt_tokens=len(toks), seed=params.seed) for j in range(params.num_samples)]
+    return RequestOutput(request_id=request_id, prompt_id=prompt_id, prompt_tokens=toks, samples=samples)
+
+
+def aborted_output(request_id: Any, prompt_id: str, prompt_tokens: list[int] | None,
+                   params: SamplingParams) -> RequestOutput:
+    """A request aborted before any of its samples started: `num_samples` samples with no
+    tokens and finish_reason "abort" (Engine.abort; a worker's aborted units)."""
+    toks = list(prompt_tokens or [])
+    samples = [Sample(prompt_id=prompt_id, sample_index=j, finish_reason="abort", num_prompt_tokens=len(toks),
+                      seed=params.seed) for j in range(params.num_samples)]
     return RequestOutput(request_id=request_id, prompt_id=prompt_id, prompt_tokens=toks, samples=samples)

@@ -62,6 +62,8 @@ class Request:
     kv_block: int | None = None
     first_logits: Any = None
     prompt_state: dict | None = None
+    resume: Sample | None = None  # a continuation (Engine.continue_request): the aborted sample it goes on from
+    parent: Any = None  # ... and the request it belongs to (engine.preemption.Continued)
 
 
 @dataclass(slots=True)
@@ -95,6 +97,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     stop_matcher: StopStringMatcher | None = None
+    num_prior: int = 0  # tokens replayed from an aborted sample (`replay`); they are in the prompt's KV too
+    weight_version: int = 0  # the engine's weight_version when the sample was admitted
 
     def __post_init__(self) -> None:
         if self.request.params.stop:
@@ -103,7 +107,7 @@ class Sequence:
     @property
     def position(self) -> int:
         """Position of the last token in the sequence (prompt + generated), 0-based."""
-        return len(self.request.prompt_tokens) + len(self.tokens) - 1
+        return len(self.request.prompt_tokens) + len(self.tokens) - 1 - self.num_prior
 
     @property
     def last_token(self) -> int:
@@ -179,3 +183,16 @@ class Sequence:
                       mask=self.mask, logprobs=self.logprobs, finish_reason=self.finish_reason or "length",
                       tool_calls=self.tool_calls, error=None, num_prompt_tokens=len(self.request.prompt_tokens),
                       seed=p.seed, stop_reason=self.stop_reason)
+
+    def replay(self, prior: Sample, tools: ToolTokens | None, tokenizer, max_len: int) -> None:
+        """Take an aborted sample's tokens as this sample's first ones (a continuation: its
+        request's prompt is the original prompt followed by them, so their KV is the
+        prompt's). Each token goes through `append` again, sampled or forced as it was, so
+        the stop-string matcher, the tool state machine (an open call, tool output still to
+        force) and the tool calls are what they were when the sample stopped; the calculator
+        runs again on finished calls (a pure function)."""
+        self.num_prior = len(prior.tokens)
+        for tok, lp in zip(prior.tokens, prior.logprobs):
+            if lp is None and self.forced:
+                self.forced.popleft()
+            self.append(tok, lp, tools, tokenizer, max_len)

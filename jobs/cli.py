@@ -9,10 +9,14 @@
     batchgen verify OUTPUT
     batchgen prepare INPUT.jsonl OUTPUT.parquet [--column question] [--id-column NAME] [--format text|chat]
                      [--row-group-rows 256]
+    batchgen export MODEL --out DIR [--format onnx|pt2] [--dtype float32|float16] [--static-max-len N]
+                    [--verify] [--max-tokens 32]
 
 Exit codes: 0 success; 1 the job ran and failed, or `verify` found problems; 2 the job
 could not start (bad config, bad input, output belongs to another job or is in use by
-another driver, bad prepare input; `plan` returns 2 where `run` would stop); 130 interrupted. Every jobs.errors.JobError is printed as "error: <message>" on stderr.
+another driver, bad prepare input, bad export options or model; `plan` returns 2 where `run`
+would stop); `export --verify` returns 1 when the artifact does not generate the engine's
+tokens; 130 interrupted. Every jobs.errors.JobError is printed as "error: <message>" on stderr.
 """
 from __future__ import annotations
 
@@ -83,6 +87,17 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--row-group-rows", type=int, default=256, metavar="N",
                     help="rows per Parquet row group (default 256): use the job's cluster.unit_rows, so that "
                          "each unit decodes only its own rows")
+
+    ex = sub.add_parser("export", help="export a model with its KV cache as explicit inputs/outputs (ONNX, pt2)")
+    ex.add_argument("model", help="what model.path takes: a checkpoint directory, a .gguf file, smollm2, tiny-random")
+    ex.add_argument("--out", required=True, help="directory to create (absent or empty)")
+    ex.add_argument("--format", default="onnx", help="onnx (default) or pt2 (torch.export + AOTInductor, static)")
+    ex.add_argument("--dtype", default="float32", help="float32 (default) or float16: weights and KV")
+    ex.add_argument("--static-max-len", type=int, default=None, metavar="N",
+                    help="fixed KV buffers of N positions written in place (one graph for every position)")
+    ex.add_argument("--verify", action="store_true",
+                    help="greedy loop in the artifact against the engine before the directory is created")
+    ex.add_argument("--max-tokens", type=int, default=32, metavar="N", help="tokens the verification generates")
     return p
 
 
@@ -236,7 +251,29 @@ def _dispatch(args: argparse.Namespace) -> int:
                           row_group_rows=args.row_group_rows)
         print(f"wrote {n} prompts to {args.output}")
         return 0
+    if args.command == "export":
+        return export_model(args)
     raise AssertionError(args.command)  # pragma: no cover - argparse rejects unknown commands
+
+
+def export_model(args: argparse.Namespace) -> int:
+    """`batchgen export` (the work is engine/export): 2 for bad options or a model that cannot be
+    loaded or exported, 1 for a failed verification; nothing is written in either case."""
+    from engine.export import ExportError, VerificationError, export
+    from engine.loading.errors import CheckpointError
+
+    try:
+        record = export(args.model, args.out, format=args.format, dtype=args.dtype,
+                        static_max_len=args.static_max_len, verify=args.verify, max_tokens=args.max_tokens)
+    except (ExportError, CheckpointError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except VerificationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}: {record['file']}, {len(record['tokenizer_files'])} tokenizer file(s)"
+          f"{', genai_config.json' if record['genai_config'] else ''}, batchgen_export.json")
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

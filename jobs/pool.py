@@ -6,6 +6,9 @@
         pool.load_weights("ckpt/step-200")          # every worker, in place
         pool.update_weights(trainer.state_dict())    # or the trainer's tensors from memory, in buckets
         table = pool.generate(prompts)               # now from step-200's weights
+        handle = pool.submit(prompts)                # returns at once (jobs/rollout_handle.py)
+        for group in handle.results(): ...           # each prompt's samples as soon as they are all done
+        pool.pause("keep"); pool.load_weights(path); pool.resume()   # held samples go on, new weights
 
 A pool is a UnitDispatcher (cluster/dispatcher.py: the same GenerationWorker actors, deadlines,
 retries and worker replacement as a job) started once and fed with the units of each call.
@@ -13,7 +16,10 @@ The prompts travel inside their units and the rows come back through Ray, never 
 files. What the prompts and rows are is the task's business (cluster.unit.PromptTask): here
 jobs.pool_task.PoolTask, which reads and writes them exactly as a job does, so a call's rows
 equal, bit for bit, what `run_job` writes for the same prompts, ids, parameters (the seed
-given explicitly: a call without one draws fresh noise) and checkpoint.
+given explicitly: a call without one draws fresh noise) and checkpoint. Every call,
+`generate` included, is driven by one background thread (cluster/rollout.py:
+RolloutRunner), which also runs the pool's weights swaps, so calls may overlap, be aborted,
+and pause around a swap.
 
 `from cluster import GenerationPool` still works for one release, with a DeprecationWarning
 (cluster/ never imports jobs/ otherwise).
@@ -25,13 +31,20 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from cluster.dispatcher import UnitDispatcher
+from cluster.rollout import RolloutRunner
 from cluster.unit import PromptTask
 from jobs.config import load_job_spec
 from jobs.plan.planner import check_device, check_local_gpus, check_model_path, with_chat_template_date
 from jobs.pool_task import PoolTask
+from jobs.rollout_handle import RolloutHandle
 from jobs.runner import connect_ray
 
 DEFAULT_BUCKET_BYTES = 512 << 20  # update_weights' bucket size (slime's ~512 MB buckets)
+
+
+# Units a pool keeps on each worker: submit() cuts calls into small units (see `submit`) so
+# that prompts come back early, and the engine still holds this many of them at once.
+POOL_UNITS_IN_FLIGHT = 16
 
 
 @dataclass(slots=True)
@@ -62,7 +75,7 @@ def pool_setup(config: Any, overrides: Iterable[str] | Mapping[str, Any] = (), *
     c = spec.cluster
     options = dict(num_workers=int(c.num_workers), num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker,
                    max_unit_attempts=int(c.max_unit_attempts), unit_timeout_s=c.unit_timeout_s,
-                   may_add_nodes=c.address is not None)
+                   may_add_nodes=c.address is not None, in_flight_per_worker=POOL_UNITS_IN_FLIGHT)
     return PoolSetup(task=task, unit_rows=int(c.unit_rows), dispatcher_options=options,
                      ray_started=connect_ray(spec))
 
@@ -92,6 +105,7 @@ class GenerationPool:
         self._next_index = 0  # unit indices count up over the pool's life (late copies never collide)
         self.num_calls = 0  # calls made; a call without an explicit seed mixes its number into its seed
         self.dispatcher = UnitDispatcher(setup.task, **setup.dispatcher_options)
+        self._runner = RolloutRunner(self.dispatcher)  # owns the dispatcher from its thread (cluster/rollout.py)
         try:
             self.dispatcher.wait_ready()
         except BaseException:
@@ -120,12 +134,47 @@ class GenerationPool:
         n = len(prompts)
         per_unit = max(1, min(self.unit_rows, math.ceil(n / (self.dispatcher.num_workers
                                                              * self.dispatcher.in_flight_per_worker))))
+        return self._submit(prompts, params, prompt_ids, per_unit).result()
+
+    def submit(self, prompts: Any, params: Any = None, *, prompt_ids: Any = None,
+               unit_rows: int | None = None) -> RolloutHandle:
+        """Start generating for `prompts` and return at once (prompts, params, prompt_ids as
+        `generate` takes them): `handle.results()` yields each prompt's group of rows as soon
+        as all its samples are done, `handle.result()` every row (what `generate` returns),
+        `handle.abort()` ends the call (jobs/rollout_handle.py). Calls may overlap; while the
+        pool is paused a call's units wait for `resume`.
+        Units are small, so that groups come back early: about 1/(2 x workers x units in
+        flight) of the call each (one prompt for 64 prompts on 2 workers), at most
+        cluster.unit_rows; `unit_rows` sets it (bench/bench_rollouts.py measures the choice).
+        Raises as `generate` does for input it refuses, before any work."""
+        if not hasattr(prompts, "__len__"):
+            prompts = list(prompts)
+        n = len(prompts)
+        slots = self.dispatcher.num_workers * self.dispatcher.in_flight_per_worker
+        per_unit = unit_rows or max(1, min(self.unit_rows, math.ceil(n / (2 * slots))))
+        return self._submit(prompts, params, prompt_ids, max(1, int(per_unit)))
+
+    def _submit(self, prompts: Any, params: Any, prompt_ids: Any, per_unit: int) -> RolloutHandle:
         call_number, self.num_calls = self.num_calls, self.num_calls + 1
         units, call = self.task.make_units(prompts, params, prompt_ids, self._next_index, per_unit,
                                            call_number=call_number)
         self._next_index += len(units)
-        results = self.dispatcher.run(units) if units else []
-        return self.task.collect(call, results)
+        return RolloutHandle(self._runner, self.task, call, len(prompts))._start(units)
+
+    def pause(self, mode: str = "abort", timeout_s: float | None = None) -> bool:
+        """Pause generation, as vLLM's pause_generation (cluster/rollout.py):
+        "abort" ends every open call (their handles get every sample, unfinished ones
+        "abort"); "wait" lets the units on the workers finish and sends no more; "keep"
+        stops every engine at once, holding its unfinished samples (their tokens; the KV is
+        recomputed on resume, with the weights then loaded). In every mode nothing new
+        starts until `resume()`; calls submitted meanwhile wait. Returns True once the pause
+        holds (False if `timeout_s` passed first). Raises ValueError for another mode."""
+        return self._runner.pause(mode, timeout_s)
+
+    def resume(self) -> None:
+        """End a pause: held samples continue where they stopped (each new token's
+        `weight_version` says which weights sampled it), waiting units are dispatched."""
+        self._runner.resume()
 
     def load_weights(self, checkpoint_path: str, *, step: int | None = None) -> list[dict]:
         """Load checkpoint `checkpoint_path`'s weights into every worker's engine, in place:
@@ -139,7 +188,7 @@ class GenerationPool:
         Returns each worker's state ({"worker", "pid", "weights", "kv_cache_ptr", ...}).
         Raises cluster.weight_sync.WeightsRefused naming the worker and what does not fit (every
         worker keeps its weights) and UnitFailed when no worker runs."""
-        return self.dispatcher.load_weights(str(checkpoint_path), step=step)
+        return self._runner.call(lambda: self.dispatcher.load_weights(str(checkpoint_path), step=step))
 
     def update_weights(self, named_tensors: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[dict]:
         """Swap a trainer's tensors from memory into every worker's engine, in place: same
@@ -162,21 +211,24 @@ class GenerationPool:
         Raises cluster.weight_sync.WeightsRefused naming the worker and every difference
         (missing or unknown names, shapes; every worker keeps its weights), TypeError for an
         entry that is not a (name, tensor) pair, UnitFailed when no worker runs."""
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        return self.dispatcher.update_weights(list(items), bucket_bytes=bucket_bytes)
+        pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        return self._runner.call(lambda: self.dispatcher.update_weights(pairs, bucket_bytes=bucket_bytes))
 
     def workers(self) -> list[dict]:
         """The worker slots: name, state, info from when it started (pid, host, device, dtype)."""
-        return self.dispatcher.workers()
+        return self._runner.call(self.dispatcher.workers)
 
     def engine_states(self) -> list[dict]:
         """Each worker's engine_state() (pid, weights swapped in last, KV cache), after any
         starting worker is ready."""
-        return self.dispatcher.engine_states()
+        return self._runner.call(self.dispatcher.engine_states)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Stop the workers (and the Ray instance the pool started). Idempotent."""
+        runner = getattr(self, "_runner", None)
+        if runner is not None:
+            runner.close()
         dispatcher = getattr(self, "dispatcher", None)
         if dispatcher is not None:
             dispatcher.close()

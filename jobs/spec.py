@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 # Output columns a passthrough column may not shadow (kept in sync with jobs.outputs.schema.OUTPUT_SCHEMA).
 RESERVED_COLUMNS = ("prompt_id", "sample_index", "prompt_tokens", "tokens", "mask", "logprobs", "text",
                     "finish_reason", "stop_reason", "tool_calls", "num_prompt_tokens", "num_tokens", "seed",
-                    "error")
+                    "error", "weight_version")
 
 # input.column's default per input.format (openai_batch reads whole JSONL lines: "body" is nominal)
 DEFAULT_COLUMNS = {"text": "prompt", "tokens": "prompt", "chat": "messages", "openai_batch": "body"}

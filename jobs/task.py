@@ -136,6 +136,7 @@ class JobTask:
                 cols["num_tokens"].append(len(s.tokens))
                 cols["seed"].append(s.seed)
                 cols["error"].append(s.error)
+                cols["weight_version"].append(list(s.weight_versions))
                 for c in self.layout.passthrough:
                     cols[c].append(req.passthrough.get(c))
                 if self.layout.format == "openai_batch":

@@ -32,6 +32,7 @@ PROMPTS = ["What is 2 + 2?", "Name a prime.", "", "Count to five", "abc", "The e
 IDS = [f"q{i}" for i in range(len(PROMPTS))]
 LEVELS = [1, 2, 3, 1, 2, 3]  # a passthrough column
 SEED = {"seed": 1}  # the config's seed, given explicitly: a call without one draws fresh noise (test_fresh_noise.py)
+SWAPS = ["weight_version"]  # the engine's count of weight swaps, per token: differs from a fresh job's 0
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,9 @@ def test_load_weights_in_place_then_equals_a_job_on_the_new_checkpoint(setup):
         {w: (s["pid"], s["kv_cache_ptr"]) for w, s in before.items()}
     assert all(s["weights"]["path"] == str(ck["trained"]) and s["weights"]["step"] == 650 for s in states)
     got = pool.generate(_table(), SEED)
-    assert _rows(got) == _rows(jobs["trained"])
+    # weight_version counts the pool's swaps: 1 here, 0 in a job that loaded `trained` at start
+    assert _rows(got, SWAPS) == _rows(jobs["trained"], SWAPS)
+    assert {v for vs in got.column("weight_version").to_pylist() for v in vs} == {1}
     assert got.column("tokens").to_pylist() != jobs["base"].column("tokens").to_pylist()
 
 
@@ -143,7 +146,7 @@ def test_replacement_workers_load_the_current_weights(setup):
     for pid in old:
         os.kill(pid, signal.SIGKILL)
     got = pool.generate(_table(), SEED)
-    assert _rows(got) == _rows(jobs["trained"])
+    assert _rows(got, SWAPS) == _rows(jobs["trained"], SWAPS)
     states = pool.engine_states()
     assert len(states) == 2 and not set(s["pid"] for s in states) & set(old)
     assert all(s["weights"]["path"] == str(ck["trained"]) for s in states)

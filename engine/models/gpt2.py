@@ -101,7 +101,7 @@ class GPT2(CausalLM):
     def _qkv(self, blk: GPT2Block, layer: int, x: torch.Tensor):
         """x (B, T, C) -> q, k, v each (B, H, T, D) (strided views of one fused matmul)."""
         B, T, C = x.shape
-        h = F.layer_norm(x, (C,), blk.ln1_w, blk.ln1_b, self.eps)
+        h = F.layer_norm(x, (self.n_embd,), blk.ln1_w, blk.ln1_b, self.eps)
         qkv = self.linear(h, blk.qkv_w, blk.qkv_b).view(B, T, 3, self.n_head, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         s = self.q_scale[layer]

@@ -31,6 +31,7 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("num_tokens", pa.int32()),
     pa.field("seed", pa.int64()),
     pa.field("error", pa.string()),
+    pa.field("weight_version", pa.list_(pa.int32())),
 ])
 """Columns of every output row (one row per sample); passthrough columns follow them."""
 

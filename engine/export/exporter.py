@@ -1,0 +1,184 @@
+"""`export`: a checkpoint batchgen loads -> a directory another runtime runs (`batchgen export`).
+
+    DIR/model.onnx               (--format onnx; model.pt2 for --format pt2)
+    DIR/genai_config.json        onnxruntime-genai's config (architectures it runs, dynamic ONNX)
+    DIR/tokenizer files          as the checkpoint has them (engine/export/artifacts.py)
+    DIR/batchgen_export.json     source SHA-256, interface, options, verification result
+
+Everything is written to a temporary directory beside DIR and renamed to DIR at the end, so a
+failed export (bad input, failed verification) leaves no partial directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.export.errors import ExportError, VerificationError
+
+if TYPE_CHECKING:
+    from engine.models.base import CausalLM
+
+FORMATS = ("onnx", "pt2")
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"--out {str(out)!r} already exists and is not an empty directory")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise ExportError(f"--out {str(out)!r}: its parent directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"--out {str(out)!r}: cannot write in {str(parent)!r} (permission denied)")
+
+
+def check_options(out: Path, format: str, dtype: str, static_max_len: int | None, verify: bool,
+                  max_tokens: int, context_len: int | None = None, longest_prompt: int | None = None) -> None:
+    """Raise ExportError naming the option for an unknown format or dtype, a pt2 export without a
+    static length, a static length below the verification's prompt + tokens or above the
+    model's context, or an output that cannot be written."""
+    if format not in FORMATS:
+        raise ExportError(f"--format {format!r}: expected one of {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if format == "pt2" and static_max_len is None:
+        raise ExportError("--format pt2 is the static-shape variant: give --static-max-len N")
+    if format == "pt2" and dtype != "float32":
+        raise ExportError("--format pt2: only --dtype float32 (the CPU AOTInductor build)")
+    if static_max_len is not None:
+        if static_max_len < 1:
+            raise ExportError(f"--static-max-len {static_max_len}: must be at least 1")
+        if context_len is not None and static_max_len > context_len:
+            raise ExportError(f"--static-max-len {static_max_len} exceeds the model's context of {context_len} "
+                              f"tokens")
+        if verify and longest_prompt is not None and static_max_len < longest_prompt + max_tokens:
+            raise ExportError(f"--static-max-len {static_max_len} is below the verification's longest prompt "
+                              f"({longest_prompt} tokens) plus {max_tokens} generated tokens")
+    _check_out(out)
+
+
+def export(model: "str | Path | CausalLM", out: str | Path, *, format: str = "onnx", dtype: str = "float32",
+           static_max_len: int | None = None, verify: bool = False, max_tokens: int = 32,
+           step: int | None = None, log=print) -> dict:
+    """Export checkpoint `model` (any `model.path` batchgen loads, or a loaded CausalLM on CPU in
+    the export's dtype, e.g. after `Engine.load_weights`) to directory `out`.
+
+    format: "onnx" (onnxruntime, onnxruntime-genai) or "pt2" (torch.export + AOTInductor,
+        static shapes; needs static_max_len). dtype: "float32" or "float16" (weights, KV).
+    static_max_len: fixed KV buffers of N positions instead of growing past/present.
+    verify: run engine/export/verify.py's greedy loop (4 prompts, `max_tokens` tokens) in the
+        artifact against the engine before the directory is renamed into place.
+    step: nanochat only, the checkpoint step (default: the highest). log: progress lines.
+    Returns batchgen_export.json's contents. Raises ExportError (bad options, unwritable out,
+    an unsupported model; nothing written), VerificationError (nothing written), and what
+    loading raises (FileNotFoundError, CheckpointError).
+    """
+    from engine.export.kv_forward import KVExplicitForward
+    from engine.export.verify import PROMPT_LENGTHS, check, verify as run_verify
+
+    out = Path(out)
+    check_options(out, format, dtype, static_max_len, verify, max_tokens)
+    t0 = time.perf_counter()
+    source, fmt, m = _load(model, dtype, step)
+    check_options(out, format, dtype, static_max_len, verify, max_tokens, m.info.context_len, max(PROMPT_LENGTHS))
+    fwd = KVExplicitForward(m, static_max_len)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent if str(out.parent) else "."))
+    except OSError as e:
+        raise ExportError(f"--out {str(out)!r}: cannot create a directory beside it ({e})") from None
+    try:
+        filename, runner = _write_model(fwd, tmp, format, verify)
+        export_s = time.perf_counter() - t0
+        log(f"export: {filename} written in {export_s:.1f} s")
+        result = None
+        if verify:
+            result = run_verify(runner, m, max_tokens=max_tokens, static_max_len=static_max_len,
+                                kv_dtype=DTYPES[dtype])
+            log(result.summary())
+        record = _write_beside(tmp, fwd, source, fmt, filename, format, dtype)
+        record.update(export_seconds=round(export_s, 2),
+                      verification=None if result is None else result.as_dict())
+        (tmp / "batchgen_export.json").write_text(json.dumps(record, indent=2))
+        if result is not None:
+            check(result)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 -> what a plain mkdir would give
+        if out.exists():
+            out.rmdir()  # an empty directory (checked): replaced by the finished one
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return record
+
+
+def _load(model, dtype: str, step: int | None):
+    """(source path or None, detected format, the model on CPU in `dtype`)."""
+    from engine.loading.builtin import resolve_builtin
+    from engine.loading.checkpoint import detect_format, load_model
+    from engine.models.base import CausalLM
+
+    if isinstance(model, CausalLM):
+        return None, "in-memory", model
+    source = Path(resolve_builtin(model))
+    fmt = detect_format(model)
+    return (source if source.exists() else None), fmt, load_model(model, "cpu", DTYPES[dtype], step=step)
+
+
+def _write_model(fwd, tmp: Path, format: str, verify: bool):
+    """The graph file in `tmp`: (its name, a verify runner on it or None)."""
+    if format == "onnx":
+        from engine.export.onnx_writer import onnx_runner, write_onnx
+
+        write_onnx(fwd, tmp / "model.onnx")
+        return "model.onnx", (onnx_runner(tmp / "model.onnx") if verify else None)
+    from engine.export.pt2 import pt2_runner, write_pt2
+
+    write_pt2(fwd, tmp / "model.pt2")
+    return "model.pt2", (pt2_runner(tmp / "model.pt2", fwd=fwd) if verify else None)
+
+
+def _write_beside(tmp: Path, fwd, source: Path | None, fmt: str, filename: str, format: str, dtype: str) -> dict:
+    """Tokenizer files and genai_config.json into `tmp`; returns the record's other fields."""
+    from engine.export.artifacts import checkpoint_sha256, genai_config, interface, write_tokenizer
+
+    m = fwd.model
+    tok_files = write_tokenizer(source, fmt, tmp) if source is not None else []
+    meta = _tokenizer_meta(source, fmt) if source is not None else {}
+    genai = genai_config(m, filename, meta) if format == "onnx" and fwd.static_max_len is None else None
+    if genai is not None:
+        (tmp / "genai_config.json").write_text(json.dumps(genai, indent=2))
+    return {"source": {"path": None if source is None else str(source), "format": fmt,
+                       **(checkpoint_sha256(source) if source is not None else {"sha256": None})},
+            "model": {"arch": m.info.arch, "description": m.info.description, "architecture": _plain(m.architecture())},
+            "format": format, "file": filename, "dtype": dtype, "interface": interface(fwd),
+            "tokenizer_files": tok_files, "genai_config": genai is not None, "torch": torch.__version__}
+
+
+def _tokenizer_meta(source: Path, fmt: str) -> dict:
+    """bos/eos/pad token ids of the checkpoint's tokenizer, where it has one (else {})."""
+    try:
+        from engine.tokenizers.base import Tokenizer
+        from engine.tokenizers.hf_tokenizer import HFTokenizer
+
+        tok = HFTokenizer.from_gguf(source) if fmt == "gguf" else Tokenizer.load(source)
+    except (OSError, ValueError):
+        return {}
+    eos = getattr(tok, "eos_token_id", None)
+    return {"bos": tok.bos_token_id, "eos": eos, "pad": eos}
+
+
+def _plain(d):
+    """A dict of dataclass values as JSON-able plain values."""
+    return json.loads(json.dumps(d, default=str))
+
+
+__all__ = ["export", "ExportError", "VerificationError", "check_options"]

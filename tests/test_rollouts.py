@@ -1,0 +1,325 @@
+"""Rollouts inside a training loop: calls read as their prompts finish, aborted, paused.
+
+In one process (Engine, the tiny nanochat checkpoint of tests/weights_cases.py):
+- Engine.abort ends requests between steps: their finished samples as they are, running ones
+  with their tokens so far (a prefix of the uninterrupted sample) and finish_reason "abort",
+  unstarted ones empty; every other sample's tokens and logprobs are bit-identical to a run
+  without the abort; Engine.continue_request goes on from the aborted tokens and ends with the
+  uninterrupted run's tokens.
+
+On a real Ray head (one pool of 2 workers for the module; `base` then `trained` weights):
+- submit() of 64 prompts x 8 samples, 4 prompts running 50x longer than the rest: groups
+  (all 8 rows of one prompt) come back while the long samples still run, before half the
+  call's time; the rows equal generate()'s;
+- abort() of the same call returns within 2 s with all 512 samples once: finished ones as in
+  the full call, unfinished ones "abort" with a prefix of their full tokens;
+- pause("keep"), load_weights(trained), resume(): samples running at the pause carry weight
+  version 0 then 1, their version-0 tokens are those of the call on `base` alone, and the
+  pool serves the next call.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+import weights_cases
+
+N_PROMPTS, N_SAMPLES, SHORT, LONG, N_LONG = 64, 8, 2, 100, 4
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    return weights_cases.build(tmp_path_factory.mktemp("rollouts") / "ckpt")
+
+
+# ---------------------------------------------------------------------------------- one process
+def _run(eng, prompts, params, abort_at=None, ids=(), keep=False):
+    """Every request's output; at step `abort_at`, abort `ids` (and continue them if `keep`)."""
+    for i, p in enumerate(prompts):
+        eng.add_request(p, params, f"q{i}", request_id=i)
+    outs, steps = {}, 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+        steps += 1
+        if steps == abort_at:
+            aborted = eng.abort(ids)
+            assert sorted(o.request_id for o in aborted) == sorted(ids)
+            for o in aborted:
+                if keep:
+                    eng.continue_request(o, params)
+                else:
+                    outs[o.request_id] = o
+    return outs
+
+
+def test_engine_abort_and_continue(ckpts):
+    """Engine.abort: aborted requests come back whole (finished samples kept, running ones cut
+    with finish_reason abort, never-admitted ones empty), the others are bit-identical to a run
+    without the abort; continue_request finishes aborted samples with the uninterrupted tokens."""
+    from engine import SamplingParams, load_engine
+
+    # 4 slots for 4 x 2 samples: requests 2 and 3 wait when the abort comes
+    eng = load_engine(str(ckpts["base"]), device="cpu", dtype="float32", max_seq_len=64, max_num_seqs=4)
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + i)] for i in range(4)]
+    p = SamplingParams(num_samples=2, max_tokens=8, seed=3, stop_token_ids=[])
+    full = _run(eng, prompts, p)
+    cut = _run(eng, prompts, p, abort_at=3, ids=[0, 3])
+    for i in range(4):
+        for a, b in zip(full[i].samples, cut[i].samples):
+            if i in (0, 3):
+                assert b.finish_reason == "abort" and b.tokens == a.tokens[: len(b.tokens)]
+                assert b.logprobs == a.logprobs[: len(b.tokens)] and len(b.weight_versions) == len(b.tokens)
+            else:
+                assert (a.tokens, a.logprobs, a.finish_reason) == (b.tokens, b.logprobs, b.finish_reason)
+    assert all(0 < len(s.tokens) < 8 for s in cut[0].samples)
+    assert all(s.tokens == [] for s in cut[3].samples)  # never admitted
+    assert not eng.has_unfinished_requests() and eng.kv_used_bytes == 0  # every KV run freed
+    assert eng.abort([0, "unknown"]) == []
+
+    kept = _run(eng, prompts, p, abort_at=3, ids=list(range(4)), keep=True)
+    for i in range(4):
+        for a, b in zip(full[i].samples, kept[i].samples):
+            assert b.tokens == a.tokens and b.finish_reason == a.finish_reason and b.sample_index == a.sample_index
+            assert b.num_prompt_tokens == len(prompts[i]) and b.weight_versions == [0] * len(a.tokens)
+            # logprobs of recomputed positions: prefill and decode agree to rounding, not bit for bit
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_continue_inside_tool_output_forces_the_rest_first(ckpts):
+    """A sample aborted halfway through forced calculator output continues with the rest of
+    that output (mask 0, no logprob) before it samples again, and its tool call is whole."""
+    from engine import SamplingParams, load_engine
+    from engine.params import RequestOutput, Sample
+
+    eng = load_engine(str(ckpts["base"]), device="cpu", dtype="float32", max_seq_len=64)
+    tok = eng.tokenizer
+    sp = {n: tok.special(f"<|{n}|>") for n in ("python_start", "python_end", "output_start", "output_end")}
+    sampled = [sp["python_start"], *tok.encode("1+1"), sp["python_end"]]
+    forced = [sp["output_start"], *tok.encode("2")]  # <|output_end|> still to come
+    prior = Sample(prompt_id="q", sample_index=2, tokens=sampled + forced, mask=[1] * len(sampled) + [0] * len(forced),
+                   logprobs=[-1.0] * len(sampled) + [None] * len(forced), finish_reason="abort",
+                   num_prompt_tokens=3, seed=3, weight_versions=[0] * (len(sampled) + len(forced)))
+    done = Sample(prompt_id="q", sample_index=0, tokens=[5], mask=[1], logprobs=[-2.0], finish_reason="stop")
+    params = SamplingParams(num_samples=3, max_tokens=16, seed=3, stop_token_ids=[])
+    eng.continue_request(RequestOutput("r", "q", [1, 2, 3], [done, Sample(prompt_id="q", sample_index=1,
+                                                                           finish_reason="abort"), prior]), params)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    (out,) = outs
+    s0, s1, s2 = out.samples
+    assert s0 is done and len(s1.tokens) == 16 and s1.num_prompt_tokens == 3
+    n = len(prior.tokens)
+    assert s2.tokens[:n] == prior.tokens and s2.tokens[n] == sp["output_end"]
+    assert s2.mask[n] == 0 and s2.logprobs[n] is None and s2.mask[n + 1] == 1 and len(s2.tokens) == 16
+    assert [(c.start, c.end, c.expr, c.output, c.error) for c in s2.tool_calls] == [(0, n + 1, "1+1", "2", None)]
+    assert s2.weight_versions == [0] * 16 and s2.num_prompt_tokens == 3
+
+
+# ---------------------------------------------------------------------------------- a worker, in-process
+def test_worker_abort_pause_and_weights_while_held(ckpts):
+    """GenerationWorker without Ray: a unit aborted before it arrives returns "abort" rows
+    without generating; a unit held by pause_engine lets a weights swap through (the engine
+    is idle) and, after resume_engine, finishes with versions 0 then 1; a held unit that is
+    aborted returns its samples as held."""
+    import threading
+
+    from cluster.worker import GenerationWorker
+    from jobs.config import load_job_spec
+    from jobs.pool_task import PoolTask
+
+    spec = load_job_spec({"model": {"path": str(ckpts["base"]), "max_seq_len": 64, "max_num_seqs": 8},
+                          "sampling": {"num_samples": 2, "max_tokens": 40, "seed": 1, "stop_token_ids": []}})
+    task = PoolTask(spec)
+    w = GenerationWorker(task, "w0", num_threads=1)
+    eng, steps, started = w.engine, [0], threading.Event()
+    real_step = eng.step
+
+    def step():
+        steps[0] += 1
+        if steps[0] == 3:
+            started.set()
+        return real_step()
+
+    eng.step = step
+    units, _ = task.make_units(["abc", "de"], None, None, 0, 1)
+    more, _ = task.make_units(["fgh"], None, ["x"], 2, 1)
+
+    w.abort_units([more[0].index])  # before the unit arrives
+    rows = w.run_unit(more[0]).data.to_pylist()
+    assert [(r["finish_reason"], r["tokens"]) for r in rows] == [("abort", [])] * 2 and steps[0] == 0
+
+    results = {}
+    threads = [threading.Thread(target=lambda u=u: results.__setitem__(u.index, w.run_unit(u))) for u in units]
+    threads[0].start()
+    assert started.wait(60)  # unit 0 decodes; unit 1 comes now, into the engine, the inbox or after the abort
+    threads[1].start()
+    assert w.pause_engine() >= 1 and not eng.has_unfinished_requests()
+    w.stage_weights(str(ckpts["trained"]))
+    assert w.commit_weights()["weights"]["path"] == str(ckpts["trained"])  # went through: the engine was idle
+    w.abort_units([units[1].index])
+    w.resume_engine()
+    for t in threads:
+        t.join(60)
+    a, b = results[0].data.to_pylist(), results[1].data.to_pylist()
+    assert all(r["finish_reason"] == "length" and len(r["tokens"]) == 40 for r in a)
+    assert all(0 in r["weight_version"] and r["weight_version"][-1] == 1 for r in a)
+    assert all(r["finish_reason"] == "abort" and set(r["weight_version"]) <= {0} for r in b)
+    assert w.progress()["active_units"] == 0
+    w.shutdown()
+
+
+# ---------------------------------------------------------------------------------- a pool
+@pytest.fixture(scope="module")
+def pool(ckpts, ray_local):
+    from jobs import GenerationPool
+
+    config = {"model": {"path": str(ckpts["base"]), "max_num_seqs": 64, "max_seq_len": 128},
+              "input": {"sampling_column": "params"},
+              "sampling": {"num_samples": N_SAMPLES, "max_tokens": SHORT, "seed": 5, "stop_token_ids": []},
+              "cluster": {"num_workers": 2}}
+    with GenerationPool(config) as p:
+        p.generate(_prompts()[:4])  # each worker's first unit imports and warms up (about 2 s here)
+        yield p
+
+
+SEED = {"seed": 5}  # the config's, given: calls compared with each other draw the same noise (no fresh noise)
+
+
+def _prompts(long_tokens: int = LONG) -> pa.Table:
+    """64 prompts; the first N_LONG run `long_tokens` tokens, the others SHORT."""
+    return pa.table({
+        "prompt": [f"prompt {i} " + "x" * (i % 7) for i in range(N_PROMPTS)],
+        "prompt_id": [f"p{i}" for i in range(N_PROMPTS)],
+        "params": [{"max_tokens": long_tokens if i < N_LONG else SHORT} for i in range(N_PROMPTS)],
+    })
+
+
+def _check_groups(groups: list, expect_rows: int) -> dict:
+    """Every group is one prompt's N_SAMPLES rows; every (prompt, sample) once. {key: row}."""
+    rows = {}
+    for g in groups:
+        assert isinstance(g, pa.RecordBatch) and g.num_rows == N_SAMPLES
+        assert len(set(g.column("prompt_id").to_pylist())) == 1
+        assert g.column("sample_index").to_pylist() == list(range(N_SAMPLES))
+        for r in g.to_pylist():
+            key = (r["prompt_id"], r["sample_index"])
+            assert key not in rows, f"duplicate row {key}"
+            rows[key] = r
+    assert len(rows) == expect_rows
+    return rows
+
+
+def test_submit_streams_groups_then_abort_returns_everything(pool):
+    """Groups come back as prompts finish, long before the call ends; the rows equal
+    generate()'s. An abort of the same call returns within 2 s with every sample once:
+    finished ones as in the full call, unfinished ones "abort" with a prefix of their tokens."""
+    t0 = time.monotonic()
+    h = pool.submit(_prompts(), SEED)
+    groups, first, times = [], None, []
+    for g in h.results(timeout_s=120):
+        first = first or time.monotonic() - t0
+        times.append(round(time.monotonic() - t0, 2))
+        groups.append(g)
+    total = time.monotonic() - t0
+    print("\narrivals", times)
+    full = _check_groups(groups, N_PROMPTS * N_SAMPLES)
+    print(f"\nfirst group after {first:.2f} s of a {total:.2f} s call")
+    assert first < total / 2
+    assert all(len(full[(f"p{i}", j)]["tokens"]) == LONG for i in range(N_LONG) for j in range(N_SAMPLES))
+    assert h.result().to_pylist() == pool.generate(_prompts(), SEED).to_pylist()  # prompt order; = generate
+
+    h = pool.submit(_prompts(long_tokens=60), SEED)
+    groups = []
+    for g in h.results(timeout_s=120):
+        groups.append(g)
+        if len(groups) == 8:
+            break
+    t = time.monotonic()
+    assert h.abort(timeout_s=10)
+    took = time.monotonic() - t
+    print(f"abort returned in {took:.2f} s")
+    assert took < 2.0
+    groups += list(h.results(timeout_s=10))
+    rows = _check_groups(groups, N_PROMPTS * N_SAMPLES)
+    reasons = {}
+    for key, r in rows.items():
+        reasons[r["finish_reason"]] = reasons.get(r["finish_reason"], 0) + 1
+        ref = full[key]["tokens"] if key[0] not in {f"p{i}" for i in range(N_LONG)} else None
+        if r["finish_reason"] == "abort":
+            if ref is not None:
+                assert r["tokens"] == ref[: len(r["tokens"])]
+        elif ref is not None:
+            assert r["tokens"] == ref and r["finish_reason"] == "length"
+        assert len(r["weight_version"]) == len(r["tokens"])
+    assert all(rows[(f"p{i}", j)]["finish_reason"] == "abort" for i in range(N_LONG) for j in range(N_SAMPLES))
+    assert reasons["length"] >= 8 * N_SAMPLES  # the groups read before the abort, at least
+    assert h.result().num_rows == N_PROMPTS * N_SAMPLES
+
+
+def test_pause_keep_swap_weights_resume(pool, ckpts):
+    """Samples held across pause("keep") and a weights swap continue after resume(): their
+    weight_version is 0 then 1, and their version-0 tokens are those the call gets on the old
+    weights alone."""
+    ref = {(r["prompt_id"], r["sample_index"]): r for r in pool.generate(_prompts(long_tokens=60), SEED).to_pylist()}
+    h = pool.submit(_prompts(long_tokens=60), SEED)
+    next(h.results(timeout_s=120))  # the engines are running (a short prompt finished)
+    assert pool.pause("keep", timeout_s=30)
+    try:
+        states = pool.load_weights(str(ckpts["trained"]))
+        assert len(states) == 2
+    finally:
+        pool.resume()
+    rows = {(r["prompt_id"], r["sample_index"]): r for r in h.result(timeout_s=120).to_pylist()}
+    assert len(rows) == N_PROMPTS * N_SAMPLES
+    mixed = 0
+    for key, r in rows.items():
+        v = r["weight_version"]
+        assert len(v) == len(r["tokens"]) and v == sorted(v) and set(v) <= {0, 1}
+        k = v.count(0)
+        assert r["tokens"][:k] == ref[key]["tokens"][:k]
+        assert r["finish_reason"] == "length" and len(r["tokens"]) == len(ref[key]["tokens"])
+        mixed += 0 < k < len(v)
+    print(f"\n{mixed} samples continued across the swap")
+    assert mixed >= 1
+    assert all(rows[(f"p{i}", j)]["weight_version"][-1] == 1 for i in range(N_LONG) for j in range(N_SAMPLES))
+    pool.load_weights(str(ckpts["base"]))  # back to `base` for the next test
+
+
+def test_pause_wait_holds_new_calls_and_pause_abort_ends_open_ones(pool):
+    """pause("wait") returns once no unit is on a worker, and a call submitted while paused
+    gets nothing until resume(); pause("abort") ends the open call at once, every sample
+    present (the long ones "abort"), and the pool serves the next call after resume()."""
+    assert pool.pause("wait", timeout_s=30)
+    h = pool.submit(_prompts()[:8], SEED)
+    with pytest.raises(TimeoutError):
+        next(h.results(timeout_s=0.5))  # nothing was dispatched
+    never = pool.submit(_prompts()[8:12], SEED)
+    assert never.abort(timeout_s=10)  # units no worker got: answered without an engine
+    rows = never.result().to_pylist()
+    assert len(rows) == 4 * N_SAMPLES and all(r["finish_reason"] == "abort" and r["tokens"] == [] and
+                                              r["prompt_tokens"] and r["weight_version"] == [] for r in rows)
+    pool.resume()
+    assert h.result(timeout_s=120).num_rows == 8 * N_SAMPLES
+
+    h = pool.submit(_prompts(long_tokens=120), SEED)
+    next(h.results(timeout_s=120))
+    assert pool.pause("abort", timeout_s=10) and h.done()
+    rows = h.result().to_pylist()
+    assert len({(r["prompt_id"], r["sample_index"]) for r in rows}) == len(rows) == N_PROMPTS * N_SAMPLES
+    assert {r["finish_reason"] for r in rows if r["prompt_id"] in {f"p{i}" for i in range(N_LONG)}} == {"abort"}
+    pool.resume()
+    assert pool.generate(_prompts()[:2], SEED).num_rows == 2 * N_SAMPLES
+
+
+def test_overlapping_calls_each_get_their_own_rows(pool):
+    """Two calls submitted together run side by side and each gets exactly its rows, the
+    rows generate() gives for the same prompts."""
+    a, b = pool.submit(_prompts()[:8], SEED), pool.submit(_prompts()[8:24], SEED)
+    rb, ra = b.result(timeout_s=120), a.result(timeout_s=120)
+    assert ra.to_pylist() == pool.generate(_prompts()[:8], SEED).to_pylist()
+    assert rb.column("prompt_id").to_pylist() == [f"p{i}" for i in range(8, 24) for _ in range(N_SAMPLES)]
