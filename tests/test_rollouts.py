@@ -13,9 +13,9 @@ On a real Ray head (one pool of 2 workers for the module; `base` then `trained` 
   call's time; the rows equal generate()'s;
 - abort() of the same call returns within 2 s with all 512 samples once: finished ones as in
   the full call, unfinished ones "abort" with a prefix of their full tokens;
-- pause("keep"), load_weights(trained), resume(): samples running at the pause carry weight
-  version 0 then 1, their version-0 tokens are those of the call on `base` alone, and the
-  pool serves the next call.
+- pause("keep"), load_weights(trained) or update_weights(trained's state dict), resume():
+  samples running at the pause carry the pool's weight version v then v + 1, their version-v
+  tokens are those of the call on `base` alone, and the pool serves the next call.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+import torch
 
 import weights_cases
 
@@ -261,17 +262,23 @@ def test_submit_streams_groups_then_abort_returns_everything(pool):
     assert h.result().num_rows == N_PROMPTS * N_SAMPLES
 
 
-def test_pause_keep_swap_weights_resume(pool, ckpts):
-    """Samples held across pause("keep") and a weights swap continue after resume(): their
-    weight_version is 0 then 1, and their version-0 tokens are those the call gets on the old
-    weights alone."""
+@pytest.mark.parametrize("swap", ["load_weights", "update_weights"])
+def test_pause_keep_swap_weights_resume(pool, ckpts, swap):
+    """Samples held across pause("keep") and a weights swap (a checkpoint, or the trainer's
+    tensors from memory) continue after resume(): their weight_version is the pool's version
+    v0 then v0 + 1, and their version-v0 tokens are those the call gets on the old weights alone."""
+    v0 = pool.engine_states()[0]["weight_version"]
     ref = {(r["prompt_id"], r["sample_index"]): r for r in pool.generate(_prompts(long_tokens=60), SEED).to_pylist()}
     h = pool.submit(_prompts(long_tokens=60), SEED)
     next(h.results(timeout_s=120))  # the engines are running (a short prompt finished)
     assert pool.pause("keep", timeout_s=30)
     try:
-        states = pool.load_weights(str(ckpts["trained"]))
-        assert len(states) == 2
+        if swap == "load_weights":
+            states = pool.load_weights(str(ckpts["trained"]))
+        else:
+            trained = ckpts["trained"] / f"model_{weights_cases.STEP:06d}.pt"
+            states = pool.update_weights(torch.load(trained, weights_only=True))
+        assert len(states) == 2 and {s["weight_version"] for s in states} == {v0 + 1}
     finally:
         pool.resume()
     rows = {(r["prompt_id"], r["sample_index"]): r for r in h.result(timeout_s=120).to_pylist()}
@@ -279,14 +286,14 @@ def test_pause_keep_swap_weights_resume(pool, ckpts):
     mixed = 0
     for key, r in rows.items():
         v = r["weight_version"]
-        assert len(v) == len(r["tokens"]) and v == sorted(v) and set(v) <= {0, 1}
-        k = v.count(0)
+        assert len(v) == len(r["tokens"]) and v == sorted(v) and set(v) <= {v0, v0 + 1}
+        k = v.count(v0)
         assert r["tokens"][:k] == ref[key]["tokens"][:k]
         assert r["finish_reason"] == "length" and len(r["tokens"]) == len(ref[key]["tokens"])
         mixed += 0 < k < len(v)
     print(f"\n{mixed} samples continued across the swap")
     assert mixed >= 1
-    assert all(rows[(f"p{i}", j)]["weight_version"][-1] == 1 for i in range(N_LONG) for j in range(N_SAMPLES))
+    assert all(rows[(f"p{i}", j)]["weight_version"][-1] == v0 + 1 for i in range(N_LONG) for j in range(N_SAMPLES))
     pool.load_weights(str(ckpts["base"]))  # back to `base` for the next test
 
 
