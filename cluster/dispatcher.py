@@ -6,6 +6,7 @@
         more = pool.run(other_units)                                   # same workers, same engines
     results = run_units(task, units, num_workers=2)                    # start, one run, close
     pool.load_weights("ckpt/step-200")                                 # between runs: every engine, in place
+    pool.update_weights(list(model.state_dict().items()))              # or a trainer's tensors, in buckets
 
 A dispatcher sends copies of units to workers and hears back. Its collaborators keep the
 books: `UnitQueue` (cluster/unit_queue.py) the units' states and copies, the queue, attempts
@@ -33,9 +34,10 @@ Failures (actors run with max_restarts=0, max_task_retries=0: the dispatcher own
 Unit commits are idempotent (one file per unit index, first commit wins, deterministic
 sampling), so a unit that ran twice yields one committed file.
 
-Weights (`load_weights`, used by jobs.pool.GenerationPool): all workers load and check a
-checkpoint, then swap it in, or none does (cluster/weight_sync.py); from then on every
-worker started in a slot (a replacement) loads it after the task's checkpoint.
+Weights (`load_weights` and `update_weights`, used by jobs.pool.GenerationPool): all workers
+check a checkpoint or a trainer's tensors, then swap them in, or none does
+(cluster/weight_sync.py); from then on every worker started in a slot (a replacement)
+loads them after the task's checkpoint.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ from typing import Any, Callable, Iterable
 from cluster.health import WorkerRecord, WorkerSlots, WorkerState, short_error
 from cluster.unit import UnitFailed, UnitResult, UnitTask, WorkUnit
 from cluster.unit_queue import Copy, UnitQueue
-from cluster.weight_sync import commit_everywhere, stage_everywhere
+from cluster.weight_sync import PoolWeights, commit_everywhere, stage_everywhere, update_everywhere
 
 
 class UnitDispatcher:
@@ -92,8 +94,9 @@ class UnitDispatcher:
 
     # what the collaborators know, as the dispatcher's own (reports, tests)
     @property
-    def weights(self) -> tuple[str, int | None] | None:
-        """The checkpoint swapped in by load_weights (path, step); None: the task's."""
+    def weights(self) -> PoolWeights | None:
+        """The weights swapped in last (a checkpoint's path and step, whether an update from
+        memory came since) and the count of swaps; None: the task's checkpoint."""
         return self.slots.weights
 
     @property
@@ -136,24 +139,65 @@ class UnitDispatcher:
         (naming the worker and the error; every worker keeps its weights), UnitFailed when
         no worker is running. A worker that dies, or fails in the middle of its swap, is
         replaced (with the new weights once the swap was decided)."""
+        live, replace, keeps = self._swap_start(f"load_weights({path})")
+        staged = stage_everywhere(live, path, step, keeps, replace)
+        version = self._version() + 1
+        self.slots.weights = PoolWeights(version=version, path=path, step=next(iter(staged.values()))["step"])
+        self._event("weights", f"{path} (step {self.weights.step})")
+        states = commit_everywhere(staged, replace, version)
+        self.slots.fill()
+        return states
+
+    def update_weights(self, pairs: list[tuple[str, Any]], *, bucket_bytes: int) -> list[dict]:
+        """Swap a trainer's tensors ((name, tensor) pairs) into every worker's engine, all or
+        nothing, in buckets of about `bucket_bytes` through the object store, without
+        restarting a worker or reallocating its KV cache (cluster/weight_sync.py
+        `update_everywhere`). Call between runs. Returns each worker's engine_state().
+        Raises WeightsRefused naming the worker and every difference (every worker keeps its
+        weights), TypeError for an entry that is not a (name, tensor) pair, UnitFailed when
+        no worker is running. A worker that dies or fails in the middle is replaced, with the
+        new weights (copied from a live worker); if the driver fails while sending, every
+        worker it sent to is replaced."""
+        live, replace, keeps = self._swap_start("update_weights")
+        version = self._version() + 1
+        base = self.slots.weights or PoolWeights(version=0)
+        failed: list[tuple[WorkerRecord, str]] = []
+        try:
+            states = update_everywhere(live, pairs, int(bucket_bytes), version, keeps,
+                                       lambda w, why: failed.append((w, why)))
+        except BaseException:
+            for w, why in failed:  # refused, or the driver failed: replacements get the pool's old weights
+                replace(w, why)
+            raise
+        self.slots.weights = PoolWeights(version=version, path=base.path, step=base.step, from_memory=True)
+        self._event("weights", f"{len(pairs)} tensors from memory (version {version})")
+        for w, why in failed:  # replaced only now, to copy the new weights from a live worker
+            replace(w, why)
+        self.slots.fill()
+        return states
+
+    def _swap_start(self, what: str) -> tuple[list[WorkerRecord], Callable[[WorkerRecord, str], None], str]:
+        """The live workers for a weights swap (after waiting for starting ones), the
+        uncharged replace function, and what the workers keep if it is refused."""
         if self._closed:
             raise RuntimeError("this UnitDispatcher is closed")
+        self.slots.weights_lost = ""  # this swap gives the workers known weights again
         self.wait_ready()
         live = self.slots.live()
         if not live:
-            raise UnitFailed(f"load_weights({path}): no worker is running; last start error: "
+            raise UnitFailed(f"{what}: no worker is running; last start error: "
                              f"{self.slots.last_start_error or 'none'}")
 
         def replace(w: WorkerRecord, why: str) -> None:
             self._replace(w, why, charge=False)
 
-        keeps = f"{self.weights[0]!r}" if self.weights else "the pool's checkpoint"
-        staged = stage_everywhere(live, path, step, keeps, replace)
-        self.slots.weights = (path, next(iter(staged.values()))["step"])
-        self._event("weights", f"{path} (step {self.weights[1]})")
-        states = commit_everywhere(staged, replace)
-        self.slots.fill()
-        return states
+        w = self.weights
+        keeps = ("the pool's checkpoint" if w is None else f"update {w.version} (from memory)" if w.from_memory
+                 else f"{w.path!r}" if w.path else "the pool's checkpoint")
+        return live, replace, keeps
+
+    def _version(self) -> int:
+        return 0 if self.weights is None else self.weights.version
 
     def close(self) -> None:
         """Kill every worker; the dispatcher cannot run again."""
@@ -207,6 +251,7 @@ class UnitDispatcher:
         results: list[UnitResult] = []
         next_progress = time.monotonic() + self.progress_interval_s
         while self.units.pending:
+            self.slots.check_weights()
             if watchdog is not None:
                 watchdog()
             now = time.monotonic()
@@ -382,6 +427,7 @@ class UnitDispatcher:
         `deadlines` is False: a pause holds units on purpose). Raises UnitFailed as `run`."""
         import ray
 
+        self.slots.check_weights()
         now = time.monotonic()
         self.slots.fill()
         if dispatch:

@@ -29,6 +29,7 @@ Worker states (`WorkerState`):
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import re
@@ -99,7 +100,8 @@ class WorkerSlots:
     timeouts: as UnitDispatcher's. events: the dispatcher's event log, (time, kind, detail).
     refs: every pending Ray call to a worker, ObjectRef -> (kind, worker), kind "ready",
     "poll" or "unit" (the dispatcher's run_unit calls, registered with `track`).
-    weights: the checkpoint swapped in by load_weights, which workers started from now on load.
+    weights: the weights swapped in last (cluster.weight_buckets.PoolWeights), which workers
+    started from now on load.
     """
 
     def __init__(self, task: UnitTask, *, num_workers: int, num_cpus: float, num_gpus: float,
@@ -117,7 +119,8 @@ class WorkerSlots:
         self.max_start_failures = max(1, int(max_start_failures))
         self.may_add_nodes = may_add_nodes
         self.events = events
-        self.weights: tuple[str, int | None] | None = None
+        self.weights: Any = None  # cluster.weight_buckets.PoolWeights of the last swap; None: the task's
+        self.weights_lost = ""  # why the last update's weights are gone (every holder died); "" normally
         self.waiting_for_nodes = ""  # why no worker can start now (when may_add_nodes)
         self.auto_dtype: str | None = None  # what the workers resolved model dtype "auto" to
         self.tokens_by_worker: dict[str, int] = {}
@@ -149,13 +152,36 @@ class WorkerSlots:
     def _start_worker(self, slot: int) -> WorkerRecord:
         name = f"worker-{next(self._counter)}"
         threads = max(1, int(self.num_cpus)) if self.num_cpus else None
-        handle = self._actor_cls.options(**self.options).remote(self.task, name, threads, self.weights)
+        handle = self._actor_cls.options(**self.options).remote(self.task, name, threads, self._weights_to_start())
         w = WorkerRecord(name=name, slot=slot, handle=handle, ready_ref=handle.ready.remote(),
                          created=time.monotonic())
         self.refs[w.ready_ref] = ("ready", w)
         self.slots[slot] = w
         self.event("start", f"{name} in slot {slot}")
         return w
+
+    def _weights_to_start(self) -> Any:
+        """What a worker started now loads: self.weights, with the live workers as peers to
+        copy from after an update from memory. With none left (all died since), the update's
+        weights are lost: the worker loads the pool's checkpoint and `weights_lost` says so
+        (`check_weights` then fails runs until the next swap)."""
+        w = self.weights
+        if w is None or not w.from_memory:
+            return w
+        peers = tuple(r.handle for r in self.live())
+        if peers:
+            return dataclasses.replace(w, peers=peers)
+        self.weights = dataclasses.replace(w, from_memory=False)
+        self.weights_lost = (f"the weights of update_weights (weight version {w.version}) were lost with every "
+                             f"worker that held them; the workers now hold "
+                             f"{w.path or 'the pool checkpoint'}: call update_weights or load_weights again")
+        self.event("weights", self.weights_lost)
+        return self.weights
+
+    def check_weights(self) -> None:
+        """Raise UnitFailed while the pool's weights are lost (see `_weights_to_start`)."""
+        if self.weights_lost:
+            raise UnitFailed(self.weights_lost)
 
     def fill(self) -> None:
         """A worker in every empty slot that is not given up."""

@@ -106,15 +106,16 @@ class PromptTask(UnitTask, Protocol):
     their units (WorkUnit.payload), and come back as data (UnitResult.data). Implemented by
     jobs.pool_task.PoolTask.
 
-    make_units(prompts, params, prompt_ids, first_index, unit_rows): the call's units,
-        indexed from `first_index` (unique over the pool's life, so a late copy from an
-        earlier call never collides with a new unit), each of at most `unit_rows` prompts,
-        and an opaque `call` object for `collect`. Raises ValueError (or a subclass) for
+    make_units(prompts, params, prompt_ids, first_index, unit_rows, *, call_number): the
+        call's units, indexed from `first_index` (unique over the pool's life, so a late copy
+        from an earlier call never collides with a new unit), each of at most `unit_rows`
+        prompts, and an opaque `call` object for `collect`; `call_number` counts the pool's
+        calls (0, 1, ...), for fresh noise in calls without an explicit seed. Raises ValueError (or a subclass) for
         prompts or parameters it cannot take, before any work.
     collect(call, results): the call's output from its units' results (in any order).
     """
 
     def make_units(self, prompts: Any, params: Any, prompt_ids: Any, first_index: int,
-                   unit_rows: int) -> tuple[list[WorkUnit], Any]: ...
+                   unit_rows: int, *, call_number: int | None = None) -> tuple[list[WorkUnit], Any]: ...
 
     def collect(self, call: Any, results: list[UnitResult]) -> Any: ...

@@ -1,28 +1,54 @@
-"""Swapping a checkpoint's weights into every worker's engine, all or none.
+"""Swapping weights into every worker's engine, all or none: a checkpoint's, or a trainer's
+tensors from memory sent in buckets through Ray's object store.
 
-    staged = stage_everywhere(live, path, step, keeps, replace)   # every worker loads and checks it
-    states = commit_everywhere(staged, replace)                   # only then does each swap it in
+    staged = stage_everywhere(live, path, step, keeps, replace)   # every worker checks the checkpoint
+    states = commit_everywhere(staged, replace, version)          # only then does each swap it in
 
-UnitDispatcher.load_weights (cluster/dispatcher.py) runs the two halves between runs, for
-GenerationPool.load_weights (jobs/pool.py): first every live worker loads the checkpoint
-and checks that it fits its model (GenerationWorker.stage_weights; its engine keeps
-decoding any late copy of an earlier run meanwhile); if one refuses it, every worker drops
-its staged copy (discard_weights) and WeightsRefused names the worker and its error: all keep
-the weights they had. Otherwise each worker swaps it in (commit_weights) once its engine is
-idle, without restarting or reallocating its KV cache. A worker that dies while loading, or
-fails in the middle of its swap, is handed to `replace` (uncharged); the dispatcher then
-starts its replacement with the new weights once the swap was decided.
+    states = update_everywhere(live, named_tensors, bucket_bytes, version, keeps, replace)
+
+UnitDispatcher.load_weights (cluster/dispatcher.py) runs the first two between runs, for
+GenerationPool.load_weights (jobs/pool.py): first every live worker checks that the
+checkpoint fits its model (GenerationWorker.stage_weights, reading only the files' headers;
+its engine keeps decoding any late copy of an earlier run meanwhile); if one refuses it,
+every worker drops what it staged (discard_weights) and WeightsRefused names the worker and
+its error: all keep the weights they had. Otherwise each worker swaps it in (commit_weights)
+once its engine is idle, reading the files tensor by tensor, without restarting or
+reallocating its KV cache.
+
+UnitDispatcher.update_weights, for GenerationPool.update_weights, does the same with tensors
+from memory (the approach of slime's and SGLang's weight updates): first every worker checks
+the tensors' index, (name, dtype, shape) each, against its model (check_update; nothing is
+sent yet), all or none as above; then the tensors are grouped into buckets of about
+`bucket_bytes` (one contiguous buffer in the store and a small index of name, dtype and
+shape: cluster/weight_buckets.py), each bucket put into the object store once (one copy per node,
+which the workers there read without copying) and applied by every worker (apply_bucket:
+each tensor cast and copied into its place, engine/loading/weight_map.py), at most two
+buckets in flight; finish_update ends the swap. Host memory above the model: the buckets
+in flight in the object store (at most two, each freed once every worker applied it), never
+a staged copy per worker, nor a packed copy in the driver. Nothing is kept afterwards: a
+worker started later (replacing a crashed one) loads the pool's checkpoint and then copies
+a live worker's weights, bucket by bucket (cluster/weight_buckets.py `load_pool_weights`);
+if none is left, the update's weights are lost and runs fail, naming it, until the next
+swap (cluster/health.py). If the driver fails while sending (interrupted, out of memory),
+every worker it had started sending to is replaced.
+
+A worker that dies while checking, or fails in the middle of its swap, is handed to
+`replace` (uncharged); the dispatcher then starts its replacement with the new weights once
+the swap was decided.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Callable
 
 from cluster.health import WorkerRecord, short_error
+from cluster.weight_buckets import PoolWeights, pack_buckets, tensor_index
 
 
 class WeightsRefused(ValueError):
-    """`load_weights` was refused: some worker could not load or use the checkpoint (the
-    message names the worker and its error); every worker keeps the weights it had."""
+    """`load_weights` or `update_weights` was refused: some worker could not load or use the
+    weights (the message names the worker and its error, e.g. every difference between the
+    tensors given and its model); every worker keeps the weights it had."""
 
 
 Replace = Callable[[WorkerRecord, str], None]
@@ -30,42 +56,52 @@ Replace = Callable[[WorkerRecord, str], None]
 
 def stage_everywhere(live: list[WorkerRecord], path: str, step: int | None, keeps: str,
                      replace: Replace) -> dict[WorkerRecord, dict]:
-    """Every worker of `live` loads and checks checkpoint `path`; returns {worker: its
-    stage_weights() reply} when all of them could. Raises WeightsRefused (after every worker
-    dropped its staged copy) when one refused it or all died; `keeps` names the weights they
-    keep, for the message."""
+    """Every worker of `live` checks checkpoint `path`; returns {worker: its stage_weights()
+    reply} when all of them could. Raises WeightsRefused (after every worker dropped what it
+    staged) when one refused it or all died; `keeps` names the weights they keep, for the
+    message."""
+    staged = _everyone_agrees({w.handle.stage_weights.remote(path, step): w for w in live},
+                              f"load_weights({path!r})", keeps, replace)
+    if isinstance(staged, str):
+        raise WeightsRefused(staged)
+    return staged
+
+
+def _everyone_agrees(refs: dict, what: str, keeps: str, replace: Replace) -> dict | str:
+    """{worker: reply} of every worker that answered `refs`, or the WeightsRefused message
+    when one refused (every worker then drops what it staged) or all died."""
     import ray
     from ray.exceptions import RayTaskError
 
-    refs = {w.handle.stage_weights.remote(path, step): w for w in live}
-    staged: dict[WorkerRecord, dict] = {}
+    replies: dict[WorkerRecord, dict] = {}
     refused: list[str] = []
     for ref, w in refs.items():
         try:
-            staged[w] = ray.get(ref)
+            replies[w] = ray.get(ref)
         except RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            refused.append(f"{w.name}: {type(cause).__name__}: {short_error(cause)}")
+            refused.append(f"{w.name}: {type(cause).__name__}: {short_error(cause, 2000)}")
         except Exception as exc:  # noqa: BLE001 - RayActorError: the worker is gone
-            replace(w, f"worker {w.name} died while loading weights: {short_error(exc)}")
-    if refused or not staged:
-        for ref in [w.handle.discard_weights.remote() for w in staged]:
+            replace(w, f"worker {w.name} died while checking weights: {short_error(exc)}")
+    if refused or not replies:
+        for ref in [w.handle.discard_weights.remote() for w in replies]:
             try:
                 ray.get(ref)
             except Exception:  # noqa: BLE001 - a worker gone meanwhile keeps nothing staged
                 pass
-        why = refused[0] if refused else "every worker died while loading it"
-        raise WeightsRefused(f"load_weights({path!r}) refused by {len(refused) or len(live)} of {len(live)} "
-                             f"worker(s); {why}; the workers keep the weights of {keeps}")
-    return staged
+        why = refused[0] if refused else "every worker died while checking it"
+        return (f"{what} refused by {len(refused) or len(refs)} of {len(refs)} worker(s); {why}; the workers "
+                f"keep the weights of {keeps}")
+    return replies
 
 
-def commit_everywhere(staged: dict[WorkerRecord, Any], replace: Replace) -> list[dict]:
-    """Every staged worker swaps its copy in; returns their engine_state() replies. A worker
-    whose swap fails (its engine may be half swapped) is handed to `replace`."""
+def commit_everywhere(staged: dict[WorkerRecord, Any], replace: Replace, version: int) -> list[dict]:
+    """Every staged worker swaps its copy in, taking weight_version `version`; returns their
+    engine_state() replies. A worker whose swap fails (its engine may be half swapped) is
+    handed to `replace`."""
     import ray
 
-    commits = {w.handle.commit_weights.remote(): w for w in staged}
+    commits = {w.handle.commit_weights.remote(version): w for w in staged}
     states = []
     for ref, w in commits.items():
         try:
@@ -73,3 +109,62 @@ def commit_everywhere(staged: dict[WorkerRecord, Any], replace: Replace) -> list
         except Exception as exc:  # noqa: BLE001 - a half-swapped engine: replace the worker
             replace(w, f"its weights swap failed: {short_error(exc, 300)}")
     return states
+
+
+def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bucket_bytes: int, version: int,
+                      keeps: str, replace: Replace) -> list[dict]:
+    """Every worker of `live` checks the tensors' index, then (all agreeing) applies them
+    bucket by bucket and takes weight_version `version` (see the module docstring).
+    Returns their engine_state() replies. Raises WeightsRefused (every worker keeps its
+    weights) when one refused or all died, TypeError for an entry that is not a (name,
+    tensor) pair. A worker that fails while copying is handed to `replace` (the caller
+    replaces it once the update is recorded, so its replacement copies the new weights);
+    a failure of the driver while sending hands every worker that got a bucket to it."""
+    import ray
+
+    index = tensor_index(pairs)
+    checked = _everyone_agrees({w.handle.check_update.remote(index): w for w in live},
+                               "update_weights", keeps, replace)
+    if isinstance(checked, str):
+        raise WeightsRefused(checked)
+    ok = list(checked)
+    failed: list[tuple[WorkerRecord, str]] = []
+    window: deque = deque()
+
+    def drain(calls: dict) -> None:
+        for ref, w in calls.items():
+            try:
+                ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - a half-swapped engine: replace the worker
+                if w in ok:
+                    ok.remove(w)
+                    failed.append((w, f"its weights update failed: {short_error(exc, 300)}"))
+
+    try:
+        for bucket in pack_buckets(pairs, bucket_bytes):
+            ref = ray.put(bucket)  # freed once every worker applied it (no call holds it then)
+            del bucket
+            window.append({w.handle.apply_bucket.remote(ref): w for w in ok})
+            del ref
+            if len(window) > 1:
+                drain(window.popleft())
+        while window:
+            drain(window.popleft())
+    except BaseException:
+        for w in ok:  # half swapped by a driver-side failure: every worker that started copying
+            failed.append((w, "the driver failed while sending weights"))
+        ok.clear()
+        raise
+    finally:
+        for w, why in failed:
+            replace(w, why)
+    states = []
+    for ref, w in {w.handle.finish_update.remote(version): w for w in ok}.items():
+        try:
+            states.append(ray.get(ref))
+        except Exception as exc:  # noqa: BLE001
+            replace(w, f"finishing its weights update failed: {short_error(exc, 300)}")
+    return states
+
+
+__all__ = ["PoolWeights", "WeightsRefused", "commit_everywhere", "stage_everywhere", "update_everywhere"]

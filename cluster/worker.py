@@ -15,12 +15,15 @@ Threads inside one worker (a threaded actor, `max_concurrency` >= 3):
   touching the engine.
 
 Weights swap in two halves, so a pool can make it all-or-nothing across workers:
-`stage_weights(path)` loads and checks the checkpoint in the calling thread (the engine is
-only read; decoding goes on), `commit_weights()` hands the copy to the engine-loop thread,
+`stage_weights(path)` checks the checkpoint in the calling thread (the engine is only read;
+decoding goes on), `commit_weights(version)` hands the copy to the engine-loop thread,
 which runs it once the engine has no unfinished requests (new prompts wait meanwhile), and
-`discard_weights()` drops a staged checkpoint. A worker started with `weights` loads the
-engine as the task says, then those weights (a replacement for a worker of a pool whose
-weights were swapped; cluster/weight_sync.py).
+`discard_weights()` drops a staged checkpoint. Weights from memory likewise:
+`check_update(index)` checks a trainer's (name, dtype, shape) list, then `apply_bucket(b)`
+copies one bucket's tensors in place on the engine-loop thread (from the first bucket on,
+new prompts wait), and `finish_update(version)` ends the swap. A worker started with
+`weights` (cluster.weight_buckets.PoolWeights) loads the engine as the task says, then those
+weights (a replacement for a worker of a pool whose weights were swapped).
 
 An exception raised by the engine fails every unit the worker holds (their `run_unit`
 raises `EngineLoopError`) and breaks the worker: it drops its engine and refuses new units,
@@ -57,6 +60,7 @@ class _Control:
     """Work for the engine-loop thread to run while the engine is idle (a weights swap)."""
 
     fn: Any
+    hold: bool | None = None  # True: from now on new prompts wait; False: they may run again
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
@@ -110,19 +114,22 @@ class GenerationWorker(RolloutMethods):
     and pauses its units for a pool's calls (cluster/worker_rollout.py)."""
 
     def __init__(self, task: UnitTask, worker_name: str, num_threads: int | None = None,
-                 weights: tuple[str, int | None] | None = None) -> None:
+                 weights: Any = None) -> None:
         self.task = task
         self.name = worker_name
         self.num_threads = num_threads
         self.engine = _load_engine(task, num_threads)
-        self.weights: dict | None = None  # the last load_weights: {"path", "step", "description"}
+        self.weights: dict | None = None  # the last swap: {"path", "step", "description", "weight_version"}
         if weights is not None:
-            self.weights = self.engine.load_weights(weights[0], step=weights[1])
+            from cluster.weight_buckets import load_pool_weights
+
+            self.weights = load_pool_weights(self.engine, weights)
         self.tokenizer = self.engine.tokenizer
         self._cv = threading.Condition()
         self._inbox: list[tuple[_UnitState, list[tuple[Any, Any]]]] = []  # guarded by _cv
         self._control: list[_Control] = []  # guarded by _cv; run by the engine loop when idle
         self._staged: Any = None  # a checkpoint staged by stage_weights; guarded by _cv
+        self._holding = False  # a swap from memory is under way: new prompts wait; guarded by _cv
         self._owners: dict[Any, tuple[_UnitState, int]] = {}  # request_id -> (unit, row); _cv
         self._units: set[_UnitState] = set()  # units with requests posted or in the engine; _cv
         self._stopped = False
@@ -176,6 +183,7 @@ class GenerationWorker(RolloutMethods):
         kv = getattr(engine, "kv", None)
         k = getattr(kv, "k", None)
         return {"worker": self.name, "pid": os.getpid(), "weights": weights,
+                "weight_version": getattr(engine, "weight_version", None),
                 "kv_cache_ptr": None if k is None else k.data_ptr(),
                 "kv_cache_slots": getattr(kv, "num_slots", None),
                 "kv_budget_bytes": getattr(engine, "kv_budget_bytes", None)}
@@ -196,27 +204,81 @@ class GenerationWorker(RolloutMethods):
         return {"worker": self.name, "pid": os.getpid(), "path": staged.path, "step": staged.step,
                 "description": staged.description}
 
-    def commit_weights(self) -> dict:
-        """Swap the staged checkpoint in (Engine.apply_weights) on the engine-loop thread, as
-        soon as the engine has no unfinished requests; returns `engine_state()`. Raises
-        RuntimeError when nothing is staged, EngineLoopError when the swap failed (the
-        worker is then broken: its weights may be half swapped)."""
+    def commit_weights(self, version: int | None = None) -> dict:
+        """Swap the staged checkpoint in (Engine.apply_weights, taking weight_version
+        `version`) on the engine-loop thread, as soon as the engine has no unfinished
+        requests; returns `engine_state()`. Raises RuntimeError when nothing is staged,
+        EngineLoopError when the swap failed (the worker is then broken: its weights may be
+        half swapped)."""
         with self._cv:
             staged, self._staged = self._staged, None
             if staged is None:
                 raise RuntimeError(f"worker {self.name}: commit_weights without stage_weights")
+        self.weights = self._run_control(lambda eng: eng.apply_weights(staged, version=version), "swapping the weights")
+        return self.engine_state()
+
+    def check_update(self, index: list) -> dict:
+        """Check a trainer's tensors, (name, dtype name, shape) each, against this worker's
+        model (engine.loading.weight_swap.check_tensors); changes nothing. Returns {"worker",
+        "pid"}. Raises WeightsMismatch naming every difference, EngineLoopError on a broken
+        worker."""
+        from engine.loading.weight_swap import check_tensors
+
+        with self._cv:
+            engine, broken = self.engine, self._broken
+        if broken is not None or engine is None:
+            raise EngineLoopError(f"worker {self.name}: engine failed earlier: {broken!r}")
+        check_tensors(engine.model, index)
+        return {"worker": self.name, "pid": os.getpid()}
+
+    def apply_bucket(self, bucket: Any) -> int:
+        """Copy one bucket's tensors (cluster.weight_buckets.pack_buckets; Ray hands it over
+        from the object store without a copy) into the model in place, on the engine-loop
+        thread once the engine has no unfinished requests; new prompts wait from then until
+        `finish_update`. Returns how many tensors were copied. Raises EngineLoopError when
+        a copy failed (the worker is broken: its weights are half swapped)."""
+        from cluster.weight_buckets import copy_bucket
+
+        return self._run_control(lambda eng: copy_bucket(eng, bucket), "copying a bucket of weights", hold=True)
+
+    def export_weights(self, number: int, bucket_bytes: int) -> Any:
+        """Bucket `number` of this worker's weights as they are now, under the model's own
+        names (cluster.weight_buckets.export_bucket), for a new worker of the pool to copy;
+        None past the last. Only reads the model (no swap runs while workers start)."""
+        from cluster.weight_buckets import export_bucket
+
+        with self._cv:
+            engine, broken = self.engine, self._broken
+        if broken is not None or engine is None:
+            raise EngineLoopError(f"worker {self.name}: engine failed earlier: {broken!r}")
+        return export_bucket(engine, number, bucket_bytes)
+
+    def finish_update(self, version: int) -> dict:
+        """End a swap from memory: the engine drops what it derived from its old weights and
+        takes weight_version `version`, and new prompts may run again. Returns
+        `engine_state()`."""
+        from engine.loading.weight_swap import MEMORY
+
+        def finish(eng):
+            eng.model.weights_changed()
+            return eng.weights_swapped(MEMORY, None, eng.model.info.description, version)
+
+        self.weights = self._run_control(finish, "finishing the weights swap", hold=False)
+        return self.engine_state()
+
+    def _run_control(self, fn: Any, what: str, hold: bool | None = None) -> Any:
+        """Run fn(engine) on the engine-loop thread once the engine is idle; its result.
+        hold: True / False sets whether new prompts wait after it (None: unchanged)."""
+        with self._cv:
             if self._broken is not None:
                 raise EngineLoopError(f"worker {self.name}: engine failed earlier: {self._broken!r}")
-            control = _Control(fn=lambda eng: eng.apply_weights(staged))
+            control = _Control(fn=fn, hold=hold)
             self._control.append(control)
             self._cv.notify_all()
         self._wait(control.done)
         if control.error is not None:
-            raise EngineLoopError(f"worker {self.name}: swapping the weights failed: {control.error!r}") \
-                from control.error
-        with self._cv:
-            self.weights = control.result
-        return self.engine_state()
+            raise EngineLoopError(f"worker {self.name}: {what} failed: {control.error!r}") from control.error
+        return control.result
 
     def discard_weights(self) -> None:
         """Drop a staged checkpoint (another worker refused it)."""
@@ -286,23 +348,27 @@ class GenerationWorker(RolloutMethods):
         while True:
             control = None
             with self._cv:
-                while not self._stopped and (not self._inbox or self._paused) and not busy and not self._control \
-                        and not self._ops:
+                while not (self._stopped or busy or self._control or self._ops
+                           or (self._inbox and not self._paused and not self._holding)):
                     self._cv.wait()
                 if self._stopped:
                     return
-                ops, self._ops = self._ops, []
-                if self._paused and not self._control:
-                    inbox = []  # held until resume_engine
-                elif self._control:
+                if self._control:
                     # the engine drains first; new prompts wait until the control has run
                     inbox = []
                     if not busy:
                         control = self._control.pop(0)
+                        if control.hold is not None:
+                            self._holding = control.hold
+                elif self._paused or self._holding:
+                    inbox = []  # held until resume_engine, or until a swap from memory ends
                 else:
                     inbox, self._inbox = self._inbox, []
                     for state, _ in inbox:
                         state.in_engine = True
+                ops = []
+                if control is None:  # a control runs alone; the ops run in the next round
+                    ops, self._ops = self._ops, []
             if control is not None:
                 try:
                     control.result = control.fn(eng)

@@ -133,7 +133,7 @@ class Engine:
         self.compacted_positions = 0
         self.compaction_seconds = 0.0
         self._kv_row_bytes = [0, 0]  # (sum over decode steps of reserved bytes, of running rows)
-        self.weight_version = 0  # +1 per weights swap (apply_weights); every token records it (Sample.weight_versions)
+        self.weight_version = 0  # +1 per swap (a pool sets its own count); tokens record it (Sample.weight_versions)
 
     @staticmethod
     def _tool_tokens(tokenizer) -> ToolTokens | None:
@@ -448,10 +448,11 @@ class Engine:
         only config.json and weights will do, and the engine keeps its tokenizer. Nothing is
         reallocated: the parameters keep their storage, the KV cache is the same tensors.
         Afterwards the engine generates what `load_engine(path)` would (on CPU in float32:
-        bit for bit), given the same tokenizer. Peak memory: one more copy of the weights,
-        in host RAM. step: for a nanochat directory (default: its highest step).
-        Returns {"path", "step", "description"}. Raises RuntimeError while requests are
-        unfinished, FileNotFoundError / CheckpointError from the loaders, and
+        bit for bit), given the same tokenizer. Host memory above the model: one tensor at a
+        time for Hugging Face and nanochat directories (read file by file); one more copy of
+        the weights for a GGUF file. step: for a nanochat directory (default: its highest).
+        Returns {"path", "step", "description", "weight_version"}. Raises RuntimeError while
+        requests are unfinished, FileNotFoundError / CheckpointError from the loaders, and
         engine.loading.weight_swap.WeightsMismatch naming what differs; on any of these the
         engine keeps its weights.
         """
@@ -459,7 +460,7 @@ class Engine:
         return self.apply_weights(self.stage_weights(path, step=step))
 
     def stage_weights(self, path: str | Path, *, step: int | None = None):
-        """The first half of `load_weights`: load and check checkpoint `path`, change nothing.
+        """The first half of `load_weights`: check checkpoint `path`, change nothing.
         Only reads the engine, so it may run on another thread while the engine steps.
         Returns an engine.loading.weight_swap.StagedWeights for `apply_weights`; raises as
         load_weights."""
@@ -467,16 +468,44 @@ class Engine:
 
         return stage_weights(self.model, path, dtype=self.dtype, step=step)
 
-    def apply_weights(self, staged) -> dict:
+    def apply_weights(self, staged, *, version: int | None = None) -> dict:
         """The second half of `load_weights`: copy staged weights into the model in place.
-        Returns {"path", "step", "description"}. Raises RuntimeError while requests are
-        unfinished (their cached keys and values came from the old weights)."""
+        version: the weight_version to take (default: one more). Returns {"path", "step",
+        "description", "weight_version"}. Raises RuntimeError while requests are unfinished
+        (their cached keys and values came from the old weights)."""
         from engine.loading.weight_swap import apply_weights
 
         self._check_idle("apply_weights")
-        self.weight_version += 1  # before the copy: a half-done swap is not the old weights either
+        # before the copy: a half-done swap is not the old weights either
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
         apply_weights(self.model, staged)
-        return {"path": staged.path, "step": staged.step, "description": staged.description}
+        return self.weights_swapped(staged.path, staged.step, staged.description, self.weight_version)
+
+    def update_weights(self, named_tensors: Any) -> dict:
+        """Replace the model's weights with a trainer's tensors from memory, in place: a
+        mapping or an iterable of (name, tensor), named as the trainer's model names them
+        (transformers' names for the Llama family and GPT-2, nanochat's own for nanochat),
+        any floating dtype and device, cast and fused as the loaders do
+        (engine/loading/weight_map.py), so the engine then generates what it would on a
+        checkpoint of those tensors. All are checked before any is copied: every tensor of
+        the model named once, in its shape. Returns as load_weights (path "<memory>").
+        Raises RuntimeError while requests are unfinished, WeightsMismatch naming every
+        difference (the engine keeps its weights)."""
+        from engine.loading.weight_swap import MEMORY, check_tensors, copy_tensors
+
+        self._check_idle("update_weights")
+        pairs = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        check_tensors(self.model, [(n, str(t.dtype).replace("torch.", ""), tuple(t.shape)) for n, t in pairs])
+        self.weight_version += 1  # before the copy, as apply_weights
+        copy_tensors(self.model, pairs)
+        self.model.weights_changed()
+        return self.weights_swapped(MEMORY, None, self.model.info.description, self.weight_version)
+
+    def weights_swapped(self, path: str, step: int | None, description: str, version: int | None = None) -> dict:
+        """Record a finished swap: weight_version becomes `version` (default: one more).
+        Returns {"path", "step", "description", "weight_version"}."""
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
+        return {"path": path, "step": step, "description": description, "weight_version": self.weight_version}
 
     def _check_idle(self, what: str) -> None:
         if self.has_unfinished_requests():

@@ -2,8 +2,9 @@
 
     from jobs import GenerationPool
     with GenerationPool("configs/rl.yaml", {"cluster.num_workers": 2}) as pool:
-        table = pool.generate(["What is 2+2?", "Name a prime."], {"temperature": 0.7, "seed": step})
+        table = pool.generate(["What is 2+2?", "Name a prime."], {"temperature": 0.7})  # fresh noise each call
         pool.load_weights("ckpt/step-200")          # every worker, in place
+        pool.update_weights(trainer.state_dict())    # or the trainer's tensors from memory, in buckets
         table = pool.generate(prompts)               # now from step-200's weights
         handle = pool.submit(prompts)                # returns at once (jobs/rollout_handle.py)
         for group in handle.results(): ...           # each prompt's samples as soon as they are all done
@@ -14,10 +15,11 @@ retries and worker replacement as a job) started once and fed with the units of 
 The prompts travel inside their units and the rows come back through Ray, never through
 files. What the prompts and rows are is the task's business (cluster.unit.PromptTask): here
 jobs.pool_task.PoolTask, which reads and writes them exactly as a job does, so a call's rows
-equal, bit for bit, what `run_job` writes for the same prompts, ids, parameters and
-checkpoint. Every call, `generate` included, is driven by one background thread
-(cluster/rollout.py: RolloutRunner), which also runs the pool's weights swaps, so calls may
-overlap, be aborted, and pause around a swap.
+equal, bit for bit, what `run_job` writes for the same prompts, ids, parameters (the seed
+given explicitly: a call without one draws fresh noise) and checkpoint. Every call,
+`generate` included, is driven by one background thread (cluster/rollout.py:
+RolloutRunner), which also runs the pool's weights swaps, so calls may overlap, be aborted,
+and pause around a swap.
 
 `from cluster import GenerationPool` still works for one release, with a DeprecationWarning
 (cluster/ never imports jobs/ otherwise).
@@ -36,6 +38,8 @@ from jobs.plan.planner import check_device, check_local_gpus, check_model_path, 
 from jobs.pool_task import PoolTask
 from jobs.rollout_handle import RolloutHandle
 from jobs.runner import connect_ray
+
+DEFAULT_BUCKET_BYTES = 512 << 20  # update_weights' bucket size (slime's ~512 MB buckets)
 
 
 # Units a pool keeps on each worker: submit() cuts calls into small units (see `submit`) so
@@ -102,6 +106,7 @@ class GenerationPool:
         self.unit_rows = max(1, int(setup.unit_rows))
         self._ray_started = setup.ray_started
         self._next_index = 0  # unit indices count up over the pool's life (late copies never collide)
+        self.num_calls = 0  # calls made; a call without an explicit seed mixes its number into its seed
         self.dispatcher = UnitDispatcher(setup.task, **setup.dispatcher_options)
         self._runner = RolloutRunner(self.dispatcher)  # owns the dispatcher from its thread (cluster/rollout.py)
         try:
@@ -119,6 +124,10 @@ class GenerationPool:
         of strings, token-id lists or chat message lists, or a pyarrow.Table with the job's
         input columns; params an engine SamplingParams or a dict of `sampling` keys over
         the config's; prompt_ids one id per prompt, default "0", "1", ...).
+        Noise: without an explicit `seed` in params, the call's seed is derived from the
+        config's and the pool's call count (jobs.pool_task.call_seed), so each call draws
+        fresh samples; the rows' `seed` column holds it, and `{"seed": that}` (same prompts,
+        ids and other params) gives the same rows again. An explicit seed is used as is.
         Raises ValueError (SpecError, InputError) for input the task refuses, before any
         work, and cluster.unit.UnitFailed when the call cannot finish (a unit failing
         max_unit_attempts times, no worker able to start); the workers stay up.
@@ -149,7 +158,9 @@ class GenerationPool:
         return self._submit(prompts, params, prompt_ids, max(1, int(per_unit)))
 
     def _submit(self, prompts: Any, params: Any, prompt_ids: Any, per_unit: int) -> RolloutHandle:
-        units, call = self.task.make_units(prompts, params, prompt_ids, self._next_index, per_unit)
+        call_number, self.num_calls = self.num_calls, self.num_calls + 1
+        units, call = self.task.make_units(prompts, params, prompt_ids, self._next_index, per_unit,
+                                           call_number=call_number)
         self._next_index += len(units)
         return RolloutHandle(self._runner, self.task, call, len(prompts))._start(units)
 
@@ -171,14 +182,40 @@ class GenerationPool:
     def load_weights(self, checkpoint_path: str, *, step: int | None = None) -> list[dict]:
         """Load checkpoint `checkpoint_path`'s weights into every worker's engine, in place:
         same actors (same pids), same KV cache, all workers or none (UnitDispatcher.load_weights).
-        The checkpoint needs the same architecture and shapes (engine/loading/weight_swap.py); its
-        tokenizer is not read (the pool keeps the config's). Afterwards `generate` equals a
-        job on the new checkpoint, bit for bit; workers replaced later load it too.
+        The checkpoint needs the same architecture and shapes (engine/loading/weight_swap.py),
+        checked from its files' headers before any worker swaps; each worker then reads it
+        tensor by tensor (a GGUF file: whole). Its tokenizer is not read (the pool keeps the
+        config's). Afterwards `generate` equals a job on the new checkpoint, bit for bit;
+        workers replaced later load it too; weight_version counts one more.
         step: for a nanochat directory (default: its highest step now).
         Returns each worker's state ({"worker", "pid", "weights", "kv_cache_ptr", ...}).
         Raises cluster.weight_sync.WeightsRefused naming the worker and what does not fit (every
         worker keeps its weights) and UnitFailed when no worker runs."""
         return self._runner.call(lambda: self.dispatcher.load_weights(str(checkpoint_path), step=step))
+
+    def update_weights(self, named_tensors: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[dict]:
+        """Swap a trainer's tensors from memory into every worker's engine, in place: same
+        actors, same KV cache, all workers or none (UnitDispatcher.update_weights,
+        cluster/weight_sync.py).
+
+        named_tensors: a state dict or an iterable of (name, tensor), named as the trainer's
+            model names them: transformers' names for Llama-family models (a GGUF-loaded one
+            too) and GPT-2, nanochat's own for nanochat; any floating dtype, on any device.
+            Every tensor of the model must be named once, in its shape; each is cast to the
+            engine's dtype and fused or transposed as the loaders do
+            (engine/loading/weight_map.py). The tensors are referenced, not copied, until
+            packed (a generator's tensors are all held until the call ends).
+        bucket_bytes: about how many bytes are packed into one buffer and put into Ray's
+            object store at once (default 512 MiB); at most two buckets are in flight.
+        Afterwards `generate` equals a pool started on a checkpoint of those tensors, bit for
+        bit; a worker replaced later copies them from a live one (nothing is kept in the
+        object store; if every worker died at once, calls raise UnitFailed naming the lost
+        update until the next swap). Returns each worker's state (its "weight_version" one more than before).
+        Raises cluster.weight_sync.WeightsRefused naming the worker and every difference
+        (missing or unknown names, shapes; every worker keeps its weights), TypeError for an
+        entry that is not a (name, tensor) pair, UnitFailed when no worker runs."""
+        pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        return self._runner.call(lambda: self.dispatcher.update_weights(pairs, bucket_bytes=bucket_bytes))
 
     def workers(self) -> list[dict]:
         """The worker slots: name, state, info from when it started (pid, host, device, dtype)."""

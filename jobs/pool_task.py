@@ -15,9 +15,14 @@ Prompts of a call:
   when the config sets them, checked as a job checks its files.
 Prompt ids: `prompt_ids` (one per prompt), else the table's input.id_column (or a
 "prompt_id" column when the config sets none), else the prompt's index in the call, "0",
-"1", .... The noise of a sample is keyed by (seed, prompt id, sample index): the same prompt
-with the same id and seed gets the same noise in every call, so an RL loop passes a new
-`seed` per call (or new ids) for fresh samples. Ids must be unique within a call.
+"1", .... Ids must be unique within a call.
+Noise: a sample's noise is keyed by (seed, prompt id, sample index). A call whose params name
+no `seed` gets a seed of its own, `call_seed(config seed, call number)` (the pool counts its
+calls from 0), so every call draws fresh samples even for the same prompts and ids; the rows'
+`seed` column holds the seed used, and passing it back (`{"seed": row_seed}`) reproduces the
+call exactly, whatever its number. A call with an explicit seed (a dict with "seed", or an
+engine SamplingParams, which always carries one) uses it as is. `run_job` never goes through
+here: a job is one call with its config's seed, exactly as before.
 Bad rows (a null or empty prompt, malformed messages, bad token ids) become error rows
 named "prompts row <i>", as a job's do; what a job could not even store (a list mixing
 kinds, a token that is not an integer) is a ValueError before any work.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -80,12 +86,14 @@ class PoolTask(JobTask):
 
     # ------------------------------------------------------------ driver side
     def make_units(self, prompts: Any, params: Any, prompt_ids: Any, first_index: int,
-                   unit_rows: int) -> tuple[list[WorkUnit], PoolCall]:
-        """The call's units of at most `unit_rows` prompts, indexed from `first_index`.
+                   unit_rows: int, *, call_number: int | None = None) -> tuple[list[WorkUnit], PoolCall]:
+        """The call's units of at most `unit_rows` prompts, indexed from `first_index`;
+        call_number: the pool's count of calls, mixed into the seed of a call without an
+        explicit one (see the module docstring; None: the config's seed as is).
         Raises SpecError for a bad params key or value, InputError for a table without the
         job's columns or duplicate prompt ids, ValueError / TypeError for prompts it cannot
         take (named by index)."""
-        call_params = self.call_params(params)
+        call_params = self.call_params(params, call_number=call_number)
         if isinstance(prompts, pa.Table):
             layout, fields, columns = self._table_columns(prompts, prompt_ids)
         elif isinstance(prompts, (str, bytes, Mapping)) or not isinstance(prompts, Iterable):
@@ -113,21 +121,27 @@ class PoolTask(JobTask):
         tables = [by_index[i] for i in call.indices]
         return pa.concat_tables(tables) if tables else call.schema.empty_table()
 
-    def call_params(self, params: Any) -> Any:
+    def call_params(self, params: Any, *, call_number: int | None = None) -> Any:
         """The SamplingParams of a call: the config's (None), an engine SamplingParams as
         given, or a mapping of `sampling` keys ({"temperature": 0.7, "seed": 3}) over the
-        config's, validated as the config is (SpecError naming "sampling.<key>")."""
+        config's, validated as the config is (SpecError naming "sampling.<key>"). Without an
+        explicit seed and with a `call_number`, the seed is `call_seed(seed, call_number)`."""
         from engine.params import SamplingParams
 
-        if params is None:
-            return self.params
         if isinstance(params, SamplingParams):
             return params
-        if isinstance(params, Mapping):
+        if params is None:
+            resolved, explicit = self.params, False
+        elif isinstance(params, Mapping):
             keys = {k if str(k).startswith("sampling.") else f"sampling.{k}": v for k, v in params.items()}
-            return load_job_spec(JobSpec.from_dict(self.spec_data, self.source), keys).sampling_params()
-        raise TypeError(f"params must be None, an engine.SamplingParams or a dict of sampling keys, "
-                        f"got {type(params).__name__}")
+            resolved = load_job_spec(JobSpec.from_dict(self.spec_data, self.source), keys).sampling_params()
+            explicit = "sampling.seed" in keys
+        else:
+            raise TypeError(f"params must be None, an engine.SamplingParams or a dict of sampling keys, "
+                            f"got {type(params).__name__}")
+        if explicit or call_number is None:
+            return resolved
+        return dataclasses.replace(resolved, seed=call_seed(resolved.seed, call_number))
 
     def _table_columns(self, table: pa.Table,
                        prompt_ids: Any) -> tuple[RowLayout, tuple[pa.Field, ...], dict[str, list[Any]]]:
@@ -182,6 +196,14 @@ class PoolTask(JobTask):
         return UnitResult(index=unit.index, path="", data=table, **counts)
 
 
+def call_seed(seed: int, call_number: int) -> int:
+    """The seed of a pool's call number `call_number` (0, 1, ...) made without an explicit
+    seed, from the config's `seed`: 63 bits of blake2b over both, so calls draw unrelated
+    noise, and the same pool config gives the same sequence of calls in every run."""
+    h = hashlib.blake2b(f"{seed}\x1fcall\x1f{call_number}".encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
 def _list_format(prompts: list[Any]) -> str:
     """text, tokens or chat for a list of prompts (None entries fit any); ValueError naming the
     first prompt of another kind."""
@@ -231,4 +253,4 @@ def _check_unique(ids: list[Any]) -> None:
         seen[str(v)] = i
 
 
-__all__ = ["PoolTask", "PromptBatch", "PoolCall"]
+__all__ = ["PoolTask", "PromptBatch", "PoolCall", "call_seed"]

@@ -5,7 +5,7 @@ One local Ray instance for the module; tiny nanochat checkpoints (tests/weights_
 trainer writes them). References are real jobs (`run_job`) on each checkpoint over the same
 prompts (one of them an error row), with stop strings, so text, stop_reason and error rows
 are compared too. The pool (2 workers):
-- generate() returns, bit for bit, the rows run_job wrote (every column: tokens, logprobs,
+- generate() with the job's seed given explicitly returns, bit for bit, the rows run_job wrote (every column: tokens, logprobs,
   mask, text, ...), from a table with the job's columns and from a list with prompt_ids;
 - load_weights(trained) keeps the same worker processes and KV cache storage, and then
   generate() equals the job on `trained`;
@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["What is 2 + 2?", "Name a prime.", "", "Count to five", "abc", "The end of the story is"]
 IDS = [f"q{i}" for i in range(len(PROMPTS))]
 LEVELS = [1, 2, 3, 1, 2, 3]  # a passthrough column
+SEED = {"seed": 1}  # the config's seed, given explicitly: a call without one draws fresh noise (test_fresh_noise.py)
 SWAPS = ["weight_version"]  # the engine's count of weight swaps, per token: differs from a fresh job's 0
 
 
@@ -74,12 +75,12 @@ def test_generate_equals_run_job(setup):
     _, _, jobs, pool = setup
     want = jobs["base"]
     assert want.num_rows == 18 and want.column("error").null_count == 15  # the empty prompt: 3 error rows
-    got = pool.generate(_table())
+    got = pool.generate(_table(), SEED)
     assert got.schema == want.schema.remove_metadata()
     assert _rows(got) == _rows(want)
     assert "prompts row 2 column 'prompt': prompt is an empty string" in got.column("error").to_pylist()
     assert got.column("level").to_pylist() == [v for v in LEVELS for _ in range(3)]
-    assert _rows(pool.generate(PROMPTS, prompt_ids=IDS)) == _rows(want, drop=["level"])
+    assert _rows(pool.generate(PROMPTS, SEED, prompt_ids=IDS)) == _rows(want, drop=["level"])
 
 
 def test_call_parameters_and_bad_calls(setup):
@@ -90,7 +91,7 @@ def test_call_parameters_and_bad_calls(setup):
     from jobs.errors import InputError, SpecError
 
     ck, _, _, pool = setup
-    greedy = pool.generate(PROMPTS[:2], {"temperature": 0.0, "num_samples": 1, "stop": None})
+    greedy = pool.generate(PROMPTS[:2], {"temperature": 0.0, "num_samples": 1, "stop": None, "seed": 1})
     assert greedy.num_rows == 2 and greedy.column("prompt_id").to_pylist() == ["0", "1"]
     same = pool.generate(PROMPTS[:2], SamplingParams(num_samples=1, max_tokens=8, temperature=0.0, top_k=20, seed=1))
     assert same.to_pylist() == greedy.to_pylist()
@@ -115,8 +116,8 @@ def test_load_weights_in_place_then_equals_a_job_on_the_new_checkpoint(setup):
     assert {s["worker"]: (s["pid"], s["kv_cache_ptr"]) for s in states} == \
         {w: (s["pid"], s["kv_cache_ptr"]) for w, s in before.items()}
     assert all(s["weights"]["path"] == str(ck["trained"]) and s["weights"]["step"] == 650 for s in states)
-    got = pool.generate(_table())
-    # weight_version counts the engine's swaps: 1 here, 0 in a job that loaded `trained` at start
+    got = pool.generate(_table(), SEED)
+    # weight_version counts the pool's swaps: 1 here, 0 in a job that loaded `trained` at start
     assert _rows(got, SWAPS) == _rows(jobs["trained"], SWAPS)
     assert {v for vs in got.column("weight_version").to_pylist() for v in vs} == {1}
     assert got.column("tokens").to_pylist() != jobs["base"].column("tokens").to_pylist()
@@ -126,13 +127,13 @@ def test_mismatched_checkpoints_are_refused_and_the_weights_kept(setup):
     from cluster.weight_sync import WeightsRefused
 
     ck, _, _, pool = setup
-    before = pool.generate(_table())
+    before = pool.generate(_table(), SEED)
     pids = sorted(s["pid"] for s in pool.engine_states())
     with pytest.raises(WeightsRefused, match=r"window_pattern 'L' \(loaded: 'SSSL'\).*keep the weights"):
         pool.load_weights(ck["other_config"])
     with pytest.raises(WeightsRefused, match=r"n_layer 3 \(loaded: 4\)"):
         pool.load_weights(ck["other_shapes"])
-    assert pool.generate(_table()).to_pylist() == before.to_pylist()
+    assert pool.generate(_table(), SEED).to_pylist() == before.to_pylist()
     assert sorted(s["pid"] for s in pool.engine_states()) == pids
 
 
@@ -144,7 +145,7 @@ def test_replacement_workers_load_the_current_weights(setup):
     old = sorted(s["pid"] for s in pool.engine_states())
     for pid in old:
         os.kill(pid, signal.SIGKILL)
-    got = pool.generate(_table())
+    got = pool.generate(_table(), SEED)
     assert _rows(got, SWAPS) == _rows(jobs["trained"], SWAPS)
     states = pool.engine_states()
     assert len(states) == 2 and not set(s["pid"] for s in states) & set(old)

@@ -13,9 +13,9 @@ On a real Ray head (one pool of 2 workers for the module; `base` then `trained` 
   call's time; the rows equal generate()'s;
 - abort() of the same call returns within 2 s with all 512 samples once: finished ones as in
   the full call, unfinished ones "abort" with a prefix of their full tokens;
-- pause("keep"), load_weights(trained), resume(): samples running at the pause carry weight
-  version 0 then 1, their version-0 tokens are those of the call on `base` alone, and the
-  pool serves the next call.
+- pause("keep"), load_weights(trained) or update_weights(trained's state dict), resume():
+  samples running at the pause carry the pool's weight version v then v + 1, their version-v
+  tokens are those of the call on `base` alone, and the pool serves the next call.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+import torch
 
 import weights_cases
 
@@ -187,6 +188,9 @@ def pool(ckpts, ray_local):
         yield p
 
 
+SEED = {"seed": 5}  # the config's, given: calls compared with each other draw the same noise (no fresh noise)
+
+
 def _prompts(long_tokens: int = LONG) -> pa.Table:
     """64 prompts; the first N_LONG run `long_tokens` tokens, the others SHORT."""
     return pa.table({
@@ -216,7 +220,7 @@ def test_submit_streams_groups_then_abort_returns_everything(pool):
     generate()'s. An abort of the same call returns within 2 s with every sample once:
     finished ones as in the full call, unfinished ones "abort" with a prefix of their tokens."""
     t0 = time.monotonic()
-    h = pool.submit(_prompts())
+    h = pool.submit(_prompts(), SEED)
     groups, first, times = [], None, []
     for g in h.results(timeout_s=120):
         first = first or time.monotonic() - t0
@@ -228,9 +232,9 @@ def test_submit_streams_groups_then_abort_returns_everything(pool):
     print(f"\nfirst group after {first:.2f} s of a {total:.2f} s call")
     assert first < total / 2
     assert all(len(full[(f"p{i}", j)]["tokens"]) == LONG for i in range(N_LONG) for j in range(N_SAMPLES))
-    assert h.result().to_pylist() == pool.generate(_prompts()).to_pylist()  # prompt order; = generate
+    assert h.result().to_pylist() == pool.generate(_prompts(), SEED).to_pylist()  # prompt order; = generate
 
-    h = pool.submit(_prompts(long_tokens=60))
+    h = pool.submit(_prompts(long_tokens=60), SEED)
     groups = []
     for g in h.results(timeout_s=120):
         groups.append(g)
@@ -258,17 +262,23 @@ def test_submit_streams_groups_then_abort_returns_everything(pool):
     assert h.result().num_rows == N_PROMPTS * N_SAMPLES
 
 
-def test_pause_keep_swap_weights_resume(pool, ckpts):
-    """Samples held across pause("keep") and a weights swap continue after resume(): their
-    weight_version is 0 then 1, and their version-0 tokens are those the call gets on the old
-    weights alone."""
-    ref = {(r["prompt_id"], r["sample_index"]): r for r in pool.generate(_prompts(long_tokens=60)).to_pylist()}
-    h = pool.submit(_prompts(long_tokens=60))
+@pytest.mark.parametrize("swap", ["load_weights", "update_weights"])
+def test_pause_keep_swap_weights_resume(pool, ckpts, swap):
+    """Samples held across pause("keep") and a weights swap (a checkpoint, or the trainer's
+    tensors from memory) continue after resume(): their weight_version is the pool's version
+    v0 then v0 + 1, and their version-v0 tokens are those the call gets on the old weights alone."""
+    v0 = pool.engine_states()[0]["weight_version"]
+    ref = {(r["prompt_id"], r["sample_index"]): r for r in pool.generate(_prompts(long_tokens=60), SEED).to_pylist()}
+    h = pool.submit(_prompts(long_tokens=60), SEED)
     next(h.results(timeout_s=120))  # the engines are running (a short prompt finished)
     assert pool.pause("keep", timeout_s=30)
     try:
-        states = pool.load_weights(str(ckpts["trained"]))
-        assert len(states) == 2
+        if swap == "load_weights":
+            states = pool.load_weights(str(ckpts["trained"]))
+        else:
+            trained = ckpts["trained"] / f"model_{weights_cases.STEP:06d}.pt"
+            states = pool.update_weights(torch.load(trained, weights_only=True))
+        assert len(states) == 2 and {s["weight_version"] for s in states} == {v0 + 1}
     finally:
         pool.resume()
     rows = {(r["prompt_id"], r["sample_index"]): r for r in h.result(timeout_s=120).to_pylist()}
@@ -276,14 +286,14 @@ def test_pause_keep_swap_weights_resume(pool, ckpts):
     mixed = 0
     for key, r in rows.items():
         v = r["weight_version"]
-        assert len(v) == len(r["tokens"]) and v == sorted(v) and set(v) <= {0, 1}
-        k = v.count(0)
+        assert len(v) == len(r["tokens"]) and v == sorted(v) and set(v) <= {v0, v0 + 1}
+        k = v.count(v0)
         assert r["tokens"][:k] == ref[key]["tokens"][:k]
         assert r["finish_reason"] == "length" and len(r["tokens"]) == len(ref[key]["tokens"])
         mixed += 0 < k < len(v)
     print(f"\n{mixed} samples continued across the swap")
     assert mixed >= 1
-    assert all(rows[(f"p{i}", j)]["weight_version"][-1] == 1 for i in range(N_LONG) for j in range(N_SAMPLES))
+    assert all(rows[(f"p{i}", j)]["weight_version"][-1] == v0 + 1 for i in range(N_LONG) for j in range(N_SAMPLES))
     pool.load_weights(str(ckpts["base"]))  # back to `base` for the next test
 
 
@@ -292,10 +302,10 @@ def test_pause_wait_holds_new_calls_and_pause_abort_ends_open_ones(pool):
     gets nothing until resume(); pause("abort") ends the open call at once, every sample
     present (the long ones "abort"), and the pool serves the next call after resume()."""
     assert pool.pause("wait", timeout_s=30)
-    h = pool.submit(_prompts()[:8])
+    h = pool.submit(_prompts()[:8], SEED)
     with pytest.raises(TimeoutError):
         next(h.results(timeout_s=0.5))  # nothing was dispatched
-    never = pool.submit(_prompts()[8:12])
+    never = pool.submit(_prompts()[8:12], SEED)
     assert never.abort(timeout_s=10)  # units no worker got: answered without an engine
     rows = never.result().to_pylist()
     assert len(rows) == 4 * N_SAMPLES and all(r["finish_reason"] == "abort" and r["tokens"] == [] and
@@ -303,20 +313,20 @@ def test_pause_wait_holds_new_calls_and_pause_abort_ends_open_ones(pool):
     pool.resume()
     assert h.result(timeout_s=120).num_rows == 8 * N_SAMPLES
 
-    h = pool.submit(_prompts(long_tokens=120))
+    h = pool.submit(_prompts(long_tokens=120), SEED)
     next(h.results(timeout_s=120))
     assert pool.pause("abort", timeout_s=10) and h.done()
     rows = h.result().to_pylist()
     assert len({(r["prompt_id"], r["sample_index"]) for r in rows}) == len(rows) == N_PROMPTS * N_SAMPLES
     assert {r["finish_reason"] for r in rows if r["prompt_id"] in {f"p{i}" for i in range(N_LONG)}} == {"abort"}
     pool.resume()
-    assert pool.generate(_prompts()[:2]).num_rows == 2 * N_SAMPLES
+    assert pool.generate(_prompts()[:2], SEED).num_rows == 2 * N_SAMPLES
 
 
 def test_overlapping_calls_each_get_their_own_rows(pool):
     """Two calls submitted together run side by side and each gets exactly its rows, the
     rows generate() gives for the same prompts."""
-    a, b = pool.submit(_prompts()[:8]), pool.submit(_prompts()[8:24])
+    a, b = pool.submit(_prompts()[:8], SEED), pool.submit(_prompts()[8:24], SEED)
     rb, ra = b.result(timeout_s=120), a.result(timeout_s=120)
-    assert ra.to_pylist() == pool.generate(_prompts()[:8]).to_pylist()
+    assert ra.to_pylist() == pool.generate(_prompts()[:8], SEED).to_pylist()
     assert rb.column("prompt_id").to_pylist() == [f"p{i}" for i in range(8, 24) for _ in range(N_SAMPLES)]

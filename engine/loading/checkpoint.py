@@ -190,6 +190,84 @@ def load_model(path: str | Path, device: str | torch.device = "auto", dtype: str
     return _load_model(fmt, path, dev, dt, step, vocab_size)[0]
 
 
+def model_skeleton(path: str | Path, device: str | torch.device, dtype: str | torch.dtype, *,
+                   step: int | None = None):
+    """The model checkpoint `path` loads as on `device` in `dtype`, built on the meta device
+    from its files' headers (config, names, shapes, dtypes; no tensor data is read), and its
+    tensors to read one at a time (engine.loading.tensor_files.TensorFiles); None for a
+    format that is not read tensor by tensor (a GGUF file is dequantized whole; built-in
+    names). Hugging Face directories (Llama family, GPT-2) and nanochat directories (`step`,
+    default the highest). Raises as load_checkpoint for a checkpoint that cannot load."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    fmt = detect_format(path)
+    if fmt not in _STREAMED:
+        return None
+    build_dt = torch.float32 if dt == torch.bfloat16 and dev.type == "cpu" and native_kernels() is not None else dt
+    model, files = _skeleton(fmt, Path(path), torch.device("meta"), build_dt, step)
+    if build_dt != dt:
+        model.use_bfloat16_weights()
+    return model.eval(), files
+
+
+_STREAMED = ("llama", "gpt2", "nanochat")  # formats read tensor by tensor
+
+
+def _skeleton(fmt: str, p: Path, dev: torch.device, dt: torch.dtype, step: int | None):
+    """(the model the loader builds for `fmt` on the meta device `dev` in `dt` from the files'
+    headers, the files' tensors to read one at a time)."""
+    from engine.loading.tensor_files import TensorFiles
+
+    if fmt == "nanochat":
+        from engine.loading.nanochat import find_files, load_nanochat_checkpoint
+
+        files = TensorFiles([find_files(p, step)[0]])
+        return load_nanochat_checkpoint(p, dev, dt, step=step, weights=files.meta()), files
+    from engine.loading.gpt2 import load_gpt2_checkpoint
+    from engine.loading.hf_weights import weight_files
+    from engine.loading.llama import load_llama_checkpoint
+
+    paths, where = weight_files(p)
+    files = TensorFiles(paths)
+    loader = load_llama_checkpoint if fmt == "llama" else load_gpt2_checkpoint
+    return loader(p, dev, dt, weights=(files.meta(), where)), files
+
+
+def weight_map(model: torch.nn.Module):
+    """The WeightMap (engine/loading/weight_map.py) of a loaded model's family: where each of
+    its trainer-named tensors goes. Raises TypeError for a model without one."""
+    from engine.models.gpt2 import GPT2
+    from engine.models.llama import LlamaModel
+    from engine.models.nanochat import NanochatGPT
+
+    if isinstance(model, LlamaModel):
+        from engine.loading.llama import weight_map as family
+    elif isinstance(model, GPT2):
+        from engine.loading.gpt2 import weight_map as family
+    elif isinstance(model, NanochatGPT):
+        from engine.loading.nanochat import weight_map as family
+    else:
+        raise TypeError(f"{type(model).__name__} has no weight map: its weights cannot be updated tensor by tensor")
+    return family(model)
+
+
+def copy_tensors(model: CausalLM, named_tensors) -> int:
+    """Copy (name, tensor) pairs, named as a trainer or checkpoint names them and checked
+    (weight_map.index_differences), into `model` in place through its weight map, each
+    cast to its parameter's dtype; returns how many were copied (ignored names, such as a
+    tied head, are not counted). Call with no forward running on `model`, and
+    `model.weights_changed()` after the last one."""
+    from engine.loading.weight_map import copy_tensor
+
+    wmap = weight_map(model)
+    params = model.state_dict(keep_vars=True)
+    n = 0
+    with torch.no_grad():
+        for name, t in named_tensors:
+            n += copy_tensor(params, wmap, name, t)
+    return n
+
+
 def nanochat_step(path: str | Path, step: int | None = None) -> int | None:
     """The step a nanochat directory loads (`step`, else its highest); None for other formats.
     Raises as load_checkpoint for a nanochat directory without that step."""

@@ -17,6 +17,7 @@ import torch
 
 from engine.loading.errors import CheckpointError, check_keys
 from engine.loading.hf_weights import read_json, read_state_dict
+from engine.loading.weight_map import Target, WeightMap
 from engine.models.base import CausalLM
 from engine.models.gpt2 import ACTIVATIONS, GPT2
 
@@ -47,17 +48,20 @@ def _read_config(directory: Path) -> dict:
     return cfg
 
 
-def load_gpt2_checkpoint(directory: Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def load_gpt2_checkpoint(directory: Path, device: torch.device, dtype: torch.dtype, *,
+                         weights: tuple[dict[str, torch.Tensor], str] | None = None) -> CausalLM:
     """Load a Hugging Face GPT-2 checkpoint directory as a `GPT2` model (eval mode).
 
     directory: holds config.json and model.safetensors / pytorch_model.bin (or shards).
+    weights: (the state dict, where it came from) already read (meta tensors for a weights
+    swap's check); None: read from the directory.
     device, dtype: where the weights live and the compute dtype; logits are always fp32.
     Raises FileNotFoundError for missing files, CheckpointError naming the file for an
     unsupported config, unknown or missing keys, or a tensor of the wrong shape.
     """
     directory = Path(directory)
     cfg = _read_config(directory)
-    raw, where = read_state_dict(directory)
+    raw, where = read_state_dict(directory) if weights is None else weights
     C, L, V, P = cfg["n_embd"], cfg["n_layer"], cfg["vocab_size"], cfg["n_positions"]
     inner = cfg.get("n_inner") or 4 * C
 
@@ -105,3 +109,24 @@ def load_gpt2_checkpoint(directory: Path, device: torch.device, dtype: torch.dty
     desc = (f"GPT-2 {L} layers, {cfg['n_head']} heads, {C} wide, {n_params / 1e6:.1f}M params, "
             f"context {P}, from {directory}")
     return GPT2(cfg, weights, description=desc).eval()
+
+
+# transformers' GPT-2 layer names -> GPT2Block's parameters; the Conv1D weights are transposed
+_LAYER_TARGETS = {"ln_1.weight": "ln1_w", "ln_1.bias": "ln1_b", "attn.c_attn.weight": "qkv_w",
+                  "attn.c_attn.bias": "qkv_b", "attn.c_proj.weight": "proj_w", "attn.c_proj.bias": "proj_b",
+                  "ln_2.weight": "ln2_w", "ln_2.bias": "ln2_b", "mlp.c_fc.weight": "fc_w", "mlp.c_fc.bias": "fc_b",
+                  "mlp.c_proj.weight": "fc2_w", "mlp.c_proj.bias": "fc2_b"}
+
+
+def weight_map(model: GPT2) -> WeightMap:
+    """Where each transformers-named tensor (GPT2LMHeadModel's, with or without the
+    "transformer." prefix) goes in `model`: Conv1D weights transposed into (out, in), as
+    `load_gpt2_checkpoint` does; a tied head's `lm_head.weight` accepted and ignored."""
+    targets: dict[str, Target | None] = {"wte.weight": Target("wte"), "wpe.weight": Target("wpe"),
+                                         "ln_f.weight": Target("lnf_w"), "ln_f.bias": Target("lnf_b"),
+                                         "lm_head.weight": None if model.lm_head is model.wte else Target("lm_head")}
+    for i in range(model.n_layer):
+        for k, param in _LAYER_TARGETS.items():
+            targets[f"h.{i}.{k}"] = Target(f"blocks.{i}.{param}", transpose=k.endswith(
+                ("c_attn.weight", "c_proj.weight", "c_fc.weight")))
+    return WeightMap(targets, strip_prefixes=("transformer.",), ignored_suffixes=_IGNORED_SUFFIXES)

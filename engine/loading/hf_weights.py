@@ -31,16 +31,12 @@ def read_json(path: Path, required: bool = True) -> dict | None:
     return obj
 
 
-def read_state_dict(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
-    """All tensors of a checkpoint directory, on CPU in their stored dtype, and a description
-    of the file(s) they came from, for error messages.
-
-    Looks for model.safetensors, then a shard index (model.safetensors.index.json or
-    pytorch_model.bin.index.json: its weight_map names the shard files), then
-    pytorch_model.bin (read with weights_only=True: no pickled code runs).
-    Raises FileNotFoundError for no weights or a missing shard, CheckpointError naming the
-    file for an unreadable file or index.
-    """
+def weight_files(directory: Path) -> tuple[list[Path], str]:
+    """The weight files of a checkpoint directory, and a description of them for error
+    messages: model.safetensors, else the files a shard index (model.safetensors.index.json
+    or pytorch_model.bin.index.json: its weight_map) names, else pytorch_model.bin.
+    Raises FileNotFoundError for no weights or a missing shard, CheckpointError naming an
+    unreadable index."""
     st, pt = directory / "model.safetensors", directory / "pytorch_model.bin"
     st_idx, pt_idx = directory / "model.safetensors.index.json", directory / "pytorch_model.bin.index.json"
     if st.is_file():
@@ -57,21 +53,24 @@ def read_state_dict(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
     else:
         raise FileNotFoundError(f"{directory}: no model.safetensors or pytorch_model.bin (or a *.index.json) "
                                 f"beside config.json")
-    sd: dict[str, torch.Tensor] = {}
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"{f} (listed in the shard index) does not exist")
-        try:
-            if f.name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                part = load_file(str(f), device="cpu")
-            else:
-                part = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:  # noqa: BLE001 - a corrupt/truncated file of either format
-            raise CheckpointError(f"{f}: cannot read weights ({type(e).__name__}: {e})") from None
-        if not isinstance(part, dict):
-            raise CheckpointError(f"{f}: expected a state dict, got {type(part).__name__}")
-        sd.update(part)
     where = str(files[0]) if len(files) == 1 else f"{files[0].parent} ({len(files)} shards)"
+    return files, where
+
+
+def read_state_dict(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """All tensors of a checkpoint directory (`weight_files`), on CPU in their stored dtype,
+    and a description of the file(s) they came from, for error messages. pytorch_model.bin
+    is read with weights_only=True: no pickled code runs.
+    Raises FileNotFoundError for no weights or a missing shard, CheckpointError naming the
+    file for an unreadable file or index.
+    """
+    from engine.loading.tensor_files import read_file
+
+    files, where = weight_files(directory)
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(read_file(f, mmap=True))
     return sd, where

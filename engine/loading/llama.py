@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.loading.errors import CheckpointError, check_keys
+from engine.loading.weight_map import Target, WeightMap
 from engine.loading.hf_config import parse_llama_config, token_ids
 from engine.loading.hf_weights import read_json, read_state_dict
 from engine.models.base import CausalLM
@@ -110,11 +111,14 @@ def build_llama(config: dict, weights: dict[str, torch.Tensor], device: torch.de
     return LlamaModel(cfg, embed, head, get("model.norm.weight"), layers, stops, desc).eval()
 
 
-def load_llama_checkpoint(directory: Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def load_llama_checkpoint(directory: Path, device: torch.device, dtype: torch.dtype, *,
+                          weights: tuple[dict[str, torch.Tensor], str] | None = None) -> CausalLM:
     """Load a Llama-family Hugging Face checkpoint directory (eval mode).
 
     directory: config.json, optional generation_config.json, and model.safetensors (or
     sharded with model.safetensors.index.json, or pytorch_model.bin).
+    weights: (the state dict, where it came from) already read (a weights swap passes meta
+    tensors here to check a checkpoint without reading it); None: read from the directory.
     Raises FileNotFoundError for missing files, CheckpointError naming the file for an
     unsupported architecture or feature, missing / unknown tensors or wrong shapes.
     """
@@ -123,5 +127,43 @@ def load_llama_checkpoint(directory: Path, device: torch.device, dtype: torch.dt
     config = read_json(config_path)
     parse_llama_config(config, str(config_path))  # config errors name config.json, before reading weights
     generation = read_json(directory / "generation_config.json", required=False)
-    weights, where = read_state_dict(directory)
+    weights, where = read_state_dict(directory) if weights is None else weights
     return build_llama(config, weights, device, dtype, where, generation_config=generation)
+
+
+def weight_map(model: LlamaModel) -> WeightMap:
+    """Where each transformers-named tensor of this model goes in `model` (the fusions
+    `build_llama` makes: q/k/v rows of `qkv`, gate/up rows of `gate_up`, Qwen3's q_norm and
+    k_norm repeated per head in `qk_norm`), for weights from memory and file by file
+    (engine/loading/weight_swap.py). A tied head's `lm_head.weight` is accepted and ignored,
+    as the loader does. GGUF files load into the same model with these names."""
+    cfg = model.cfg
+    H, KV, D, I = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    Q, K = H * D, KV * D
+    shapes, optional = _expected_shapes(cfg)
+    fused = {"self_attn.q_proj.": ("qkv", (0, Q)), "self_attn.k_proj.": ("qkv", (Q, Q + K)),
+             "self_attn.v_proj.": ("qkv", (Q + K, Q + 2 * K)), "mlp.gate_proj.": ("gate_up", (0, I)),
+             "mlp.up_proj.": ("gate_up", (I, 2 * I))}
+    plain = {"input_layernorm.weight": "input_norm", "post_attention_layernorm.weight": "post_norm",
+             "self_attn.o_proj.weight": "o_proj", "self_attn.o_proj.bias": "o_bias",
+             "mlp.down_proj.weight": "down", "mlp.down_proj.bias": "down_bias"}
+    targets: dict[str, Target | None] = {n: None for n in optional}
+    targets.update({"model.embed_tokens.weight": Target("embed"), "model.norm.weight": Target("norm")})
+    if not cfg.tie_word_embeddings:
+        targets["lm_head.weight"] = Target("lm_head")
+    for name in shapes:
+        if not name.startswith("model.layers."):
+            continue
+        n, rest = name[len("model.layers."):].split(".", 1)
+        p = f"layers.{n}."
+        for prefix, (param, rows) in fused.items():
+            if rest.startswith(prefix):
+                kind = "_bias" if rest.endswith(".bias") else ""
+                targets[name] = Target(p + param + kind, rows)
+        if rest in plain:
+            targets[name] = Target(p + plain[rest])
+        elif rest == "self_attn.q_norm.weight":
+            targets[name] = Target(p + "qk_norm", (0, H), broadcast=True)
+        elif rest == "self_attn.k_norm.weight":
+            targets[name] = Target(p + "qk_norm", (H, H + KV), broadcast=True)
+    return WeightMap(targets, ignored_suffixes=_IGNORED_SUFFIXES)

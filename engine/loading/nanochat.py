@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from engine.loading.errors import CheckpointError, check_keys
+from engine.loading.weight_map import Target, WeightMap
 from engine.models.base import CausalLM
 from engine.models.nanochat import SMEAR_CHANNELS, NanochatConfig, NanochatGPT, has_value_embeds
 
@@ -203,15 +204,19 @@ def _with_era_features(cfg: dict, Vp: int, keyed: _KeyedFeatures) -> NanochatCon
 
 
 def load_nanochat_checkpoint(directory: Path, device: torch.device, dtype: torch.dtype,
-                             step: int | None = None) -> CausalLM:
-    """Load a nanochat checkpoint directory (model_<step>.pt + meta_<step>.json), highest step by default."""
+                             step: int | None = None, *, weights: dict[str, torch.Tensor] | None = None) -> CausalLM:
+    """Load a nanochat checkpoint directory (model_<step>.pt + meta_<step>.json), highest step
+    by default. weights: model_<step>.pt's state dict already read (meta tensors for a
+    weights swap's check); None: read it."""
     directory = Path(directory)
     model_path, meta_path = find_files(directory, step)
     cfg = _read_config(meta_path)
-    try:
-        raw = torch.load(model_path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad checkpoint
-        raise CheckpointError(f"{model_path}: cannot load the state dict: {e}") from e
+    raw = weights
+    if raw is None:
+        try:
+            raw = torch.load(model_path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad checkpoint
+            raise CheckpointError(f"{model_path}: cannot load the state dict: {e}") from e
     if not isinstance(raw, dict) or not all(isinstance(v, torch.Tensor) for v in raw.values()):
         raise CheckpointError(f"{model_path}: expected a state dict (name -> tensor)")
     # torch.compile'd models save their keys as _orig_mod.<name> (nanochat strips it the same way)
@@ -267,3 +272,31 @@ def build_tiny_random_model(vocab_size: int, device: torch.device, dtype: torch.
     desc = (f"tiny-random: untrained nanochat d{L} n_embd={C} with random weights (text is noise); "
             f"{', '.join(config.features())}")
     return NanochatGPT(config, w, torch.device(device), dtype, desc).eval()
+
+
+# nanochat's block names -> _Block's parameters
+_BLOCK_TARGETS = {"attn.c_q.weight": "c_q", "attn.c_k.weight": "c_k", "attn.c_v.weight": "c_v",
+                  "attn.c_proj.weight": "c_proj", "mlp.c_fc.weight": "c_fc", "mlp.c_proj.weight": "mlp_proj",
+                  "attn.ve_gate.weight": "ve_gate"}
+_TOP_TARGETS = {"transformer.wte.weight": "wte", "lm_head.weight": "lm_head", "smear_gate.weight": "smear_gate"}
+
+
+def weight_map(model: NanochatGPT) -> WeightMap:
+    """Where each tensor of nanochat's own state dict (names as its GPT saves them, with or
+    without torch.compile's "_orig_mod." prefix) goes in `model`: the same names as the
+    checkpoint's `_expected_shapes`, one parameter each."""
+    c = model.config
+    keyed = _KeyedFeatures(lambdas=("resid_lambdas", "x0_lambdas") if c.resid_lambdas else (),
+                           value_embeds=c.value_embeds, ve_gate_channels=c.ve_gate_channels, smear=c.smear,
+                           backout=c.backout)
+    cfg = {"n_layer": c.n_layer, "n_embd": c.n_embd, "n_head": c.n_head, "n_kv_head": c.n_kv_head}
+    targets: dict[str, Target | None] = {}
+    for name in _expected_shapes(cfg, c.padded_vocab_size, keyed):
+        if name.startswith("transformer.h."):
+            i, rest = name[len("transformer.h."):].split(".", 1)
+            targets[name] = Target(f"blocks.{i}.{_BLOCK_TARGETS[rest]}")
+        elif name.startswith("value_embeds."):
+            targets[name] = Target(f"blocks.{name.split('.')[1]}.ve")
+        else:
+            targets[name] = Target(_TOP_TARGETS.get(name, name))
+    return WeightMap(targets, strip_prefixes=("_orig_mod.",))
