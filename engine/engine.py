@@ -29,14 +29,12 @@ admitted, `step()` blocks on the tools (at most engine/tool_turns.py MAX_BLOCK_S
 """
 from __future__ import annotations
 
-import bisect
-import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence as Seq
 
 import torch
 
-from engine import preemption
+from engine import compaction, preemption
 from engine.decode_batch import DecodeBatch
 from engine.kernels.kv_layout import KVLayout
 from engine.kv_cache import KVCache, StepBatch, default_kv_bytes, kv_budget_basis
@@ -239,51 +237,8 @@ class Engine:
         return self.scheduler.schedule()
 
     def _compact(self) -> None:
-        """Slide every live run of the KV arena down to its low end, so its free blocks become
-        one range (engine/run_allocator.py, `RunAllocator.compact`). Between steps only: no
-        admission is half made, and every running sample's keys are written up to the token
-        before its last (whose keys the next decode writes). The live runs are the running samples' own runs and the stored prompts (of
-        running samples, and of waiting requests with samples still to admit); of each, only the
-        positions written so far are copied, exactly, in every layer. Each sequence's run start
-        and its prompt's (`Sequence.own_start`, `prefix_start`, `Request.kv_block`) move with
-        them, so every sample reading a stored prompt follows it, and the decode batch (with its
-        layout's cached segments) is rebuilt at the next decode.
-        Raises RuntimeError if the allocated blocks are not exactly those runs (a leak).
-        """
-        t0 = time.perf_counter()
-        sched = self.scheduler
-        alloc = sched.allocator
-        bs = sched.block_size
-        seqs = list(self.running.values())
-        prompts = {id(r): r for r in [s.request for s in seqs] + list(sched.waiting) if r.kv_block is not None}
-        held = sum(s.own_blocks for s in seqs) + sum(sched.prompt_blocks(r) for r in prompts.values())
-        if held != alloc.num_blocks - alloc.num_free:
-            raise RuntimeError(f"engine: {alloc.num_blocks - alloc.num_free} KV blocks allocated but the running "
-                               f"samples and stored prompts hold {held}")
-        stretches = alloc.compact()
-        firsts = [start for start, _, _ in stretches]
-
-        def moved(block: int) -> int:
-            start, _, new = stretches[bisect.bisect_right(firsts, block) - 1]
-            return block - start + new
-
-        moves: list[tuple[int, int, int]] = []  # (from, to, positions written), arena positions
-        for req in prompts.values():
-            block = moved(req.kv_block)
-            moves.append((req.kv_block * bs, block * bs, len(req.prompt_tokens)))
-            req.kv_block = block
-        for seq in seqs:
-            block = moved(seq.own_block)
-            moves.append((seq.own_start, block * bs, seq.position - seq.own_pos0))  # its last token's KV comes next step
-            seq.own_block, seq.own_start = block, block * bs
-            if seq.prefix_start >= 0:
-                seq.prefix_start = seq.request.kv_block * bs
-        moves = sorted(m for m in moves if m[0] != m[1] and m[2] > 0)
-        self.kv.slide_down(moves)
-        self._batch = None
-        self.num_compactions += 1
-        self.compacted_positions += sum(n for _, _, n in moves)
-        self.compaction_seconds += time.perf_counter() - t0
+        """Slide every live KV run down so the free blocks become one range (engine/compaction.py)."""
+        compaction.compact(self)
 
     def _prefill(self, group: list[Admission]) -> torch.Tensor:
         """Prefill the prompts of `group` into their stored runs; (len(group), V) last logits,
@@ -558,31 +513,6 @@ class Engine:
                     others.append(out)
         self._ready.extend(others)  # streaming requests that finished meanwhile stay for their owner
         return results  # type: ignore[return-value]
-
-
-@torch.no_grad()
-def teacher_forced_logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
-    """The logits at every position of `tokens` (L token ids) as the engine's step computes
-    them: one prefill through the model's forward_step, its kernels and a KV cache of the
-    model's dtype. (L, V) float32; row t is the next-token logits after tokens[: t + 1].
-
-    Each row equals the logits of prefilling tokens[: t + 1] alone, bit for bit where the
-    step is batch-invariant (CPU with the compiled kernels: a prefill row depends on its own
-    keys only), so this scores a continuation (teacher forcing) as generation would see it.
-    Raises ValueError beyond the model's context.
-    """
-    L = len(tokens)
-    info = model.info
-    if L > info.context_len:
-        raise ValueError(f"{L} tokens exceed the model's context of {info.context_len}")
-    p = next(model.parameters())
-    kv = KVCache(info.n_layer, info.n_kv_head, info.head_dim, 1, L, model.kv_dtype, p.device, info.state_dims,
-                 state_dtype=model.act_dtype)
-    dev = p.device
-    batch = StepBatch(slots=torch.zeros(1, dtype=torch.long, device=dev), positions=torch.arange(L, device=dev)[None],
-                      last_index=torch.tensor([L - 1], device=dev), prefill=True,
-                      layout=KVLayout.for_prefill([0], [L], dev), all_logits=True)
-    return model.owned_logits(model.forward_step(torch.tensor([tokens], device=dev), batch, kv)[0].float())
 
 
 def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str = "auto", *, tokenizer=None,

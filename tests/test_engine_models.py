@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import SamplingParams, load_engine
-from engine.engine import Engine, teacher_forced_logits
+from engine.engine import Engine
+from engine.scoring import teacher_forced_logits
 from engine.kernels.native import PackedWeight, native_kernels
 from engine.sampling import token_logprobs
 

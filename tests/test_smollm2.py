@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine import SamplingParams, load_engine
-from engine.engine import teacher_forced_logits
+from engine.scoring import teacher_forced_logits
 from engine.kernels.native import native_kernels
 from engine.loading.builtin import SMOLLM2_INSTALL, smollm2_path
 
