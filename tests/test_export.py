@@ -335,8 +335,8 @@ def test_onnxruntime_genai_runs_the_directory(name, hf_checkpoint, tmp_path):
 @pytest.mark.slow
 def test_smollm2_in_onnxruntime_genai_matches_the_engine(tmp_path):
     """SmolLM2-135M-Instruct exported with --verify (under 2 minutes) loads in onnxruntime-genai
-    as the directory is (genai_config.json, tokenizer), and genai's greedy tokens on 8 GSM8K
-    chat prompts x 64 tokens equal the engine's (each up to and including its end token)."""
+    as the directory is (genai_config.json, tokenizer), and genai's greedy tokens on 4 GSM8K
+    chat prompts x 64 tokens equal the engine's (8 in the issue's measurement: docs/export.md) (each up to and including its end token)."""
     og = pytest.importorskip("onnxruntime_genai")
     import time
 
@@ -355,10 +355,10 @@ def test_smollm2_in_onnxruntime_genai_matches_the_engine(tmp_path):
     print(f"export + verify: {time.perf_counter() - t0:.1f} s (export {record['export_seconds']} s)")
     assert record["verification"]["passed"] and record["export_seconds"] < 120
     eng = load_engine("smollm2", device="cpu", dtype="float32")
-    questions = [json.loads(line)["question"] for line in GSM8K_TEST.read_text().splitlines()[:8]]
+    questions = [json.loads(line)["question"] for line in GSM8K_TEST.read_text().splitlines()[:4]]
     prompts = [eng.tokenizer.render_chat([{"role": "user", "content": q}]) for q in questions]
     want = [r[0].tokens for r in eng.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0),
-                                              prompt_ids=list(range(8)))]
+                                              prompt_ids=list(range(4)))]
     model = og.Model(str(tmp_path / "smollm2"))
     got = []
     for p in prompts:

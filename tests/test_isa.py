@@ -55,10 +55,12 @@ def run_limited(args: list[str], timeout: int) -> subprocess.CompletedProcess:
 
 def test_invariance_and_parity_tests_pass_limited_to_avx2():
     """`pytest -m invariance` (batch invariance of every kernel and model, the GEMM, parity
-    with transformers and nanochat, SmolLM2 against transformers) with torch, oneDNN and the
-    compiled kernels on AVX2."""
+    with transformers and nanochat) with torch, oneDNN and the compiled kernels on AVX2.
+    tests/test_smollm2.py (SmolLM2 against transformers, about a minute) is left to the native
+    run: the next test shows SmolLM2's samples are the same bits limited to AVX2, so its parity
+    limited is its parity native."""
     r = run_limited([sys.executable, "-m", "pytest", "-q", "-m", "invariance", "-p", "no:cacheprovider",
-                     "-o", "addopts=", "tests"], timeout=1500)
+                     "-o", "addopts=", "--ignore=tests/test_smollm2.py", "tests"], timeout=1500)
     tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-30:])
     assert r.returncode == 0, f"the invariance tests limited to AVX2 failed:\n{tail}"
     assert " passed" in tail and " failed" not in tail
