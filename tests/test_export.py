@@ -375,7 +375,7 @@ def test_smollm2_in_onnxruntime_genai_matches_the_engine(tmp_path):
     assert list(tok.encode("Hello world")) == eng.tokenizer.encode("Hello world")  # genai's own tokenizer agrees
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"prompt {i}: genai {g} vs engine {w}"
-    assert sum(map(len, want)) > 8 * 32  # real answers, not immediate stops
+    assert sum(map(len, want)) > len(want) * 32  # real answers, not immediate stops
 
 
 @pytest.mark.parametrize("name", ["mistral", "nanochat"])
