@@ -283,8 +283,6 @@ class RolloutRunner:
             self._on_result(r)
 
     def _pause(self, mode: str) -> tuple[list[RolloutCall], threading.Event]:
-        import ray
-
         if self._paused is None:
             self._paused_at = time.monotonic()
         if self._paused != "keep":
@@ -300,27 +298,26 @@ class RolloutRunner:
             self._waiters.append((lambda: not any(w.copies for w in self.dispatcher.slots.live()), idle))
         else:
             self._paused = "keep"
-            refs = [w.handle.pause_engine.remote() for w in self.dispatcher.slots.live()]
-            for ref in refs:
-                try:
-                    ray.get(ref, timeout=60)
-                except Exception:  # noqa: BLE001 - a worker gone: the dispatcher requeues its units
-                    pass
+            self._on_every_worker("pause_engine")
             idle.set()
         return calls, idle
 
-    def _resume(self) -> None:
+    def _on_every_worker(self, method: str) -> None:
+        """Call GenerationWorker.`method` on every live worker and wait for each (60 s)."""
         import ray
 
+        refs = [getattr(w.handle, method).remote() for w in self.dispatcher.slots.live()]
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=60)
+            except Exception:  # noqa: BLE001 - a worker gone: the dispatcher requeues its units
+                pass
+
+    def _resume(self) -> None:
         if self._paused is None:
             return
         if self._paused == "keep":
-            refs = [w.handle.resume_engine.remote() for w in self.dispatcher.slots.live()]
-            for ref in refs:
-                try:
-                    ray.get(ref, timeout=60)
-                except Exception:  # noqa: BLE001 - a worker gone: the dispatcher requeues its units
-                    pass
+            self._on_every_worker("resume_engine")
         held = time.monotonic() - self._paused_at
         for w in self.dispatcher.slots.live():  # a pause is not a slow unit
             for c in w.copies.values():

@@ -46,8 +46,13 @@ def tensor_index(pairs: list[tuple[str, Any]]) -> list[tuple[str, str, tuple[int
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], torch.Tensor)):
             raise TypeError(f"named_tensors[{i}] is not a (name, torch.Tensor) pair: {type(item).__name__}")
-        out.append((item[0], str(item[1].dtype).replace("torch.", ""), tuple(item[1].shape)))
+        out.append(_entry(*item))
     return out
+
+
+def _entry(name: str, t: Any) -> tuple[str, str, tuple[int, ...]]:
+    """(name, dtype name, shape) of one tensor: a bucket index's entry."""
+    return name, str(t.dtype).replace("torch.", ""), tuple(t.shape)
 
 
 def pack_buckets(pairs: list[tuple[str, Any]], bucket_bytes: int) -> Iterator[tuple[list, list]]:
@@ -78,7 +83,7 @@ def _bucket(group: list[tuple[str, Any]]) -> tuple[list, list]:
     for name, t in group:
         t = t.detach()
         t = (t.cpu() if t.device.type != "cpu" else t).contiguous()
-        index.append((name, str(t.dtype).replace("torch.", ""), tuple(t.shape)))
+        index.append(_entry(name, t))
         data.append(t.reshape(-1).view(torch.uint8).numpy())
     return index, data
 

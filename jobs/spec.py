@@ -252,22 +252,12 @@ class FunctionToolSpec(_Section):
     timeout_s: Any = 30.0
     max_calls: Any = None
 
-    @field_validator("name")
+    @field_validator("name", "function")
     @classmethod
-    def _name(cls, v: str) -> str:
-        from engine.tool_runner import check_tool_name
+    def _name_or_path(cls, v: str, info: ValidationInfo) -> str:
+        from engine.tool_runner import check_function_path, check_tool_name
 
-        why = check_tool_name(v)
-        if why is not None:
-            raise ValueError(why)
-        return v
-
-    @field_validator("function")
-    @classmethod
-    def _function(cls, v: str) -> str:
-        from engine.tool_runner import check_function_path
-
-        why = check_function_path(v)
+        why = (check_tool_name if info.field_name == "name" else check_function_path)(v)
         if why is not None:
             raise ValueError(why)
         return v

@@ -38,6 +38,18 @@ def ray_local():
 _TORCH_THREADS = None  # torch's thread count when the session started
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for a module of tiny models (`pytest.mark.usefixtures`): a second
+    OpenMP thread only adds spin-waits, seconds per test on a busy 2-core machine."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _torch_threads_per_module():
     """Each module starts with the session's torch thread count. Some modules build workers or

@@ -39,14 +39,7 @@ HF_CASES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_layer=2, n_head=2, n_embd=32, vocab_size=V, n_positions=128)),
 }
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: a second thread only adds spin-waits on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:

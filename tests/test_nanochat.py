@@ -16,21 +16,13 @@ from engine.kv_cache import KVCache, StepBatch
 from engine.loading.errors import CheckpointError
 from engine.loading.nanochat import build_tiny_random_model, load_nanochat_checkpoint
 
-pytestmark = pytest.mark.invariance  # run again limited to AVX2 by tests/test_isa.py
+# invariance: run again limited to AVX2 by tests/test_isa.py
+pytestmark = [pytest.mark.invariance, pytest.mark.usefixtures("one_torch_thread")]
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nanochat"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
 CPU = torch.device("cpu")
 F32 = torch.float32
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: a second OpenMP thread only adds spin-waits (seconds per test on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _load(name: str, **kw):
