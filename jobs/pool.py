@@ -27,6 +27,7 @@ and pause around a swap.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -107,6 +108,9 @@ class GenerationPool:
         self._ray_started = setup.ray_started
         self._next_index = 0  # unit indices count up over the pool's life (late copies never collide)
         self.num_calls = 0  # calls made; a call without an explicit seed mixes its number into its seed
+        # submit() may be called from several threads: a call's number and unit indices are
+        # taken and advanced together, or two calls could share them (and each other's rows)
+        self._numbering = threading.Lock()
         self.dispatcher = UnitDispatcher(setup.task, **setup.dispatcher_options)
         self._runner = RolloutRunner(self.dispatcher)  # owns the dispatcher from its thread (cluster/rollout.py)
         try:
@@ -158,10 +162,11 @@ class GenerationPool:
         return self._submit(prompts, params, prompt_ids, max(1, int(per_unit)))
 
     def _submit(self, prompts: Any, params: Any, prompt_ids: Any, per_unit: int) -> RolloutHandle:
-        call_number, self.num_calls = self.num_calls, self.num_calls + 1
-        units, call = self.task.make_units(prompts, params, prompt_ids, self._next_index, per_unit,
-                                           call_number=call_number)
-        self._next_index += len(units)
+        with self._numbering:
+            call_number, self.num_calls = self.num_calls, self.num_calls + 1
+            units, call = self.task.make_units(prompts, params, prompt_ids, self._next_index, per_unit,
+                                               call_number=call_number)
+            self._next_index += len(units)
         return RolloutHandle(self._runner, self.task, call, len(prompts))._start(units)
 
     def pause(self, mode: str = "abort", timeout_s: float | None = None) -> bool:

@@ -94,6 +94,17 @@ def smollm2_hf_model():
                                                              dtype=torch.float32).eval()
 
 
+def same_rows(table) -> list[dict]:
+    """A table's rows as dicts, with the one field that measures time rather than what was
+    generated (each tool call's `latency_s`) set to None: two runs of the same call give
+    equal lists."""
+    rows = table.to_pylist()
+    for r in rows:
+        for call in r.get("tool_calls") or ():
+            call["latency_s"] = None
+    return rows
+
+
 def stop_shared_ray() -> None:
     """Shut down the shared local instance of `ray_local`, if it runs in this process."""
     if "ray" in sys.modules:

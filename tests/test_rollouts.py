@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import weights_cases
+from conftest import same_rows
 
 N_PROMPTS, N_SAMPLES, SHORT, LONG, N_LONG = 64, 8, 2, 100, 4
 
@@ -232,7 +233,7 @@ def test_submit_streams_groups_then_abort_returns_everything(pool):
     print(f"\nfirst group after {first:.2f} s of a {total:.2f} s call")
     assert first < total / 2
     assert all(len(full[(f"p{i}", j)]["tokens"]) == LONG for i in range(N_LONG) for j in range(N_SAMPLES))
-    assert h.result().to_pylist() == pool.generate(_prompts(), SEED).to_pylist()  # prompt order; = generate
+    assert same_rows(h.result()) == same_rows(pool.generate(_prompts(), SEED))  # prompt order; = generate
 
     h = pool.submit(_prompts(long_tokens=60), SEED)
     groups = []
@@ -328,5 +329,45 @@ def test_overlapping_calls_each_get_their_own_rows(pool):
     rows generate() gives for the same prompts."""
     a, b = pool.submit(_prompts()[:8], SEED), pool.submit(_prompts()[8:24], SEED)
     rb, ra = b.result(timeout_s=120), a.result(timeout_s=120)
-    assert ra.to_pylist() == pool.generate(_prompts()[:8], SEED).to_pylist()
+    assert same_rows(ra) == same_rows(pool.generate(_prompts()[:8], SEED))
     assert rb.column("prompt_id").to_pylist() == [f"p{i}" for i in range(8, 24) for _ in range(N_SAMPLES)]
+
+
+def test_calls_submitted_from_several_threads_at_once_each_get_their_own_rows(pool):
+    """submit() from 6 threads at once, thread switches forced every microsecond: each call
+    gets a call number and unit indices of its own, so each gets exactly its prompts' rows
+    (the rows generate() gives for them) and its own fresh-noise seed. Before the pool took
+    both under one lock, two calls could share unit indices and receive each other's rows."""
+    import sys
+    import threading
+
+    slices = [(0, 4), (4, 12), (12, 16), (16, 28), (28, 30), (30, 40)]
+    tables = [_prompts()[lo:hi] for lo, hi in slices]
+    start = threading.Barrier(len(slices))
+    handles: dict[int, object] = {}
+
+    def submit(k: int) -> None:
+        start.wait()
+        handles[k] = pool.submit(tables[k])
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=submit, args=(k,)) for k in range(len(slices))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert sorted(handles) == list(range(len(slices))), "a submit raised (see the thread's traceback)"
+    results = {k: h.result(timeout_s=120) for k, h in handles.items()}
+    seeds = set()
+    for k, (lo, hi) in enumerate(slices):
+        rows = results[k]
+        assert rows.column("prompt_id").to_pylist() == [f"p{i}" for i in range(lo, hi) for _ in range(N_SAMPLES)]
+        seed = set(rows.column("seed").to_pylist())
+        assert len(seed) == 1
+        seeds |= seed
+        assert same_rows(rows) == same_rows(pool.generate(_prompts()[lo:hi], {"seed": seed.pop()}))
+    assert len(seeds) == len(slices)
