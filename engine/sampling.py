@@ -148,9 +148,18 @@ def _vocab_noise_chunks(keys: torch.Tensor, positions: torch.Tensor, V: int, bat
                                       torch.empty(step, V, dtype=torch.float64, device=dev))
     h, tmp, out, spare = bufs
     first = _token_hash(V, dev)
+    # on CPU the hash rounds and the uniform are one compiled pass (sampling_ops.cpp:
+    # integer arithmetic and exact steps, the same bits), the two logs stay torch's
+    kernels = native_kernels() if dev.type == "cpu" else None
+    if kernels is not None:
+        keys, positions = keys.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
     for a in range(0, B, step):
         b = min(B, a + step)
         n = b - a
+        if kernels is not None:
+            u = kernels.race_uniforms(first, keys[a:b], positions[a:b], out[:n], torch.get_num_threads())
+            yield a, b, u.log_().neg_().log_(), spare[:n]
+            continue
         h[:n].copy_(first.expand(n, V))
         yield a, b, _race_noise_from(h[:n], tmp[:n], out[:n], keys[a:b], positions[a:b]), spare[:n]
 

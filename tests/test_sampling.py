@@ -7,6 +7,7 @@ chi-square, with a critical value at p = 1e-4 so a correct sampler fails about o
 """
 import math
 
+import pytest
 import torch
 
 from engine.sampling import request_key, sample_tokens, token_logprobs
@@ -167,7 +168,11 @@ def _race_noise_int64(keys, positions, token_ids):
     h = mix(h ^ positions[:, None])
     h = mix(h ^ keys[:, 1:2])
     h = mix(h ^ keys[:, 0:1])
-    return torch.log(-torch.log((h.double() + 0.5) * (1.0 / 2**32)))
+    return torch.log(-torch.log(_uniforms(h)))
+
+
+def _uniforms(h):
+    return (h.double() + 0.5) * (1.0 / 2**32)
 
 
 def test_race_noise_is_exactly_lowbias32():
@@ -190,6 +195,39 @@ def test_race_noise_is_exactly_lowbias32():
     off = (torch.zeros(len(keys), dtype=torch.long), torch.ones(len(keys)), torch.zeros(len(keys)))
     race = (logits / temp[:, None]).double() - want
     assert torch.equal(sample_tokens(logits, temp, *off, keys, pos), race.argmax(dim=-1))
+
+
+def test_compiled_race_uniforms_are_the_definitions_on_every_build():
+    """The whole-vocabulary race's hash and uniform, compiled (sampling_ops.cpp), equal the
+    int64 definition bit for bit in every build this CPU runs, on 1 and 2 threads, for a
+    vocabulary that is not a multiple of the vector width and for keys and positions with
+    the top bit set."""
+    from engine.kernels.native import native_kernels, supported_isas
+    from engine.sampling import _token_hash
+
+    if not supported_isas():
+        pytest.skip("the compiled kernels are unavailable here")
+    keys = torch.tensor([request_key(s, f"p{s}", s) for s in range(6)] + [(0xFFFFFFFF, 0x80000000)], dtype=torch.long)
+    pos = torch.tensor([0, 1, 7, 2**20, 8191, 2**31 - 1, 5], dtype=torch.long)
+    V = 3001
+    M = 0xFFFFFFFF
+
+    def mix(x):
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & M
+        x = x ^ (x >> 15)
+        x = (x * 0x846CA68B) & M
+        return x ^ (x >> 16)
+
+    h = mix(torch.arange(V).expand(len(keys), V) ^ 0x9E3779B9)
+    for word in (pos[:, None], keys[:, 1:2], keys[:, 0:1]):
+        h = mix(h ^ word)
+    want = _uniforms(h)
+    for isa in supported_isas():
+        for threads in (1, 2):
+            out = torch.full((len(keys), V), float("nan"), dtype=torch.float64)
+            native_kernels(isa).race_uniforms(_token_hash(V, torch.device("cpu")), keys, pos, out, threads)
+            assert torch.equal(out, want), (isa, threads)
 
 
 def test_race_noise_is_stable_and_shared_ids_hash_the_same():

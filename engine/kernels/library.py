@@ -125,6 +125,9 @@ class NativeKernels:
         self._logsumexp = lib.batchgen_logsumexp
         self._logsumexp.argtypes = [_p, _i64, _i64, _i64, _p, _int]
         self._logsumexp.restype = None
+        self._race_uniforms = lib.batchgen_race_uniforms
+        self._race_uniforms.argtypes = [_p, _i64, _p, _p, _i64, _p, _i64, _int]
+        self._race_uniforms.restype = None
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
         """gemm.cpp's packed form of weight (N, K) float32 or bfloat16 (K even for bfloat16;
@@ -269,6 +272,16 @@ class NativeKernels:
         _call("batchgen::topk", self._topk, x.data_ptr(), B, V, x.stride(0), k, vals.data_ptr(), idx.data_ptr(),
               threads)
         return vals, idx
+
+    def race_uniforms(self, first: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
+                      threads: int) -> torch.Tensor:
+        """The race's uniforms (engine/sampling.py race_noise) for every token of B rows, into
+        `out` (B, V) float64 with contiguous rows: first (V,) int32 contiguous (each token's
+        first hash round), keys (B, 2) and positions (B,) int64 contiguous. Returns out."""
+        B, V = out.shape
+        _call("batchgen::race_uniforms", self._race_uniforms, first.data_ptr(), V, keys.data_ptr(),
+              positions.data_ptr(), B, out.data_ptr(), out.stride(0), threads)
+        return out
 
     def logsumexp(self, x: torch.Tensor, threads: int) -> torch.Tensor:
         """torch.logsumexp(x, -1) of x (B, V) float32 with contiguous rows: (B,) float32."""

@@ -1,5 +1,6 @@
-// The two passes over the vocabulary a CPU decode step makes per row after the LM head:
-// the top-k candidates of the logits (top_k sampling) and their logsumexp (raw logprobs).
+// The passes over the vocabulary a CPU decode step makes per row after the LM head: the
+// top-k candidates of the logits (top_k sampling), their logsumexp (raw logprobs), and the
+// integer part of the race's noise for rows sampled from the whole vocabulary.
 // Called by engine/sampling.py through engine/kernels/native.py. For 128 rows x 49,152 on 2 cores
 // torch.topk (k = 50) and log_softmax take 5.7 and 4.6 ms, these 1.7-1.9 ms each (a SmolLM2
 // step is ~290 ms). Each reads a row from memory once; its second pass finds it in L2.
@@ -247,6 +248,16 @@ float logsumexp_row(const float* x, int64_t V) {
     return m + std::log(hsum8(_mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3]))));
 }
 
+// lowbias32 (C. Wellons, "Prospecting for hash functions", 2018): engine/sampling.py's _mix32_.
+inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
 }  // namespace
 
 extern "C" {
@@ -269,6 +280,25 @@ void batchgen_topk(const float* x, int64_t B, int64_t V, int64_t ld, int k, floa
             const float* row = x + b * ld;
             if (bs == 0 || !topk_bounded(row, V, k, bs, vals + b * k, idx + b * k, cand.data(), bmax.data()))
                 topk_heap(row, V, k, vals + b * k, idx + b * k, cand.data());
+        }
+    }
+}
+
+// The race's uniforms for every token of B rows (engine/sampling.py, race_noise): row b of
+// out (at out + b * ld, V doubles) gets u[v] = (h + 0.5) / 2^32, h = lowbias32 chained over
+// first[v] (token v's first round), positions[b], keys[b, 1] and keys[b, 0], each word
+// taken modulo 2^32. Integer arithmetic, an exact conversion, an exact add and a
+// power-of-two scaling: the same bits as the torch operations it replaces, on any CPU.
+// One pass that writes each element once, where torch makes about 30 over the row.
+void batchgen_race_uniforms(const int32_t* first, int64_t V, const int64_t* keys, const int64_t* positions,
+                            int64_t B, double* out, int64_t ld, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (B > 1)
+    for (int64_t b = 0; b < B; b++) {
+        const uint32_t p = (uint32_t)positions[b], k1 = (uint32_t)keys[2 * b + 1], k0 = (uint32_t)keys[2 * b];
+        double* row = out + b * ld;
+        for (int64_t v = 0; v < V; v++) {
+            const uint32_t h = mix32(mix32(mix32((uint32_t)first[v] ^ p) ^ k1) ^ k0);
+            row[v] = ((double)h + 0.5) * 0x1p-32;
         }
     }
 }
