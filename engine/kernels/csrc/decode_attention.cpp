@@ -120,6 +120,75 @@ inline void partials8(const float* q, const T* const* k, __m256* r) {
 }
 #endif
 
+// partials8 for NQ query heads at once (query qi at q + qi * D): each key's elements are
+// loaded (and widened) once for all NQ queries. Every (query, key) partial is the same chain
+// of instructions as partials8's, only interleaved with the others: the same bits.
+#if defined(__AVX512F__)
+template <int NC, bool HALF, int NQ, class T>
+inline void partials8_mq(const float* q, int64_t D, const T* const* k, __m256 (*r)[8]) {
+    constexpr int KG = NQ <= 2 ? 8 : 4;  // keys at a time: NQ x KG accumulators of 32 registers
+    for (int h = 0; h < 8; h += KG) {
+        __m512 a[NQ][KG];
+        for (int u = 0; u < KG; u++) {
+            const __m512 kv = NC > 0 ? load16(k[h + u]) : load8z(k[h + u]);
+            for (int qi = 0; qi < NQ; qi++)
+                a[qi][u] = _mm512_mul_ps(NC > 0 ? _mm512_loadu_ps(q + qi * D) : load8z(q + qi * D), kv);
+        }
+        for (int c = 1; c < NC; c++)
+            for (int u = 0; u < KG; u++) {
+                const __m512 kv = load16(k[h + u] + 16 * c);
+                for (int qi = 0; qi < NQ; qi++)
+                    a[qi][u] = _mm512_fmadd_ps(_mm512_loadu_ps(q + qi * D + 16 * c), kv, a[qi][u]);
+            }
+        if (HALF && NC > 0)
+            for (int u = 0; u < KG; u++) {
+                const __m512 kv = load8z(k[h + u] + 16 * NC);
+                for (int qi = 0; qi < NQ; qi++)
+                    a[qi][u] = _mm512_fmadd_ps(load8z(q + qi * D + 16 * NC), kv, a[qi][u]);
+            }
+        for (int qi = 0; qi < NQ; qi++)
+            for (int u = 0; u < KG; u++) {
+                const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[qi][u]), 1));
+                r[qi][h + u] = _mm256_add_ps(_mm512_castps512_ps256(a[qi][u]), hi);
+            }
+    }
+}
+#else
+template <int NC, bool HALF, int NQ, class T>
+inline void partials8_mq(const float* q, int64_t D, const T* const* k, __m256 (*r)[8]) {
+    constexpr int KG = NQ <= 2 ? 2 : 1;  // 2 x NQ x KG accumulators of 16 registers
+    const __m256 zero = _mm256_setzero_ps();
+    for (int h = 0; h < 8; h += KG) {
+        __m256 lo[NQ][KG], hi[NQ][KG];
+        for (int u = 0; u < KG; u++) {
+            const __m256 k0 = load8(k[h + u]), k1 = NC > 0 ? load8(k[h + u] + 8) : zero;
+            for (int qi = 0; qi < NQ; qi++) {
+                lo[qi][u] = _mm256_mul_ps(_mm256_loadu_ps(q + qi * D), k0);
+                hi[qi][u] = NC > 0 ? _mm256_mul_ps(_mm256_loadu_ps(q + qi * D + 8), k1) : zero;
+            }
+        }
+        for (int c = 1; c < NC; c++)
+            for (int u = 0; u < KG; u++) {
+                const __m256 ka = load8(k[h + u] + 16 * c), kb = load8(k[h + u] + 16 * c + 8);
+                for (int qi = 0; qi < NQ; qi++) {
+                    lo[qi][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + qi * D + 16 * c), ka, lo[qi][u]);
+                    hi[qi][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + qi * D + 16 * c + 8), kb, hi[qi][u]);
+                }
+            }
+        if (HALF && NC > 0)
+            for (int u = 0; u < KG; u++) {
+                const __m256 ka = load8(k[h + u] + 16 * NC);
+                for (int qi = 0; qi < NQ; qi++) {
+                    lo[qi][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + qi * D + 16 * NC), ka, lo[qi][u]);
+                    hi[qi][u] = _mm256_add_ps(hi[qi][u], zero);
+                }
+            }
+        for (int qi = 0; qi < NQ; qi++)
+            for (int u = 0; u < KG; u++) r[qi][h + u] = _mm256_add_ps(lo[qi][u], hi[qi][u]);
+    }
+}
+#endif
+
 // acc[0, D) = acc * corr + sum_i s[i] v_i for the n values V + i * ld, in order of i (one
 // fused multiply-add chain per element: the vector width does not enter).
 template <int NC, bool HALF, class T>
@@ -207,6 +276,138 @@ __attribute__((noinline)) void update(const float* __restrict q, const T* __rest
 template <class T>
 using UpdateFn = void (*)(const float*, const T*, const T*, int64_t, int, float, float*, float*, float*);
 
+// accumulate for NQ query heads at once (query qi's acc at acc + qi * D, its weights at
+// s + qi * KB), a block of columns at a time so the accumulators stay in registers: each
+// value vector is loaded (and widened) once for all NQ queries. Every output element is the
+// same chain as accumulate's (times corr, then one fused multiply-add per value in order).
+template <int NC, bool HALF, int NQ, class T>
+inline void accumulate_mq(float* __restrict acc, int64_t D, const float* corr, const float* s,
+                          const T* __restrict V, int64_t ld, int n) {
+#if defined(__AVX512F__)
+    constexpr int CB = 4;  // 16-float column vectors per pass: NQ x CB accumulators
+    for (int c0 = 0; c0 < NC; c0 += CB) {
+        const int nc = std::min(CB, NC - c0);
+        __m512 a[NQ][CB];
+        for (int qi = 0; qi < NQ; qi++)
+            for (int c = 0; c < nc; c++)
+                a[qi][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + qi * D + 16 * (c0 + c)), _mm512_set1_ps(corr[qi]));
+        for (int i = 0; i < n; i++) {
+            const T* v = V + i * ld + 16 * c0;
+            for (int c = 0; c < nc; c++) {
+                const __m512 vv = load16(v + 16 * c);
+                for (int qi = 0; qi < NQ; qi++) a[qi][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[qi * KB + i]), vv, a[qi][c]);
+            }
+        }
+        for (int qi = 0; qi < NQ; qi++)
+            for (int c = 0; c < nc; c++) _mm512_storeu_ps(acc + qi * D + 16 * (c0 + c), a[qi][c]);
+    }
+    if (HALF) {
+        __m256 h[NQ];
+        for (int qi = 0; qi < NQ; qi++)
+            h[qi] = _mm256_mul_ps(_mm256_loadu_ps(acc + qi * D + 16 * NC), _mm256_set1_ps(corr[qi]));
+        for (int i = 0; i < n; i++) {
+            const __m256 vv = load8(V + i * ld + 16 * NC);
+            for (int qi = 0; qi < NQ; qi++) h[qi] = _mm256_fmadd_ps(_mm256_set1_ps(s[qi * KB + i]), vv, h[qi]);
+        }
+        for (int qi = 0; qi < NQ; qi++) _mm256_storeu_ps(acc + qi * D + 16 * NC, h[qi]);
+    }
+#else
+    constexpr int N8 = 2 * NC + (HALF ? 1 : 0);
+    constexpr int CB = NQ <= 3 ? 4 : 3;  // 8-float column vectors per pass: NQ x CB accumulators
+    for (int c0 = 0; c0 < N8; c0 += CB) {
+        const int nc = std::min(CB, N8 - c0);
+        __m256 a[NQ][CB];
+        for (int qi = 0; qi < NQ; qi++)
+            for (int c = 0; c < nc; c++)
+                a[qi][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + qi * D + 8 * (c0 + c)), _mm256_set1_ps(corr[qi]));
+        for (int i = 0; i < n; i++) {
+            const T* v = V + i * ld + 8 * c0;
+            for (int c = 0; c < nc; c++) {
+                const __m256 vv = load8(v + 8 * c);
+                for (int qi = 0; qi < NQ; qi++) a[qi][c] = _mm256_fmadd_ps(_mm256_set1_ps(s[qi * KB + i]), vv, a[qi][c]);
+            }
+        }
+        for (int qi = 0; qi < NQ; qi++)
+            for (int c = 0; c < nc; c++) _mm256_storeu_ps(acc + qi * D + 8 * (c0 + c), a[qi][c]);
+    }
+#endif
+}
+
+// update for NQ query heads of one row that read the same KV head (query qi at q + qi * D,
+// its state at m + qi, l + qi, acc + qi * D): the keys and values are read once for all of
+// them. Each query's scores, softmax update and output are computed by the same
+// instructions as update's: the same bits as NQ calls of update.
+template <int NC, bool HALF, int NQ, class T>
+__attribute__((noinline)) void update_mq(const float* __restrict q, int64_t D, const T* __restrict K,
+                                         const T* __restrict V, int64_t ld, int n, float scale, float* __restrict m,
+                                         float* __restrict l, float* __restrict acc) {
+    alignas(32) float s[NQ * KB];
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int i = 0; i < n; i += 8) {
+        const T* k[8];
+        for (int u = 0; u < 8; u++) k[u] = K + std::min(i + u, n - 1) * ld;
+        __m256 r[NQ][8];
+        partials8_mq<NC, HALF, NQ>(q, D, k, r);
+        for (int qi = 0; qi < NQ; qi++) _mm256_store_ps(s + qi * KB + i, _mm256_mul_ps(hsum8x8(r[qi]), sv));
+    }
+    const int nv = (n + 7) / 8;
+    const int tail = n - 8 * (nv - 1);  // valid lanes of the last vector
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(tail), lanes));
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    float corr[NQ];
+    for (int qi = 0; qi < NQ; qi++) {  // update's softmax step, query by query
+        float* sq = s + qi * KB;
+        __m256 mxv = _mm256_set1_ps(m[qi]);
+        for (int j = 0; j < nv; j++) {
+            __m256 x = _mm256_load_ps(sq + 8 * j);
+            if (j == nv - 1) x = _mm256_blendv_ps(ninf, x, valid);
+            mxv = _mm256_max_ps(mxv, x);
+        }
+        alignas(32) float t8[8];
+        _mm256_store_ps(t8, mxv);
+        float mx = t8[0];
+        for (int u = 1; u < 8; u++) mx = std::max(mx, t8[u]);
+        const __m256 mv = _mm256_set1_ps(mx);
+        __m256 sum = _mm256_setzero_ps();
+        for (int j = 0; j < nv; j++) {
+            __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(sq + 8 * j), mv));
+            if (j == nv - 1) p = _mm256_and_ps(p, valid);
+            _mm256_store_ps(sq + 8 * j, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        corr[qi] = 0.f;
+        if (m[qi] != -INFINITY) {
+            alignas(32) float c[8] = {m[qi] - mx, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            _mm256_store_ps(c, exp8(_mm256_load_ps(c)));
+            corr[qi] = c[0];
+        }
+        l[qi] = l[qi] * corr[qi] + hsum8(sum);
+        m[qi] = mx;
+    }
+    accumulate_mq<NC, HALF, NQ>(acc, D, corr, s, V, ld, n);
+}
+
+template <class T>
+using UpdateMqFn = void (*)(const float*, int64_t, const T*, const T*, int64_t, int, float, float*, float*, float*);
+
+// The multi-query update for head size D and nq (2 to 4) query heads, or nullptr.
+template <class T>
+UpdateMqFn<T> pick_mq(int64_t D, int nq) {
+    switch (D * 8 + nq) {
+#define BATCHGEN_DQ(d, n) \
+    case (d) * 8 + (n): return update_mq<(d) / 16, (d) % 16 != 0, n, T>;
+#define BATCHGEN_D(d) BATCHGEN_DQ(d, 2) BATCHGEN_DQ(d, 3) BATCHGEN_DQ(d, 4)
+        BATCHGEN_D(8) BATCHGEN_D(16) BATCHGEN_D(24) BATCHGEN_D(32) BATCHGEN_D(40) BATCHGEN_D(48) BATCHGEN_D(56)
+        BATCHGEN_D(64) BATCHGEN_D(72) BATCHGEN_D(80) BATCHGEN_D(88) BATCHGEN_D(96) BATCHGEN_D(104) BATCHGEN_D(112)
+        BATCHGEN_D(120) BATCHGEN_D(128) BATCHGEN_D(160) BATCHGEN_D(192) BATCHGEN_D(256)
+#undef BATCHGEN_D
+#undef BATCHGEN_DQ
+        default: return nullptr;
+    }
+}
+
+
 // Head sizes: every multiple of 8 up to 128, and 160, 192, 256.
 template <class T>
 UpdateFn<T> pick(int64_t D) {
@@ -244,7 +445,7 @@ inline void stream_in(const T* kc, const T* vc, int64_t p, int n, int64_t ld) {
 
 // All the (row, query head) pairs of one KV head h against `n` keys from arena position p.
 template <class T>
-inline void block(UpdateFn<T> up, const float* q, const T* kc, const T* vc, int64_t p, int n, int64_t h,
+inline void block(UpdateFn<T> up, const UpdateMqFn<T>* mq, int64_t MQ, const float* q, const T* kc, const T* vc, int64_t p, int n, int64_t h,
                   int64_t q_ld, int64_t Hq, int64_t g, int64_t D, int64_t ld, float scale, const int64_t* rows,
                   int64_t nr,
                   int64_t first, float* m, float* l, float* acc) {
@@ -252,9 +453,15 @@ inline void block(UpdateFn<T> up, const float* q, const T* kc, const T* vc, int6
     const T* V = vc + p * ld + h * D;
     for (int64_t r = 0; r < nr; r++) {
         const float* qr = q + rows[r] * q_ld + h * g * D;
-        for (int64_t j = 0; j < g; j++) {
+        for (int64_t j = 0; j < g;) {
             const int64_t x = (first + r) * Hq + h * g + j;
-            up(qr + j * D, K, V, ld, n, scale, m + x, l + x, acc + x * D);
+            const int nq = (int)std::min<int64_t>(g - j, MQ);
+            if (nq > 1) {
+                mq[nq](qr + j * D, D, K, V, ld, n, scale, m + x, l + x, acc + x * D);
+            } else {
+                up(qr + j * D, K, V, ld, n, scale, m + x, l + x, acc + x * D);
+            }
+            j += nq;
         }
     }
 }
@@ -266,6 +473,14 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
     const UpdateFn<T> up = pick<T>(D);
     if (up == nullptr) return -1;
     const int64_t g = Hq / Hkv, ld = Hkv * D;
+    // A bfloat16 arena's query heads of one KV head go through update_mq up to 4 at a time:
+    // each key and value is widened once for all of them (1.3-1.45x less time on the RL
+    // shape, bench in docs/performance.md). A float32 arena has nothing to widen, and there
+    // the extra query loads cost more than the shared key loads save: one at a time.
+    constexpr int64_t MQ = sizeof(T) == 2 ? 4 : 1;
+    UpdateMqFn<T> mq[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
+    if constexpr (MQ > 1)
+        for (int nq = 2; nq <= MQ; nq++) mq[nq] = pick_mq<T>(D, nq);
     if (knew != nullptr) {
         for (int64_t b = 0; b < B; b++) {
             store_row(kc + write[b] * ld, knew + b * kv_ld, ld);
@@ -288,7 +503,7 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
                 const int n = (int)std::min<int64_t>(KB, s0[1] - a);
                 stream_in(kc, vc, s0[0] + a, n, ld);
                 for (int64_t h = 0; h < Hkv; h++)
-                    block<T>(up, q, kc, vc, s0[0] + a, n, h, q_ld, Hq, g, D, ld, scale, rows, nr, 0, m, l, acc);
+                    block<T>(up, mq, MQ, q, kc, vc, s0[0] + a, n, h, q_ld, Hq, g, D, ld, scale, rows, nr, 0, m, l, acc);
             }
             for (int64_t r = 0; r < nr; r++) {  // each row's own run, then its output
                 const int64_t* s = seg + rows[r] * 4;
@@ -296,7 +511,7 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
                     const int n = (int)std::min<int64_t>(KB, s[3] - a);
                     stream_in(kc, vc, s[2] + a, n, ld);
                     for (int64_t h = 0; h < Hkv; h++)
-                        block<T>(up, q, kc, vc, s[2] + a, n, h, q_ld, Hq, g, D, ld, scale, rows + r, 1, r, m, l,
+                        block<T>(up, mq, MQ, q, kc, vc, s[2] + a, n, h, q_ld, Hq, g, D, ld, scale, rows + r, 1, r, m, l,
                                  acc);
                 }
                 for (int64_t j = 0; j < Hq; j++) {
