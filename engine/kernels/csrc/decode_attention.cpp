@@ -70,62 +70,16 @@ inline __m512 load16(const uint16_t* p) {
 inline __m512 load8z(const float* p) { return _mm512_zextps256_ps512(_mm256_loadu_ps(p)); }
 inline __m512 load8z(const uint16_t* p) { return _mm512_zextps256_ps512(load8(p)); }
 
-// The 8 keys k[u]'s score partials (D = 16 NC + 8 HALF: NC chunks of 16, then a half chunk
-// whose lanes 8-15 add 0 x 0), folded to 8 lanes each: r[u].
-template <int NC, bool HALF, class T>
-inline void partials8(const float* q, const T* const* k, __m256* r) {
-    __m512 a[8];
-    const __m512 q0 = NC > 0 ? _mm512_loadu_ps(q) : load8z(q);
-    for (int u = 0; u < 8; u++) a[u] = _mm512_mul_ps(q0, NC > 0 ? load16(k[u]) : load8z(k[u]));
-    for (int c = 1; c < NC; c++) {
-        const __m512 qc = _mm512_loadu_ps(q + 16 * c);
-        for (int u = 0; u < 8; u++) a[u] = _mm512_fmadd_ps(qc, load16(k[u] + 16 * c), a[u]);
-    }
-    if (HALF && NC > 0) {
-        const __m512 qc = load8z(q + 16 * NC);
-        for (int u = 0; u < 8; u++) a[u] = _mm512_fmadd_ps(qc, load8z(k[u] + 16 * NC), a[u]);
-    }
-    for (int u = 0; u < 8; u++) {  // lanes 0-7 + lanes 8-15
-        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[u]), 1));
-        r[u] = _mm256_add_ps(_mm512_castps512_ps256(a[u]), hi);
-    }
-}
-#else
-template <int NC, bool HALF, class T>
-inline void partials8(const float* q, const T* const* k, __m256* r) {
-    const __m256 zero = _mm256_setzero_ps();
-    for (int h = 0; h < 8; h += 4) {  // four keys at a time: 8 accumulators of 16 registers
-        __m256 lo[4], hi[4];
-        const __m256 q0 = _mm256_loadu_ps(q), q1 = NC > 0 ? _mm256_loadu_ps(q + 8) : zero;
-        for (int u = 0; u < 4; u++) {
-            lo[u] = _mm256_mul_ps(q0, load8(k[h + u]));
-            hi[u] = NC > 0 ? _mm256_mul_ps(q1, load8(k[h + u] + 8)) : zero;  // 0 x 0
-        }
-        for (int c = 1; c < NC; c++) {
-            const __m256 qa = _mm256_loadu_ps(q + 16 * c), qb = _mm256_loadu_ps(q + 16 * c + 8);
-            for (int u = 0; u < 4; u++) {
-                lo[u] = _mm256_fmadd_ps(qa, load8(k[h + u] + 16 * c), lo[u]);
-                hi[u] = _mm256_fmadd_ps(qb, load8(k[h + u] + 16 * c + 8), hi[u]);
-            }
-        }
-        if (HALF && NC > 0) {
-            const __m256 qa = _mm256_loadu_ps(q + 16 * NC);
-            for (int u = 0; u < 4; u++) {
-                lo[u] = _mm256_fmadd_ps(qa, load8(k[h + u] + 16 * NC), lo[u]);
-                hi[u] = _mm256_add_ps(hi[u], zero);  // what 0 x 0 adds in a 16-lane register
-            }
-        }
-        for (int u = 0; u < 4; u++) r[h + u] = _mm256_add_ps(lo[u], hi[u]);
-    }
-}
 #endif
 
-// partials8 for NQ query heads at once (query qi at q + qi * D): each key's elements are
-// loaded (and widened) once for all NQ queries. Every (query, key) partial is the same chain
-// of instructions as partials8's, only interleaved with the others: the same bits.
+// The score partials of 8 keys k[u] for NQ query heads (query qi at q + qi * D; D = 16 NC
+// + 8 HALF: NC chunks of 16, then a half chunk whose lanes 8-15 add 0 x 0), folded to 8
+// lanes each: r[qi][u]. Each key's elements are loaded (and widened) once for all NQ
+// queries; how many keys and queries share the registers changes only which partial is
+// computed when, never its chain of instructions.
 #if defined(__AVX512F__)
 template <int NC, bool HALF, int NQ, class T>
-inline void partials8_mq(const float* q, int64_t D, const T* const* k, __m256 (*r)[8]) {
+inline void partials8(const float* q, int64_t D, const T* const* k, __m256 (*r)[8]) {
     constexpr int KG = NQ <= 2 ? 8 : 4;  // keys at a time: NQ x KG accumulators of 32 registers
     for (int h = 0; h < 8; h += KG) {
         __m512 a[NQ][KG];
@@ -155,8 +109,8 @@ inline void partials8_mq(const float* q, int64_t D, const T* const* k, __m256 (*
 }
 #else
 template <int NC, bool HALF, int NQ, class T>
-inline void partials8_mq(const float* q, int64_t D, const T* const* k, __m256 (*r)[8]) {
-    constexpr int KG = NQ <= 2 ? 2 : 1;  // 2 x NQ x KG accumulators of 16 registers
+inline void partials8(const float* q, int64_t D, const T* const* k, __m256 (*r)[8]) {
+    constexpr int KG = NQ == 1 ? 4 : NQ == 2 ? 2 : 1;  // 2 x NQ x KG accumulators of 16 registers
     const __m256 zero = _mm256_setzero_ps();
     for (int h = 0; h < 8; h += KG) {
         __m256 lo[NQ][KG], hi[NQ][KG];
@@ -189,56 +143,11 @@ inline void partials8_mq(const float* q, int64_t D, const T* const* k, __m256 (*
 }
 #endif
 
-// acc[0, D) = acc * corr + sum_i s[i] v_i for the n values V + i * ld, in order of i (one
-// fused multiply-add chain per element: the vector width does not enter).
-template <int NC, bool HALF, class T>
-inline void accumulate(float* __restrict acc, float corr, const float* s, const T* __restrict V, int64_t ld, int n) {
-#if defined(__AVX512F__)
-    constexpr int W = NC > 0 ? NC : 1;
-    __m512 a[W];
-    __m256 h = _mm256_setzero_ps();
-    const __m512 cv = _mm512_set1_ps(corr);
-    for (int c = 0; c < NC; c++) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), cv);
-    if (HALF) h = _mm256_mul_ps(_mm256_loadu_ps(acc + 16 * NC), _mm256_set1_ps(corr));
-    for (int i = 0; i < n; i++) {
-        const T* v = V + i * ld;
-        const __m512 p = _mm512_set1_ps(s[i]);
-        for (int c = 0; c < NC; c++) a[c] = _mm512_fmadd_ps(p, load16(v + 16 * c), a[c]);
-        if (HALF) h = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), load8(v + 16 * NC), h);
-    }
-    for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc + 16 * c, a[c]);
-    if (HALF) _mm256_storeu_ps(acc + 16 * NC, h);
-#else
-    constexpr int N8 = 2 * NC + (HALF ? 1 : 0);
-    __m256 a[N8];
-    const __m256 cv = _mm256_set1_ps(corr);
-    for (int c = 0; c < N8; c++) a[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), cv);
-    for (int i = 0; i < n; i++) {
-        const __m256 p = _mm256_set1_ps(s[i]);
-        const T* v = V + i * ld;
-        for (int c = 0; c < N8; c++) a[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), a[c]);
-    }
-    for (int c = 0; c < N8; c++) _mm256_storeu_ps(acc + 8 * c, a[c]);
-#endif
-}
-
-// One query row q (D = 16 NC + 8 HALF floats) against n <= KB keys K[i * ld], values V[i * ld]:
-// the online-softmax update of its running max m, sum l and unnormalised output acc (D).
-// Keys go through the same instructions eight at a time (a short block repeats its last
-// key and drops the extra scores), so a key's score never depends on where it sits.
-template <int NC, bool HALF, class T>
-__attribute__((noinline)) void update(const float* __restrict q, const T* __restrict K, const T* __restrict V,
-                                      int64_t ld, int n, float scale, float* __restrict m, float* __restrict l,
-                                      float* __restrict acc) {
-    alignas(32) float s[KB];
-    const __m256 sv = _mm256_set1_ps(scale);
-    for (int i = 0; i < n; i += 8) {
-        const T* k[8];
-        for (int u = 0; u < 8; u++) k[u] = K + std::min(i + u, n - 1) * ld;
-        __m256 r[8];
-        partials8<NC, HALF>(q, k, r);
-        _mm256_store_ps(s + i, _mm256_mul_ps(hsum8x8(r), sv));
-    }
+// The online-softmax step of one query over a block's n <= KB scores s (KB floats, 32-byte
+// aligned): s becomes exp(s - m_new) (0 past n), *l and *m are updated, and the factor
+// exp(m_old - m_new) that rescales the query's output so far is returned (0 before its
+// first key, when the output and l are 0).
+inline float softmax_step(float* __restrict s, int n, float* __restrict m, float* __restrict l) {
     const int nv = (n + 7) / 8;
     __m256 mxv = _mm256_set1_ps(*m);
     const int tail = n - 8 * (nv - 1);  // valid lanes of the last vector
@@ -262,7 +171,7 @@ __attribute__((noinline)) void update(const float* __restrict q, const T* __rest
         _mm256_store_ps(s + 8 * j, p);
         sum = _mm256_add_ps(sum, p);
     }
-    float corr = 0.f;  // exp(m_old - m_new); acc and l are 0 before the first key
+    float corr = 0.f;
     if (*m != -INFINITY) {
         alignas(32) float c[8] = {*m - mx, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         _mm256_store_ps(c, exp8(_mm256_load_ps(c)));
@@ -270,21 +179,19 @@ __attribute__((noinline)) void update(const float* __restrict q, const T* __rest
     }
     *l = *l * corr + hsum8(sum);
     *m = mx;
-    accumulate<NC, HALF>(acc, corr, s, V, ld, n);
+    return corr;
 }
 
-template <class T>
-using UpdateFn = void (*)(const float*, const T*, const T*, int64_t, int, float, float*, float*, float*);
-
-// accumulate for NQ query heads at once (query qi's acc at acc + qi * D, its weights at
-// s + qi * KB), a block of columns at a time so the accumulators stay in registers: each
-// value vector is loaded (and widened) once for all NQ queries. Every output element is the
-// same chain as accumulate's (times corr, then one fused multiply-add per value in order).
+// acc[0, D) = acc * corr + sum_i s[i] v_i for the n values V + i * ld, for NQ query heads
+// (query qi's acc at acc + qi * D, its weights at s + qi * KB, its factor corr[qi]): one
+// fused multiply-add chain per element in order of i, so neither the vector width nor the
+// column blocks (which keep several queries' accumulators in registers, each value vector
+// loaded and widened once for all of them) enter.
 template <int NC, bool HALF, int NQ, class T>
-inline void accumulate_mq(float* __restrict acc, int64_t D, const float* corr, const float* s,
+inline void accumulate(float* __restrict acc, int64_t D, const float* corr, const float* s,
                           const T* __restrict V, int64_t ld, int n) {
 #if defined(__AVX512F__)
-    constexpr int CB = 4;  // 16-float column vectors per pass: NQ x CB accumulators
+    constexpr int CB = NQ == 1 ? (NC > 0 ? NC : 1) : 4;  // 16-float column vectors per pass: NQ x CB accumulators
     for (int c0 = 0; c0 < NC; c0 += CB) {
         const int nc = std::min(CB, NC - c0);
         __m512 a[NQ][CB];
@@ -313,7 +220,7 @@ inline void accumulate_mq(float* __restrict acc, int64_t D, const float* corr, c
     }
 #else
     constexpr int N8 = 2 * NC + (HALF ? 1 : 0);
-    constexpr int CB = NQ <= 3 ? 4 : 3;  // 8-float column vectors per pass: NQ x CB accumulators
+    constexpr int CB = NQ == 1 ? N8 : NQ <= 3 ? 4 : 3;  // 8-float column vectors per pass: NQ x CB accumulators
     for (int c0 = 0; c0 < N8; c0 += CB) {
         const int nc = std::min(CB, N8 - c0);
         __m256 a[NQ][CB];
@@ -333,12 +240,15 @@ inline void accumulate_mq(float* __restrict acc, int64_t D, const float* corr, c
 #endif
 }
 
-// update for NQ query heads of one row that read the same KV head (query qi at q + qi * D,
-// its state at m + qi, l + qi, acc + qi * D): the keys and values are read once for all of
-// them. Each query's scores, softmax update and output are computed by the same
-// instructions as update's: the same bits as NQ calls of update.
+// NQ query heads of one row that read the same KV head (query qi at q + qi * D, D = 16 NC +
+// 8 HALF floats) against n <= KB keys K[i * ld], values V[i * ld]: the online-softmax update
+// of each query's running max m[qi], sum l[qi] and unnormalised output acc + qi * D. The
+// keys and values are read once for all NQ queries, and each query's arithmetic is the
+// same whatever NQ, so its bits are too. Keys go through the same instructions eight at a
+// time (a short block repeats its last key and drops the extra scores), so a key's score
+// never depends on where it sits.
 template <int NC, bool HALF, int NQ, class T>
-__attribute__((noinline)) void update_mq(const float* __restrict q, int64_t D, const T* __restrict K,
+__attribute__((noinline)) void update(const float* __restrict q, int64_t D, const T* __restrict K,
                                          const T* __restrict V, int64_t ld, int n, float scale, float* __restrict m,
                                          float* __restrict l, float* __restrict acc) {
     alignas(32) float s[NQ * KB];
@@ -347,77 +257,30 @@ __attribute__((noinline)) void update_mq(const float* __restrict q, int64_t D, c
         const T* k[8];
         for (int u = 0; u < 8; u++) k[u] = K + std::min(i + u, n - 1) * ld;
         __m256 r[NQ][8];
-        partials8_mq<NC, HALF, NQ>(q, D, k, r);
+        partials8<NC, HALF, NQ>(q, D, k, r);
         for (int qi = 0; qi < NQ; qi++) _mm256_store_ps(s + qi * KB + i, _mm256_mul_ps(hsum8x8(r[qi]), sv));
     }
-    const int nv = (n + 7) / 8;
-    const int tail = n - 8 * (nv - 1);  // valid lanes of the last vector
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(tail), lanes));
-    const __m256 ninf = _mm256_set1_ps(-INFINITY);
     float corr[NQ];
-    for (int qi = 0; qi < NQ; qi++) {  // update's softmax step, query by query
-        float* sq = s + qi * KB;
-        __m256 mxv = _mm256_set1_ps(m[qi]);
-        for (int j = 0; j < nv; j++) {
-            __m256 x = _mm256_load_ps(sq + 8 * j);
-            if (j == nv - 1) x = _mm256_blendv_ps(ninf, x, valid);
-            mxv = _mm256_max_ps(mxv, x);
-        }
-        alignas(32) float t8[8];
-        _mm256_store_ps(t8, mxv);
-        float mx = t8[0];
-        for (int u = 1; u < 8; u++) mx = std::max(mx, t8[u]);
-        const __m256 mv = _mm256_set1_ps(mx);
-        __m256 sum = _mm256_setzero_ps();
-        for (int j = 0; j < nv; j++) {
-            __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(sq + 8 * j), mv));
-            if (j == nv - 1) p = _mm256_and_ps(p, valid);
-            _mm256_store_ps(sq + 8 * j, p);
-            sum = _mm256_add_ps(sum, p);
-        }
-        corr[qi] = 0.f;
-        if (m[qi] != -INFINITY) {
-            alignas(32) float c[8] = {m[qi] - mx, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            _mm256_store_ps(c, exp8(_mm256_load_ps(c)));
-            corr[qi] = c[0];
-        }
-        l[qi] = l[qi] * corr[qi] + hsum8(sum);
-        m[qi] = mx;
-    }
-    accumulate_mq<NC, HALF, NQ>(acc, D, corr, s, V, ld, n);
+    for (int qi = 0; qi < NQ; qi++) corr[qi] = softmax_step(s + qi * KB, n, m + qi, l + qi);
+    accumulate<NC, HALF, NQ>(acc, D, corr, s, V, ld, n);
 }
 
 template <class T>
-using UpdateMqFn = void (*)(const float*, int64_t, const T*, const T*, int64_t, int, float, float*, float*, float*);
+using UpdateFn = void (*)(const float*, int64_t, const T*, const T*, int64_t, int, float, float*, float*, float*);
 
-// The multi-query update for head size D and nq (2 to 4) query heads, or nullptr.
+// The update for head size D and nq (1 to 4) query heads at a time, or nullptr. Head
+// sizes: every multiple of 8 up to 128, and 160, 192, 256.
 template <class T>
-UpdateMqFn<T> pick_mq(int64_t D, int nq) {
+UpdateFn<T> pick(int64_t D, int nq) {
     switch (D * 8 + nq) {
 #define BATCHGEN_DQ(d, n) \
-    case (d) * 8 + (n): return update_mq<(d) / 16, (d) % 16 != 0, n, T>;
-#define BATCHGEN_D(d) BATCHGEN_DQ(d, 2) BATCHGEN_DQ(d, 3) BATCHGEN_DQ(d, 4)
+    case (d) * 8 + (n): return update<(d) / 16, (d) % 16 != 0, n, T>;
+#define BATCHGEN_D(d) BATCHGEN_DQ(d, 1) BATCHGEN_DQ(d, 2) BATCHGEN_DQ(d, 3) BATCHGEN_DQ(d, 4)
         BATCHGEN_D(8) BATCHGEN_D(16) BATCHGEN_D(24) BATCHGEN_D(32) BATCHGEN_D(40) BATCHGEN_D(48) BATCHGEN_D(56)
         BATCHGEN_D(64) BATCHGEN_D(72) BATCHGEN_D(80) BATCHGEN_D(88) BATCHGEN_D(96) BATCHGEN_D(104) BATCHGEN_D(112)
         BATCHGEN_D(120) BATCHGEN_D(128) BATCHGEN_D(160) BATCHGEN_D(192) BATCHGEN_D(256)
 #undef BATCHGEN_D
 #undef BATCHGEN_DQ
-        default: return nullptr;
-    }
-}
-
-
-// Head sizes: every multiple of 8 up to 128, and 160, 192, 256.
-template <class T>
-UpdateFn<T> pick(int64_t D) {
-    switch (D) {
-#define BATCHGEN_D(d) \
-    case d: return update<(d) / 16, (d) % 16 != 0, T>;
-        BATCHGEN_D(8) BATCHGEN_D(16) BATCHGEN_D(24) BATCHGEN_D(32) BATCHGEN_D(40) BATCHGEN_D(48) BATCHGEN_D(56)
-        BATCHGEN_D(64) BATCHGEN_D(72) BATCHGEN_D(80) BATCHGEN_D(88) BATCHGEN_D(96) BATCHGEN_D(104) BATCHGEN_D(112)
-        BATCHGEN_D(120) BATCHGEN_D(128) BATCHGEN_D(160) BATCHGEN_D(192) BATCHGEN_D(256)
-#undef BATCHGEN_D
         default: return nullptr;
     }
 }
@@ -445,7 +308,7 @@ inline void stream_in(const T* kc, const T* vc, int64_t p, int n, int64_t ld) {
 
 // All the (row, query head) pairs of one KV head h against `n` keys from arena position p.
 template <class T>
-inline void block(UpdateFn<T> up, const UpdateMqFn<T>* mq, int64_t MQ, const float* q, const T* kc, const T* vc, int64_t p, int n, int64_t h,
+inline void block(const UpdateFn<T>* up, int64_t MQ, const float* q, const T* kc, const T* vc, int64_t p, int n, int64_t h,
                   int64_t q_ld, int64_t Hq, int64_t g, int64_t D, int64_t ld, float scale, const int64_t* rows,
                   int64_t nr,
                   int64_t first, float* m, float* l, float* acc) {
@@ -456,11 +319,7 @@ inline void block(UpdateFn<T> up, const UpdateMqFn<T>* mq, int64_t MQ, const flo
         for (int64_t j = 0; j < g;) {
             const int64_t x = (first + r) * Hq + h * g + j;
             const int nq = (int)std::min<int64_t>(g - j, MQ);
-            if (nq > 1) {
-                mq[nq](qr + j * D, D, K, V, ld, n, scale, m + x, l + x, acc + x * D);
-            } else {
-                up(qr + j * D, K, V, ld, n, scale, m + x, l + x, acc + x * D);
-            }
+            up[nq](qr + j * D, D, K, V, ld, n, scale, m + x, l + x, acc + x * D);
             j += nq;
         }
     }
@@ -470,17 +329,15 @@ template <class T>
 int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t* seg, const int64_t* group_ptr,
            const int64_t* order, int64_t n_groups, int64_t Hq, int64_t Hkv, int64_t D, float scale, int threads,
            const float* knew, const float* vnew, int64_t kv_ld, const int64_t* write, int64_t B) {
-    const UpdateFn<T> up = pick<T>(D);
-    if (up == nullptr) return -1;
-    const int64_t g = Hq / Hkv, ld = Hkv * D;
-    // A bfloat16 arena's query heads of one KV head go through update_mq up to 4 at a time:
-    // each key and value is widened once for all of them (1.3-1.45x less time on the RL
-    // shape, bench in docs/performance.md). A float32 arena has nothing to widen, and there
-    // the extra query loads cost more than the shared key loads save: one at a time.
+    // A bfloat16 arena's query heads of one KV head are updated up to 4 at a time: each key
+    // and value is widened once for all of them (1.3-1.45x less time on the RL shape,
+    // bench/bench_attention.py). A float32 arena has nothing to widen, and there the extra
+    // query loads cost more than the shared key loads save: one at a time.
     constexpr int64_t MQ = sizeof(T) == 2 ? 4 : 1;
-    UpdateMqFn<T> mq[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
-    if constexpr (MQ > 1)
-        for (int nq = 2; nq <= MQ; nq++) mq[nq] = pick_mq<T>(D, nq);
+    UpdateFn<T> up[MQ + 1] = {};  // up[nq]: nq query heads at a time
+    for (int nq = 1; nq <= MQ; nq++) up[nq] = pick<T>(D, nq);
+    if (up[1] == nullptr) return -1;
+    const int64_t g = Hq / Hkv, ld = Hkv * D;
     if (knew != nullptr) {
         for (int64_t b = 0; b < B; b++) {
             store_row(kc + write[b] * ld, knew + b * kv_ld, ld);
@@ -503,7 +360,7 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
                 const int n = (int)std::min<int64_t>(KB, s0[1] - a);
                 stream_in(kc, vc, s0[0] + a, n, ld);
                 for (int64_t h = 0; h < Hkv; h++)
-                    block<T>(up, mq, MQ, q, kc, vc, s0[0] + a, n, h, q_ld, Hq, g, D, ld, scale, rows, nr, 0, m, l, acc);
+                    block<T>(up, MQ, q, kc, vc, s0[0] + a, n, h, q_ld, Hq, g, D, ld, scale, rows, nr, 0, m, l, acc);
             }
             for (int64_t r = 0; r < nr; r++) {  // each row's own run, then its output
                 const int64_t* s = seg + rows[r] * 4;
@@ -511,7 +368,7 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
                     const int n = (int)std::min<int64_t>(KB, s[3] - a);
                     stream_in(kc, vc, s[2] + a, n, ld);
                     for (int64_t h = 0; h < Hkv; h++)
-                        block<T>(up, mq, MQ, q, kc, vc, s[2] + a, n, h, q_ld, Hq, g, D, ld, scale, rows + r, 1, r, m, l,
+                        block<T>(up, MQ, q, kc, vc, s[2] + a, n, h, q_ld, Hq, g, D, ld, scale, rows + r, 1, r, m, l,
                                  acc);
                 }
                 for (int64_t j = 0; j < Hq; j++) {
@@ -531,7 +388,7 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
 extern "C" {
 
 // 1 when head_dim D is supported, else 0.
-int batchgen_decode_attention_supports(int64_t D) { return pick<float>(D) != nullptr; }
+int batchgen_decode_attention_supports(int64_t D) { return pick<float>(D, 1) != nullptr; }
 
 // See the file comment. q: row b's query heads at q + b * q_ld (Hq x D contiguous). kv_bf16:
 // 0 when kc, vc are float32, 1 when bfloat16. When knew is not null, first stores this
