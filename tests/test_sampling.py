@@ -153,22 +153,28 @@ def test_request_key_is_stable():
     assert request_key(123, "file.parquet:7", 3) == (779661763, 627667325)  # golden: changing the hash changes every dataset
 
 
+def _lowbias32_int64(x):
+    """lowbias32 on int64 tensors holding uint32 values, as the engine first wrote it."""
+    M = 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & M
+    return x ^ (x >> 16)
+
+
+def _race_hash_int64(keys, positions, token_ids):
+    """The noise's hash: lowbias32 chained over token id ^ 0x9E3779B9, position, key word 1,
+    key word 0."""
+    h = _lowbias32_int64(token_ids ^ 0x9E3779B9)
+    for word in (positions[:, None], keys[:, 1:2], keys[:, 0:1]):
+        h = _lowbias32_int64(h ^ word)
+    return h
+
+
 def _race_noise_int64(keys, positions, token_ids):
     """The noise's definition, as the engine first wrote it: lowbias32 on int64 tensors."""
-    M = 0xFFFFFFFF
-
-    def mix(x):
-        x = x ^ (x >> 16)
-        x = (x * 0x7FEB352D) & M
-        x = x ^ (x >> 15)
-        x = (x * 0x846CA68B) & M
-        return x ^ (x >> 16)
-
-    h = mix(token_ids ^ 0x9E3779B9)
-    h = mix(h ^ positions[:, None])
-    h = mix(h ^ keys[:, 1:2])
-    h = mix(h ^ keys[:, 0:1])
-    return torch.log(-torch.log(_uniforms(h)))
+    return torch.log(-torch.log(_uniforms(_race_hash_int64(keys, positions, token_ids))))
 
 
 def _uniforms(h):
@@ -210,19 +216,7 @@ def test_compiled_race_uniforms_are_the_definitions_on_every_build():
     keys = torch.tensor([request_key(s, f"p{s}", s) for s in range(6)] + [(0xFFFFFFFF, 0x80000000)], dtype=torch.long)
     pos = torch.tensor([0, 1, 7, 2**20, 8191, 2**31 - 1, 5], dtype=torch.long)
     V = 3001
-    M = 0xFFFFFFFF
-
-    def mix(x):
-        x = x ^ (x >> 16)
-        x = (x * 0x7FEB352D) & M
-        x = x ^ (x >> 15)
-        x = (x * 0x846CA68B) & M
-        return x ^ (x >> 16)
-
-    h = mix(torch.arange(V).expand(len(keys), V) ^ 0x9E3779B9)
-    for word in (pos[:, None], keys[:, 1:2], keys[:, 0:1]):
-        h = mix(h ^ word)
-    want = _uniforms(h)
+    want = _uniforms(_race_hash_int64(keys, pos, torch.arange(V).expand(len(keys), V)))
     for isa in supported_isas():
         for threads in (1, 2):
             out = torch.full((len(keys), V), float("nan"), dtype=torch.float64)
