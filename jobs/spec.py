@@ -104,6 +104,14 @@ def _check_number(v: Any) -> None:
         raise ValueError(f"must be a number, got {v!r}")
 
 
+def _check_bound(v: Any, lo: float, *, strict: bool, what: str) -> Any:
+    """v, a finite number > lo (strict) or >= lo; else ValueError "must be {what}, got v"."""
+    _check_number(v)
+    if not math.isfinite(v) or (v <= lo if strict else v < lo):
+        raise ValueError(f"must be {what}, got {v!r}")
+    return v
+
+
 def _local_path(v: str | None) -> str | None:
     if v is not None and "://" in v:
         raise ValueError(f"{v!r}: object store URIs are not supported for checkpoints (workers load them from a "
@@ -157,10 +165,7 @@ class ModelSpec(_Section):
     def _kv(cls, v: Any) -> Any:
         if v is None:
             return v
-        _check_number(v)
-        if not math.isfinite(v) or v <= 0:
-            raise ValueError(f"must be a number of GiB > 0 (or null for automatic), got {v!r}")
-        return float(v)
+        return float(_check_bound(v, 0, strict=True, what="a number of GiB > 0 (or null for automatic)"))
 
 
 class InputSpec(_Section):
@@ -211,10 +216,7 @@ class OutputSpec(_Section):
     @field_validator("lease_timeout_s")
     @classmethod
     def _lease(cls, v: Any) -> Any:
-        _check_number(v)
-        if not math.isfinite(v) or v < 5:
-            raise ValueError(f"must be a number of seconds >= 5, got {v!r}")
-        return v
+        return _check_bound(v, 5, strict=False, what="a number of seconds >= 5")
 
 
 class SamplingSpec(_Section):
@@ -272,10 +274,7 @@ class FunctionToolSpec(_Section):
     @field_validator("timeout_s")
     @classmethod
     def _timeout(cls, v: Any) -> Any:
-        _check_number(v)
-        if not math.isfinite(v) or v <= 0:
-            raise ValueError(f"must be a number of seconds > 0, got {v!r}")
-        return float(v)
+        return float(_check_bound(v, 0, strict=True, what="a number of seconds > 0"))
 
     @field_validator("max_calls")
     @classmethod
@@ -318,26 +317,17 @@ class ClusterSpec(_Section):
     def _timeout(cls, v: Any) -> Any:
         if v is None:
             return v
-        _check_number(v)
-        if not math.isfinite(v) or v <= 0:
-            raise ValueError(f"must be a number of seconds > 0 (or null: derived from unit times), got {v!r}")
-        return v
+        return _check_bound(v, 0, strict=True, what="a number of seconds > 0 (or null: derived from unit times)")
 
     @field_validator("gpus_per_worker")
     @classmethod
     def _gpus(cls, v: Any) -> Any:
-        _check_number(v)
-        if not math.isfinite(v) or v < 0:
-            raise ValueError(f"must be a number >= 0 (fractions share a GPU), got {v!r}")
-        return v
+        return _check_bound(v, 0, strict=False, what="a number >= 0 (fractions share a GPU)")
 
     @field_validator("cpus_per_worker")
     @classmethod
     def _cpus(cls, v: Any) -> Any:
-        _check_number(v)
-        if not math.isfinite(v) or v <= 0:
-            raise ValueError(f"must be a number > 0, got {v!r}")
-        return v
+        return _check_bound(v, 0, strict=True, what="a number > 0")
 
 
 class JobSpec(_Section):
