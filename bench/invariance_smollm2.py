@@ -5,7 +5,10 @@ the same in every run of a dtype (issue 18's acceptance). With --limited the sam
 again in a subprocess with torch, oneDNN and the compiled kernels limited to AVX2, and must
 give the native run's bits.
 
-    python bench/invariance_smollm2.py [--limited] [--threads 2]
+    python bench/invariance_smollm2.py [--limited] [--threads 2] [--model smollm2]
+
+--model: another checkpoint with a chat template (SmolLM2's architecture with random weights
+where the GGUF cannot be installed, say).
 
 Prints the machine line, one line per run (its hash and seconds), and a verdict per dtype.
 Exit status 1 when any run differs.
@@ -30,7 +33,8 @@ LIMITED = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "BATCHGE
 RUNS = [(seqs, sharing) for seqs in (64, 3, 1) for sharing in (True, False)]
 
 
-def run_all(threads: int) -> dict:
+def run_all(threads: int, model: str = "smollm2", dtypes: tuple = ("float32", "bfloat16"),
+            log=None) -> dict:
     """{dtype: [(max_num_seqs, prefix_sharing, sha256, seconds), ...]} in this process."""
     import torch
 
@@ -40,10 +44,10 @@ def run_all(threads: int) -> dict:
     questions = [json.loads(line)["question"] for line in (ROOT / "jobs" / "data" / "gsm8k_demo.jsonl").open()][:12]
     params = SamplingParams(num_samples=4, max_tokens=48, temperature=1.0, top_k=50, seed=7)
     out: dict = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         out[dtype] = []
         for seqs, sharing in RUNS:
-            eng = load_engine("smollm2", device="cpu", dtype=dtype, max_seq_len=1024, max_num_seqs=seqs,
+            eng = load_engine(model, device="cpu", dtype=dtype, max_seq_len=1024, max_num_seqs=seqs,
                               prefix_sharing=sharing)
             prompts = [eng.tokenizer.render_chat([{"role": "user", "content": q}], date="2026-01-01")
                        for q in questions]
@@ -55,6 +59,8 @@ def run_all(threads: int) -> dict:
                 for s in row:
                     h.update(json.dumps(s.tokens).encode() + struct.pack(f"{len(s.logprobs)}f", *s.logprobs))
             out[dtype].append((seqs, sharing, h.hexdigest(), dt))
+            if log is not None:
+                log(f"  {dtype} max_num_seqs {seqs} prefix_sharing {sharing}: {h.hexdigest()[:16]} {dt:.1f} s")
             del eng
     return out
 
@@ -63,27 +69,32 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--limited", action="store_true", help="also run limited to AVX2 in a subprocess")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # the subprocess's output
     args = ap.parse_args()
     if args.json:
-        print(json.dumps(run_all(args.threads)))
+        print(json.dumps(run_all(args.threads, args.model, tuple(args.dtypes.split(",")))))
         return 0
     import torch
     from machine import describe
 
     torch.set_num_threads(args.threads)
     print(describe())
-    results = {"native": run_all(args.threads)}
+    print(f"model: {args.model}")
+    results = {"native": run_all(args.threads, args.model, tuple(args.dtypes.split(",")),
+                                 log=lambda line: print(line, flush=True))}
     if args.limited:
         env = {**os.environ, **LIMITED, "PYTHONPATH": str(ROOT)}
-        r = subprocess.run([sys.executable, __file__, "--json", "--threads", str(args.threads)], env=env,
+        r = subprocess.run([sys.executable, __file__, "--json", "--threads", str(args.threads), "--model", args.model,
+                            "--dtypes", args.dtypes], env=env,
                            capture_output=True, text=True, cwd=ROOT)
         if r.returncode != 0:
             print(r.stderr[-3000:])
             return 1
         results["avx2"] = json.loads(r.stdout.strip().splitlines()[-1])
     ok = True
-    for dtype in ("float32", "bfloat16"):
+    for dtype in args.dtypes.split(","):
         hashes = set()
         for where, res in results.items():
             for seqs, sharing, h, dt in res[dtype]:

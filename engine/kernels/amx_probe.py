@@ -2,8 +2,11 @@
 
 The two documents Intel publishes disagree on how TDPBF16PS orders its adds (the intrinsics
 guide: each pair's products added in turn, as vdpbf16ps does; the SDM: even and odd partial
-sums over the tile's pairs, then added), and a bfloat16 GEMM's bits must be the same on every
-build (gemm.cpp's header). So nothing about the hardware is assumed: `amx_verdict()` runs a
+sums over the tile's pairs, then added). Measured on an Emerald Rapids Xeon, the hardware
+does what the SDM says, and gemm.cpp's bfloat16 sequence is defined to be exactly that, so
+every build gives an AMX tile's bits (tests/data/amx_tdpbf16ps.pt holds the measured cases).
+A bfloat16 GEMM's bits must be the same on every build, and another CPU model might differ,
+so nothing about the hardware is assumed: `amx_verdict()` runs a
 probe in a subprocess (a crash, even inside the tiles, stays there) that compares both pair
 packings with the avx512_bf16 build bit for bit and times them, and the `amx` build's tiles
 are used only with a packing that matched every case and ran faster.

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-# gemm_amx.cpp's pair orders (its `swap`): "swapped" packs each pair (odd, even), which is the
-# chain if TDPBF16PS adds element 0's product first (the intrinsics guide's pseudo-code);
-# "unswapped" packs (even, odd), the chain if it adds element 1's first.
+# gemm_amx.cpp's pair orders (its `swap`): "swapped" packs each pair (odd, even), "unswapped"
+# (even, odd). TDPBF16PS as measured (the SDM's even and odd partial sums) gives the same bits
+# either way; the probe still checks both, since the intrinsics guide describes a chain that
+# only one of them would match.
 AMX_ORDERS = ("swapped", "unswapped")
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -156,9 +157,9 @@ class NativeKernels:
         """x (M, K) @ W.T + bias, x with a contiguous last dim (rows may be strided) in the
         weight's dtype or float32 (a bfloat16 weight's float32 activations are rounded to
         bfloat16 first, as `.to(torch.bfloat16)` rounds); returns (M, N) of out_dtype
-        (float32, or bfloat16 for a bfloat16 weight). Each element is one fused multiply-add
-        chain over K in order (gemm.cpp), so a row's bits depend on that row alone, on any
-        ISA and thread count. A weight packed for AMX tiles (`amx_order`) runs on them
+        (float32, or bfloat16 for a bfloat16 weight). Each element is one fixed sequence of
+        rounded operations over K in order (gemm.cpp's header), so a row's bits depend on that
+        row alone, on any ISA and thread count. A weight packed for AMX tiles (`amx_order`) runs on them
         (gemm_amx.cpp; RuntimeError if Linux refuses the tile state)."""
         M = x.shape[0]
         y = torch.empty(M, w.n, dtype=out_dtype)

@@ -5,26 +5,37 @@
 // thread count, or on the CPU. oneDNN and MKL choose kernels, blockings and K splits by
 // shape and instruction set (measured: rows move with the row count on AVX-512 Xeons and at
 // M = 1 on EPYC), so their rows are reproducible only where they happen to be. Here every
-// output element is one chain of fused multiply-adds over k = 0 .. K-1 in order, started
-// from 0, then the bias added:
+// output element is one fixed sequence of rounded operations over K in order, started from
+// +0, then the bias added:
 //     float32:  acc = fma(x[m, k], w[n, k], acc)                            for k = 0, 1, ...
-//     bfloat16: acc = fma(x[m, 2j], w[n, 2j], fma(x[m, 2j+1], w[n, 2j+1], acc))  for j = 0, 1, ...
-//               with denormals read and written as zero
-// The bfloat16 chain is what AVX-512 BF16's vdpbf16ps computes for a pair (Intel SDM: the
-// odd product first, each add rounded, DAZ and FTZ; checked bit for bit against this
-// formula on 4.8M random operands, denormals, infinities and NaNs included), so CPUs
-// without it compute the same bits with two fused multiply-adds under DAZ and FTZ. A lane
-// holds one output column, so the vector width (8 lanes on AVX2, 16 on AVX-512), the
-// register tile, the thread split and the row count change which element is computed when,
-// never how: a row's bits are the same on every x86-64 CPU with FMA, for any batch, on any
-// number of threads. The `amx` build adds gemm_amx.cpp: the bfloat16 chain on AMX tiles
-// (TDPBF16PS), with its own packed layout, used only where engine/kernels/native.py verified it
-// bit for bit against this file's vdpbf16ps kernel at first use.
+//     bfloat16: for each block of 16 pairs (k = 32 b .. 32 b + 31, the last block shorter):
+//                   e = o = +0
+//                   e = fma(x[m, 2j], w[n, 2j], e); o = fma(x[m, 2j+1], w[n, 2j+1], o)  for the block's j
+//                   acc = acc + (e + o)
+//               with denormals read and written as zero (DAZ, FTZ) throughout
+// The bfloat16 sequence is what an AMX tile multiply (TDPBF16PS, 16 pairs a tile row) does:
+// the Intel SDM's pseudo-code (even and odd partial sums, added, then added to the output),
+// measured bit for bit on an Intel Xeon (Emerald Rapids): the 500 cases of the AMX probe
+// (engine/kernels/amx_probe.py; random, special values, wide exponents, cancellations,
+// products that flush) gave the same bits as this sequence in both pair orders, and are kept
+// as tests/data/amx_tdpbf16ps.pt for every build to reproduce. vdpbf16ps (AVX-512 BF16) adds
+// a pair's two products to one sum (odd first), so the avx512_bf16 kernel feeds it two pairs
+// of one chain instead: its packed weight holds, per block, the even chain's elements as
+// pairs (2i+2, 2i) and the odd chain's as (2i+3, 2i+1), and the activations of a call are
+// arranged the same way once per call. CPUs without it compute the same bits with fused
+// multiply-adds under DAZ and FTZ. A lane holds one output column, so the vector width (8
+// lanes on AVX2, 16 on AVX-512), the register tile, the thread split and the row count change
+// which element is computed when, never how: a row's bits are the same on every x86-64 CPU
+// with FMA, for any batch, on any number of threads. The `amx` build adds gemm_amx.cpp: the
+// bfloat16 sequence on AMX tiles, with its own packed layout, used only where
+// engine/kernels/native.py verified it bit for bit against this file's vdpbf16ps kernel at
+// first use.
 //
 // Layout (BLIS's, Van Zee & van de Geijn 2015): the weight is packed once into panels of NR
 // output columns, panel p holding columns [p NR, p NR + NR) (zero past N) as K rows of NR
-// floats (bfloat16: K/2 rows of NR pairs (w[n, 2j], w[n, 2j+1]), the operand layout of
-// vdpbf16ps). A micro-kernel keeps an MR x NR tile of y in registers over the whole of K,
+// floats (bfloat16 without vdpbf16ps: K/2 rows of NR pairs (w[n, 2j], w[n, 2j+1]); with it,
+// the chains' pairs above, K padded to a multiple of 32 with -0, whose products leave a sum
+// alone). A micro-kernel keeps an MR x NR tile of y in registers over the whole of K,
 // broadcasting x[m, k] from the row-major activations and loading NR weights per k; the
 // panel stays in L2 while the kernel walks down the rows of a block of MC rows. Threads
 // take contiguous ranges of (row block, panel) pairs.
@@ -59,8 +70,8 @@ inline vi viload(const void* p) { return _mm512_loadu_si512(p); }
 inline vf vlo16(vi p) { return _mm512_castsi512_ps(_mm512_slli_epi32(p, 16)); }  // bf16 in the low half
 inline vf vhi16(vi p) { return _mm512_castsi512_ps(_mm512_and_si512(p, _mm512_set1_epi32((int)0xffff0000u))); }
 constexpr int MR_F32 = 8, NV_F32 = 3;      // 8 x 48 tile: 24 accumulators of 32 registers
-constexpr int MR_BF16 = 8, NV_BF16 = 3;
-constexpr int MR_EMU = 6, NV_EMU = 2;      // emulated bf16: 12 accumulators, 4 weight vectors
+constexpr int MR_BF16 = 4, NV_BF16 = 3;    // bf16: two partial sums (24 registers) and the running sum
+constexpr int MR_EMU = 6, NV_EMU = 2;      // emulated bf16: 24 partial sums, 4 weight vectors
 #else
 using vf = __m256;
 using vi = __m256i;
@@ -76,7 +87,7 @@ inline vf vlo16(vi p) { return _mm256_castsi256_ps(_mm256_slli_epi32(p, 16)); }
 inline vf vhi16(vi p) { return _mm256_castsi256_ps(_mm256_and_si256(p, _mm256_set1_epi32((int)0xffff0000u))); }
 constexpr int MR_F32 = 4, NV_F32 = 3;      // 4 x 24 tile: 12 accumulators of 16 registers
 constexpr int MR_BF16 = 4, NV_BF16 = 2;    // (bf16 on AVX2 is always emulated)
-constexpr int MR_EMU = 4, NV_EMU = 2;      // 8 accumulators, 4 weight vectors, 2 broadcasts
+constexpr int MR_EMU = 2, NV_EMU = 2;      // 8 partial sums, 4 weight vectors, 2 broadcasts
 #endif
 
 #if defined(__AVX512BF16__)
@@ -88,6 +99,19 @@ constexpr bool kNativeBf16 = false;
 constexpr int NR_F32 = NV_F32 * L;
 constexpr int NR_BF16 = kNativeBf16 ? NV_BF16 * L : NV_EMU * L;  // columns per bf16 panel
 constexpr int64_t MC = 256;  // rows per block: a block of activations stays in L2 across panels
+constexpr int64_t KB = 32;
+constexpr uint16_t NEG_ZERO = 0x8000;   // k per block of the bfloat16 sequence (16 pairs: an AMX tile row)
+
+// With vdpbf16ps, K is padded to whole blocks (packed weights and arranged activations).
+inline int64_t k_padded(int64_t K) { return kNativeBf16 ? (K + KB - 1) / KB * KB : K; }
+
+// Within a block, the 16 bfloat16 pairs vdpbf16ps takes, as (element 0, element 1) offsets
+// from the block's first k: vdpbf16ps adds element 1's product first, so (2i+2, 2i) adds the
+// even chain's 2i then 2i+2, and (2i+3, 2i+1) the odd chain's.
+inline int64_t pair_k(int s, int half) {
+    const int i = s % 8, odd = s / 8;
+    return 4 * i + odd + (half == 0 ? 2 : 0);
+}
 
 enum Dtype : int { F32 = 0, BF16 = 1 };
 
@@ -154,7 +178,21 @@ void kernel_f32(const float* x, int64_t ldx, int64_t K, const float* panel, cons
 }
 
 #if defined(__AVX512BF16__)
-// vdpbf16ps: per lane, acc = (acc + x_odd w_odd) + x_even w_even, each add rounded, DAZ/FTZ.
+// vdpbf16ps: per lane, s = (s + a_1 b_1) + a_0 b_0, each add rounded, DAZ and FTZ. x: the
+// call's activations arranged as the panel is (`arrange_rows`: per block, the even chain's
+// 8 pairs, then the odd chain's), K a multiple of 32.
+template <int MR, int NV>
+inline void chain_step(const uint16_t* const (&xr)[MR], int64_t k, const uint16_t* w, vf (&part)[MR][NV]) {
+    __m512bh b[NV];
+    for (int v = 0; v < NV; v++) b[v] = (__m512bh)_mm512_loadu_si512(w + v * L * 2);
+    for (int r = 0; r < MR; r++) {
+        int32_t pair;
+        std::memcpy(&pair, xr[r] + k, 4);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        for (int v = 0; v < NV; v++) part[r][v] = _mm512_dpbf16_ps(part[r][v], a, b[v]);
+    }
+}
+
 template <int MR, int NV>
 void kernel_bf16(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* panel, const float* bias, void* y,
                  int64_t ldy, int out_dtype, int cols) {
@@ -163,24 +201,28 @@ void kernel_bf16(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* pane
     vf acc[MR][NV];
     for (int r = 0; r < MR; r++)
         for (int v = 0; v < NV; v++) acc[r][v] = vzero();
-    for (int64_t j = 0; j < K / 2; j++) {
-        const uint16_t* w = panel + j * NV * L * 2;
-        __m512bh b[NV];
-        for (int v = 0; v < NV; v++) b[v] = (__m512bh)_mm512_loadu_si512(w + v * L * 2);
-        for (int r = 0; r < MR; r++) {
-            int32_t pair;
-            std::memcpy(&pair, xr[r] + 2 * j, 4);
-            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-            for (int v = 0; v < NV; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040u);  // the partial sums' adds flush as vdpbf16ps does: FTZ | DAZ
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        vf even[MR][NV], odd[MR][NV];
+        for (int r = 0; r < MR; r++)
+            for (int v = 0; v < NV; v++) even[r][v] = odd[r][v] = vzero();
+        const uint16_t* wb = panel + k0 * NV * L;
+        for (int s = 0; s < 8; s++) {
+            chain_step<MR, NV>(xr, k0 + 2 * s, wb + s * NV * L * 2, even);
+            chain_step<MR, NV>(xr, k0 + 16 + 2 * s, wb + (s + 8) * NV * L * 2, odd);
         }
+        for (int r = 0; r < MR; r++)
+            for (int v = 0; v < NV; v++) acc[r][v] = vadd(acc[r][v], vadd(even[r][v], odd[r][v]));
     }
+    _mm_setcsr(csr);
     store_tile<MR, NV>(acc, bias, y, ldy, out_dtype, cols);
 }
 #endif
 
-// The same chain without vdpbf16ps: two fused multiply-adds per pair, odd first, with the
-// thread's MXCSR set to DAZ | FTZ for the chain (vdpbf16ps ignores MXCSR and always flushes)
-// and restored for the bias and the store.
+// The same sequence without vdpbf16ps: fused multiply-adds into the two partial sums, with
+// the thread's MXCSR set to DAZ | FTZ for them (vdpbf16ps and TDPBF16PS ignore MXCSR and
+// always flush) and restored for the bias and the store.
 template <int MR, int NV>
 void kernel_bf16_emulated(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* panel, const float* bias,
                           void* y, int64_t ldy, int out_dtype, int cols) {
@@ -191,18 +233,29 @@ void kernel_bf16_emulated(const uint16_t* x, int64_t ldx, int64_t K, const uint1
         for (int v = 0; v < NV; v++) acc[r][v] = vzero();
     const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6)
-    for (int64_t j = 0; j < K / 2; j++) {
-        const uint16_t* w = panel + j * NV * L * 2;
-        vf be[NV], bo[NV];
-        for (int v = 0; v < NV; v++) {
-            const vi p = viload(w + v * L * 2);
-            be[v] = vlo16(p);
-            bo[v] = vhi16(p);
+    for (int64_t j0 = 0; j0 < K / 2; j0 += KB / 2) {
+        vf even[MR][NV], odd[MR][NV];
+        for (int r = 0; r < MR; r++)
+            for (int v = 0; v < NV; v++) even[r][v] = odd[r][v] = vzero();
+        const int64_t j1 = std::min<int64_t>(K / 2, j0 + KB / 2);
+        for (int64_t j = j0; j < j1; j++) {
+            const uint16_t* w = panel + j * NV * L * 2;
+            vf be[NV], bo[NV];
+            for (int v = 0; v < NV; v++) {
+                const vi p = viload(w + v * L * 2);
+                be[v] = vlo16(p);
+                bo[v] = vhi16(p);
+            }
+            for (int r = 0; r < MR; r++) {
+                const vf ae = vset(bf16_to_f32(xr[r][2 * j])), ao = vset(bf16_to_f32(xr[r][2 * j + 1]));
+                for (int v = 0; v < NV; v++) {
+                    even[r][v] = vfma(ae, be[v], even[r][v]);
+                    odd[r][v] = vfma(ao, bo[v], odd[r][v]);
+                }
+            }
         }
-        for (int r = 0; r < MR; r++) {
-            const vf ao = vset(bf16_to_f32(xr[r][2 * j + 1])), ae = vset(bf16_to_f32(xr[r][2 * j]));
-            for (int v = 0; v < NV; v++) acc[r][v] = vfma(ae, be[v], vfma(ao, bo[v], acc[r][v]));
-        }
+        for (int r = 0; r < MR; r++)
+            for (int v = 0; v < NV; v++) acc[r][v] = vadd(acc[r][v], vadd(even[r][v], odd[r][v]));
     }
     _mm_setcsr(csr);
     store_tile<MR, NV>(acc, bias, y, ldy, out_dtype, cols);
@@ -223,20 +276,35 @@ template <int R, int NV> struct EmuK { static constexpr Kernel<uint16_t> fn = ke
 template <int R, int NV> struct Bf16K { static constexpr Kernel<uint16_t> fn = kernel_bf16<R, NV>; };
 #endif
 
-// float32 rows to bfloat16 as torch rounds them (the activations of a bfloat16 weight's
-// product, when the step keeps them in float32).
-inline void round_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, uint16_t* out) {
-    for (int64_t m = m0; m < m1; m++)
-        for (int64_t k = 0; k < K; k++) out[m * K + k] = f32_to_bf16(x[m * ldx + k]);
+// A call's bfloat16 activations as its kernel reads them, rows [m0, m1) into out (rows Kp
+// apart): float32 rows rounded to bfloat16 as torch rounds them; with vdpbf16ps, arranged per
+// block as the packed weight's pairs (`pair_k`), K padded with +0 to Kp.
+enum Prep : int { AS_IS = 0, FROM_BF16 = 1, FROM_F32 = 2 };
+inline void prepare_rows(const void* x, int prep, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int64_t Kp,
+                         uint16_t* out) {
+    for (int64_t m = m0; m < m1; m++) {
+        const float* xf = (const float*)x + m * ldx;
+        const uint16_t* xb = (const uint16_t*)x + m * ldx;
+        auto at = [&](int64_t k) -> uint16_t { return k >= K ? 0 : prep == FROM_F32 ? f32_to_bf16(xf[k]) : xb[k]; };
+        uint16_t* o = out + m * Kp;
+        if (!kNativeBf16) {
+            for (int64_t k = 0; k < K; k++) o[k] = at(k);
+            continue;
+        }
+        for (int64_t k0 = 0; k0 < Kp; k0 += KB)
+            for (int s = 0; s < 16; s++) {
+                o[k0 + 2 * s] = at(k0 + pair_k(s, 0));
+                o[k0 + 2 * s + 1] = at(k0 + pair_k(s, 1));
+            }
+    }
 }
 
-// The x of a call whose activations are float32 and weight bfloat16, rounded once per call.
-thread_local std::vector<uint16_t> rounded;
+// The prepared activations of a call, once per call: every thread reads them all.
+thread_local std::vector<uint16_t> prepared;
 
 template <class T, int MR, int NV, template <int, int> class Pick>
 void run(const T* x, int64_t ldx, int64_t M, int64_t K, const T* packed, int64_t N, int64_t panel_elems,
-         const float* bias, void* y, int64_t ldy, int out_dtype, int threads, const float* x32 = nullptr,
-         int64_t ldx32 = 0) {
+         const float* bias, void* y, int64_t ldy, int out_dtype, int threads, int prep = AS_IS) {
     static constexpr auto kern = tiles<T, NV, Pick>(std::make_integer_sequence<int, MR>{});
     constexpr int NR = NV * L;
     const int64_t P = (N + NR - 1) / NR, blocks = (M + MC - 1) / MC, units = blocks * P;
@@ -244,17 +312,19 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const T* packed, int64_t
     // A small product is not worth waking a second thread (the result does not depend on it).
     const double flops = 2.0 * (double)M * (double)N * (double)K;
     const int team = flops < 4e6 ? 1 : (int)std::min<int64_t>(threads, units);
-    if (x32 != nullptr) {  // round float32 activations to bfloat16 first: every thread reads them all
-        rounded.resize(M * K);
-        x = (const T*)rounded.data();
-        ldx = K;
+    const T* src = x;
+    const int64_t ldsrc = ldx, Kp = prep == AS_IS ? K : k_padded(K);
+    if (prep != AS_IS) {
+        prepared.resize(M * Kp);
+        x = (const T*)prepared.data();
+        ldx = Kp;
     }
-    uint16_t* xr = rounded.data();
+    uint16_t* buf = prepared.data();
 #pragma omp parallel num_threads(team)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        if (x32 != nullptr) {
-            round_rows(x32, ldx32, M * t / nt, M * (t + 1) / nt, K, xr);
+        if (prep != AS_IS) {
+            prepare_rows(src, prep, ldsrc, M * t / nt, M * (t + 1) / nt, K, Kp, buf);
 #pragma omp barrier
         }
         const int64_t lo = units * t / nt, hi = units * (t + 1) / nt;
@@ -266,7 +336,7 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const T* packed, int64_t
             const float* bp = bias == nullptr ? nullptr : bias + n0;
             for (int64_t m = m0; m < m1; m += MR) {
                 const int64_t rows = std::min<int64_t>(MR, m1 - m);
-                kern[rows - 1](x + m * ldx, ldx, K, panel, bp, (char*)y + (m * ldy + n0) * osize, ldy, out_dtype,
+                kern[rows - 1](x + m * ldx, ldx, Kp, panel, bp, (char*)y + (m * ldy + n0) * osize, ldy, out_dtype,
                                cols);
             }
         }
@@ -285,7 +355,7 @@ int batchgen_gemm_native_bf16(void) { return kNativeBf16 ? 1 : 0; }
 // Bytes of the packed form of an (N, K) weight of `dtype` (0 float32, 1 bfloat16; K even).
 int64_t batchgen_gemm_packed_bytes(int64_t N, int64_t K, int dtype) {
     if (dtype == F32) return (N + NR_F32 - 1) / NR_F32 * NR_F32 * K * 4;
-    return (N + NR_BF16 - 1) / NR_BF16 * NR_BF16 * K * 2;
+    return (N + NR_BF16 - 1) / NR_BF16 * NR_BF16 * k_padded(K) * 2;
 }
 
 // Pack w (N, K), rows ldw elements apart, into out (batchgen_gemm_packed_bytes bytes).
@@ -304,7 +374,23 @@ void batchgen_gemm_pack(const void* w, int64_t ldw, int64_t N, int64_t K, int dt
     }
     const uint16_t* src = (const uint16_t*)w;
     uint16_t* dst = (uint16_t*)out;
-    const int64_t P = (N + NR_BF16 - 1) / NR_BF16, K2 = K / 2;
+    const int64_t P = (N + NR_BF16 - 1) / NR_BF16;
+    if (kNativeBf16) {  // per block of 32 k, the 16 pairs of `pair_k`; -0 past K
+        const int64_t Kp = k_padded(K);
+        for (int64_t p = 0; p < P; p++)
+            for (int64_t k0 = 0; k0 < Kp; k0 += KB)
+                for (int s = 0; s < 16; s++)
+                    for (int c = 0; c < NR_BF16; c++) {
+                        const int64_t n = p * NR_BF16 + c;
+                        uint16_t* d = dst + p * Kp * NR_BF16 + k0 * NR_BF16 + (s * NR_BF16 + c) * 2;
+                        for (int h = 0; h < 2; h++) {
+                            const int64_t k = k0 + pair_k(s, h);
+                            d[h] = n >= N ? 0 : k >= K ? NEG_ZERO : src[n * ldw + k];
+                        }
+                    }
+        return;
+    }
+    const int64_t K2 = K / 2;
     for (int64_t p = 0; p < P; p++)
         for (int64_t j = 0; j < K2; j++)
             for (int c = 0; c < NR_BF16; c++) {
@@ -328,13 +414,13 @@ void batchgen_gemm(const void* x, int x_dtype, int64_t ldx, int64_t M, int64_t K
                                          ldy, out_dtype, threads);
         return;
     }
-    const float* x32 = x_dtype == F32 ? (const float*)x : nullptr;
+    const int prep = x_dtype == F32 ? FROM_F32 : kNativeBf16 ? FROM_BF16 : AS_IS;
 #if defined(__AVX512BF16__)
-    run<uint16_t, MR_BF16, NV_BF16, Bf16K>((const uint16_t*)x, ldx, M, K, (const uint16_t*)packed, N, K * NR_BF16,
-                                           bias, y, ldy, out_dtype, threads, x32, ldx);
+    run<uint16_t, MR_BF16, NV_BF16, Bf16K>((const uint16_t*)x, ldx, M, K, (const uint16_t*)packed, N,
+                                           k_padded(K) * NR_BF16, bias, y, ldy, out_dtype, threads, prep);
 #else
     run<uint16_t, MR_EMU, NV_EMU, EmuK>((const uint16_t*)x, ldx, M, K, (const uint16_t*)packed, N, K * NR_BF16,
-                                        bias, y, ldy, out_dtype, threads, x32, ldx);
+                                        bias, y, ldy, out_dtype, threads, prep);
 #endif
 }
 
