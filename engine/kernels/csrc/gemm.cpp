@@ -20,9 +20,9 @@
 // products that flush) gave the same bits as this sequence in both pair orders, and are kept
 // as tests/data/amx_tdpbf16ps.pt for every build to reproduce. vdpbf16ps (AVX-512 BF16) adds
 // a pair's two products to one sum (odd first), so the avx512_bf16 kernel feeds it two pairs
-// of one chain instead: its packed weight holds, per block, the even chain's elements as
-// pairs (2i+2, 2i) and the odd chain's as (2i+3, 2i+1), and the activations of a call are
-// arranged the same way once per call. CPUs without it compute the same bits with fused
+// of one partial sum instead: its packed weight holds, per block, the even sum's elements
+// as pairs (k = 4i+2, 4i) and the odd sum's as (4i+3, 4i+1), and the activations of a call
+// are arranged the same way once per call. CPUs without it compute the same bits with fused
 // multiply-adds under DAZ and FTZ. A lane holds one output column, so the vector width (8
 // lanes on AVX2, 16 on AVX-512), the register tile, the thread split and the row count change
 // which element is computed when, never how: a row's bits are the same on every x86-64 CPU
@@ -34,7 +34,7 @@
 // Layout (BLIS's, Van Zee & van de Geijn 2015): the weight is packed once into panels of NR
 // output columns, panel p holding columns [p NR, p NR + NR) (zero past N) as K rows of NR
 // floats (bfloat16 without vdpbf16ps: K/2 rows of NR pairs (w[n, 2j], w[n, 2j+1]); with it,
-// the chains' pairs above, K padded to a multiple of 32 with -0, whose products leave a sum
+// the partial sums' pairs above, K padded to a multiple of 32 with -0, whose products leave a sum
 // alone). A micro-kernel keeps an MR x NR tile of y in registers over the whole of K,
 // broadcasting x[m, k] from the row-major activations and loading NR weights per k; the
 // panel stays in L2 while the kernel walks down the rows of a block of MC rows. Threads
@@ -99,15 +99,16 @@ constexpr bool kNativeBf16 = false;
 constexpr int NR_F32 = NV_F32 * L;
 constexpr int NR_BF16 = kNativeBf16 ? NV_BF16 * L : NV_EMU * L;  // columns per bf16 panel
 constexpr int64_t MC = 256;  // rows per block: a block of activations stays in L2 across panels
-constexpr int64_t KB = 32;
-constexpr uint16_t NEG_ZERO = 0x8000;   // k per block of the bfloat16 sequence (16 pairs: an AMX tile row)
+constexpr int64_t KB = 32;              // k per block of the bfloat16 sequence (16 pairs: an AMX tile row)
+constexpr uint16_t NEG_ZERO = 0x8000;   // bfloat16 -0
 
 // With vdpbf16ps, K is padded to whole blocks (packed weights and arranged activations).
 inline int64_t k_padded(int64_t K) { return kNativeBf16 ? (K + KB - 1) / KB * KB : K; }
 
-// Within a block, the 16 bfloat16 pairs vdpbf16ps takes, as (element 0, element 1) offsets
-// from the block's first k: vdpbf16ps adds element 1's product first, so (2i+2, 2i) adds the
-// even chain's 2i then 2i+2, and (2i+3, 2i+1) the odd chain's.
+// Within a block, the k (from the block's first) of element `half` of the 16 pairs vdpbf16ps
+// takes: pair i < 8 holds (4i + 2, 4i), pair 8 + i holds (4i + 3, 4i + 1). vdpbf16ps adds
+// element 1's product first, so pair i adds x[4i] w[4i], then x[4i+2] w[4i+2], to the even
+// partial sum, in k order, and pair 8 + i does the same for the odd one.
 inline int64_t pair_k(int s, int half) {
     const int i = s % 8, odd = s / 8;
     return 4 * i + odd + (half == 0 ? 2 : 0);
@@ -179,8 +180,8 @@ void kernel_f32(const float* x, int64_t ldx, int64_t K, const float* panel, cons
 
 #if defined(__AVX512BF16__)
 // vdpbf16ps: per lane, s = (s + a_1 b_1) + a_0 b_0, each add rounded, DAZ and FTZ. x: the
-// call's activations arranged as the panel is (`arrange_rows`: per block, the even chain's
-// 8 pairs, then the odd chain's), K a multiple of 32.
+// call's activations arranged as the panel is (`prepare_rows`: per block, the even sum's
+// 8 pairs, then the odd sum's), K a multiple of 32.
 template <int MR, int NV>
 inline void chain_step(const uint16_t* const (&xr)[MR], int64_t k, const uint16_t* w, vf (&part)[MR][NV]) {
     __m512bh b[NV];
