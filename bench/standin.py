@@ -1,0 +1,101 @@
+"""A stand-in for a checkpoint on a machine its file cannot reach: the same architecture,
+tokenizer and chat template, random weights.
+
+A lent machine may take only a few tens of MiB per call (SmolLM2's GGUF is 98 MB). The speed
+of a decode step depends on the model's shapes, not its weights, so a Hugging Face directory
+with the checkpoint's config.json, tokenizer.json and tokenizer_config.json (written from the
+checkpoint, about 1.6 MB for SmolLM2) and weights drawn on the machine itself runs the same
+arithmetic. Each tensor is drawn from a normal distribution with that tensor's mean and
+standard deviation in the real checkpoint (stats.json), seeded, so activations keep their
+scale; its text is noise, and it generates to `max_tokens` (the real model stops earlier:
+compare a stand-in only with itself).
+
+    python bench/standin.py prepare OUT [--model smollm2]   # here: config, tokenizer, stats
+    python bench/standin.py weights OUT                     # there: model.safetensors (float32)
+
+Then `--model OUT` in bench/bench_dtypes.py and bench/invariance_smollm2.py. Llama-family
+checkpoints only (what engine/loading/hf_weights.py reads back); raises ValueError for others.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def prepare(out: Path, model: str) -> None:
+    """config.json, the tokenizer files and stats.json (each weight's shape, mean, std) in out."""
+    from engine.export.artifacts import write_tokenizer
+    from engine.loading.builtin import resolve_builtin
+    from engine.loading.checkpoint import load_model
+
+    m = load_model(model, device="cpu", dtype="float32")
+    c = getattr(m, "cfg", None)
+    if c is None or getattr(c, "architecture", None) != "LlamaForCausalLM" or c.qkv_bias or c.qk_norm:
+        raise ValueError(f"{model}: the stand-in writes plain Llama checkpoints only")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+           "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+           "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+           "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
+           "rope_theta": c.rope.rope_theta, "max_position_embeddings": c.max_position_embeddings,
+           "tie_word_embeddings": c.tie_word_embeddings, "hidden_act": "silu", "attention_bias": False,
+           "mlp_bias": False, "torch_dtype": "float32",
+           "eos_token_id": list(c.eos_token_ids) if len(c.eos_token_ids) != 1 else c.eos_token_ids[0]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    source = Path(resolve_builtin(model))
+    fmt = "gguf" if source.suffix == ".gguf" else "llama"
+    if not write_tokenizer(source, fmt, out):
+        raise ValueError(f"{model}: no tokenizer could be written for it")
+    params = dict(m.named_parameters())
+    heads = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+    stats = {}
+
+    def put(name: str, t: torch.Tensor) -> None:
+        stats[name] = [list(t.shape), float(t.float().mean()), float(t.float().std())]
+
+    put("model.embed_tokens.weight", params["embed"])
+    put("model.norm.weight", params["norm"])
+    if not c.tie_word_embeddings:
+        put("lm_head.weight", params["lm_head"])
+    for i in range(c.num_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        put(p + "input_layernorm.weight", params[q + "input_norm"])
+        put(p + "post_attention_layernorm.weight", params[q + "post_norm"])
+        for proj, t in zip(("q_proj", "k_proj", "v_proj"), params[q + "qkv"].split(heads)):
+            put(p + f"self_attn.{proj}.weight", t)
+        put(p + "self_attn.o_proj.weight", params[q + "o_proj"])
+        gate, up = params[q + "gate_up"].split([c.intermediate_size] * 2)
+        put(p + "mlp.gate_proj.weight", gate)
+        put(p + "mlp.up_proj.weight", up)
+        put(p + "mlp.down_proj.weight", params[q + "down"])
+    (out / "stats.json").write_text(json.dumps(stats))
+
+
+def weights(out: Path, seed: int = 0) -> None:
+    """model.safetensors in out, each tensor normal(mean, std) of stats.json, seeded."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {name: (torch.randn(shape, generator=g) * std + mean).contiguous()
+               for name, (shape, mean, std) in json.loads((out / "stats.json").read_text()).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("step", choices=("prepare", "weights"))
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--model", default="smollm2", help="prepare: the checkpoint to copy the shapes of")
+    args = ap.parse_args()
+    prepare(args.out, args.model) if args.step == "prepare" else weights(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""bench/standin.py: a checkpoint's stand-in for machines its file cannot reach.
+
+What this proves: the stand-in of SmolLM2 (written from the GGUF, weights drawn afterwards)
+loads as a Hugging Face checkpoint with the GGUF's shapes, renders chat prompts to the same
+token ids with the same stop token, draws the same weights each time (a lent machine and this
+one get the same model), and keeps each weight tensor's scale.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from engine import load_engine
+from engine.loading.builtin import SMOLLM2_INSTALL, smollm2_path
+
+try:
+    smollm2_path()
+except FileNotFoundError:  # pragma: no cover - `make install` installs it
+    pytest.skip(f"SmolLM2 is not installed ({SMOLLM2_INSTALL})", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _standin():
+    spec = importlib.util.spec_from_file_location("_standin_bench", ROOT / "bench" / "standin.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_standin_has_the_models_shapes_tokens_and_weight_scales(tmp_path):
+    standin = _standin()
+    out = tmp_path / "standin"
+    standin.prepare(out, "smollm2")
+    assert sum(f.stat().st_size for f in out.iterdir()) < 4 << 20  # small enough to send anywhere
+    standin.weights(out)
+    first = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    standin.weights(out)
+    assert hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest() == first
+
+    real = load_engine("smollm2", device="cpu", dtype="float32")
+    fake = load_engine(out, device="cpu", dtype="float32")
+    assert fake.model.cfg == real.model.cfg
+    messages = [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April."}]
+    assert fake.tokenizer.render_chat(messages, date="2026-01-01") == real.tokenizer.render_chat(messages,
+                                                                                                 date="2026-01-01")
+    assert fake.default_stop_ids == real.default_stop_ids
+    real_w, fake_w = dict(real.model.named_parameters()), dict(fake.model.named_parameters())
+    for name in ("embed", "norm", "layers.3.qkv", "layers.3.down", "layers.29.post_norm"):
+        r, f = real_w[name].float(), fake_w[name].float()
+        assert f.shape == r.shape, name
+        assert abs(float(f.mean()) - float(r.mean())) < 0.05 * float(r.std()) + 0.05 * abs(float(r.mean())), name
+        assert abs(float(f.std()) - float(r.std())) < 0.25 * float(r.std()), name  # qkv mixes three tensors
