@@ -5,10 +5,11 @@ the same in every run of a dtype (issue 18's acceptance). With --limited the sam
 again in a subprocess with torch, oneDNN and the compiled kernels limited to AVX2, and must
 give the native run's bits.
 
-    python bench/invariance_smollm2.py [--limited] [--threads 2] [--model smollm2]
+    python bench/invariance_smollm2.py [--limited] [--threads 2] [--model smollm2] [--dtypes float32,bfloat16]
 
---model: another checkpoint with a chat template (SmolLM2's architecture with random weights
-where the GGUF cannot be installed, say).
+--model: another checkpoint with a chat template (bench/standin.py's SmolLM2 with random
+weights, where the GGUF cannot be installed); --dtypes: which of the two to run. Each native
+run's line is printed as it ends.
 
 Prints the machine line, one line per run (its hash and seconds), and a verdict per dtype.
 Exit status 1 when any run differs.
