@@ -71,7 +71,7 @@ inline vf vlo16(vi p) { return _mm512_castsi512_ps(_mm512_slli_epi32(p, 16)); } 
 inline vf vhi16(vi p) { return _mm512_castsi512_ps(_mm512_and_si512(p, _mm512_set1_epi32((int)0xffff0000u))); }
 constexpr int MR_F32 = 8, NV_F32 = 3;      // 8 x 48 tile: 24 accumulators of 32 registers
 constexpr int MR_BF16 = 3, NV_BF16 = 3;    // bf16: the running sum and two partial sums: 27 registers
-constexpr int MR_EMU = 6, NV_EMU = 2;      // emulated bf16: 24 partial sums, 4 weight vectors
+constexpr int MR_EMU = 4, NV_EMU = 2;      // emulated bf16: 8 sums, 16 partial sums, 4 weight vectors
 #else
 using vf = __m256;
 using vi = __m256i;
