@@ -1,0 +1,385 @@
+// Decode attention's arithmetic over a bfloat16 KV arena (decode_attention.cpp): bfloat16
+// products summed in float32, in the order an AMX tile multiply sums them.
+//
+// Why: with bfloat16 GEMMs 1.5x (vdpbf16ps, Zen 4) to 4x (AMX) faster than float32 ones, a
+// decode attention that widened bfloat16 keys and values to float32 arithmetic became half
+// of a bfloat16 step on the RL shape (1,200-token prompts read by 16 samples each). Here
+// the two products of attention, scores = q k^T and out = p v, take bfloat16 operands as the
+// GEMMs do (gemm.cpp), so vdpbf16ps does two products per lane where an FMA does one, and the
+// sequence is the one AMX tiles compute, for a tile kernel to come.
+//
+// The sequence, for one query of one KV head and a block of n <= KB keys (FlashAttention's
+// block update, Dao et al. 2022; bfloat16 operands as its CPU and GPU kernels round them):
+//   q is rounded to bfloat16 (as torch rounds), once per call;
+//   score[i] = S * scale, where S = +0 and for each block of 32 elements of the head (d = 32 c
+//     .. 32 c + 31; a head that is not a multiple of 32 padded with q = +0, k = -0):
+//       e = o = +0; e = fma(q[2j], k[i, 2j], e), o = fma(q[2j+1], k[i, 2j+1], o) over the
+//       block's pairs j in order; S = S + (e + o)
+//   the online-softmax step (`softmax_steps`, float32): the running max m' = max(m, scores),
+//     the weights p[i] = exp(score[i] - m'), the factor corr = exp(m - m'), the sum
+//     l' = l corr + the block's p summed in a fixed tree;
+//   p is rounded to bfloat16; then for each output element d:
+//     e = o = +0; e = fma(p[2j], v[2j, d], e), o = fma(p[2j+1], v[2j+1, d], o) over the
+//     block's key pairs in order (a short block's missing keys: p = +0, v = -0);
+//     acc[d] = acc[d] * corr + (e + o)
+// all with denormals read and written as zero (DAZ, FTZ: the thread's MXCSR is set for the
+// whole call, in every build). That is gemm.cpp's bfloat16 sequence per 32-element block:
+// TDPBF16PS's (Intel SDM; measured on an Emerald Rapids Xeon, tests/data/amx_tdpbf16ps.pt).
+// Builds with AVX-512 BF16 feed vdpbf16ps two products of one partial sum per lane (gemm.cpp's
+// `pair_k` arrangement of the query, keys, weights and values); the others compute the same
+// bits with fused multiply-adds of the widened values (a bfloat16 product is exact in
+// float32). A lane holds one key (scores) or one output element (p v), so the vector width
+// never enters: every build gives the same bits, for any batch, group or thread count.
+//
+// The block's keys and values are arranged once per (group, KV head, block) for all the
+// queries that read them (`Block::prepare`): transposed to a lane per key for the scores,
+// and (with vdpbf16ps) paired by key for p v.
+#pragma once
+
+#include "simd.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace batchgen::bf16attn {
+
+using batchgen::exp8;
+using batchgen::hsum8;
+
+constexpr int KB = 32;       // keys per block: decode_attention.cpp's
+constexpr int DMAX = 256;    // largest head size
+constexpr uint16_t NEG_ZERO = 0x8000;
+constexpr unsigned MXCSR_FTZ_DAZ = 0x8040u;
+
+#if defined(__AVX512F__)
+using vf = __m512;
+constexpr int L = 16;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vload(const float* p) { return _mm512_load_ps(p); }
+inline vf vloadu(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstoreu(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+#else
+using vf = __m256;
+constexpr int L = 8;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vload(const float* p) { return _mm256_load_ps(p); }
+inline vf vloadu(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstoreu(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+#endif
+
+#if defined(__AVX512BF16__)
+constexpr bool kNative = true;
+#else
+constexpr bool kNative = false;
+#endif
+
+constexpr int NK = KB / L;  // vectors per block of keys
+
+inline int64_t padded(int64_t D) { return (D + 31) / 32 * 32; }   // a head's elements in whole blocks of 32
+inline int64_t acc_stride(int64_t D) { return (D + 15) / 16 * 16; }  // floats per query's output (whole vectors)
+
+inline float widen(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// Within a block of 32, the element of pair s (0..15), half h (0: vdpbf16ps's element 0, 1:
+// its element 1, which it adds first) in the vdpbf16ps arrangement: gemm.cpp's `pair_k`.
+constexpr int pair_k(int s, int half) { return 4 * (s % 8) + s / 8 + (half == 0 ? 2 : 0); }
+
+// 32 bfloat16 values in the order of `pair_k` (a plain copy without vdpbf16ps).
+inline void arrange32(const uint16_t* in, uint16_t* out) {
+    if (!kNative) {
+        std::memcpy(out, in, 64);
+        return;
+    }
+    for (int s = 0; s < 16; s++) {
+        out[2 * s] = in[pair_k(s, 0)];
+        out[2 * s + 1] = in[pair_k(s, 1)];
+    }
+}
+
+#if defined(__AVX512BF16__)
+// `arrange32` in one vpermw: lane 2s of the result takes element pair_k(s, 0), lane 2s + 1
+// element pair_k(s, 1).
+struct ArrangeTable {
+    alignas(64) uint16_t idx[32];
+    constexpr ArrangeTable() : idx() {
+        for (int s = 0; s < 16; s++) {
+            idx[2 * s] = (uint16_t)(4 * (s % 8) + s / 8 + 2);
+            idx[2 * s + 1] = (uint16_t)(4 * (s % 8) + s / 8);
+        }
+    }
+};
+inline constexpr ArrangeTable kArrange{};
+inline __m512i arrange_index() { return _mm512_load_si512(kArrange.idx); }
+
+// 32 float32 (two vectors) rounded to bfloat16 as f32_to_bf16 rounds (nearest even; NaN to
+// 0x7fc0), then arranged by `pair_k`.
+inline __m512i round_arranged(__m512 lo, __m512 hi, __m512i idx) {
+    auto round16 = [](__m512 x) {
+        const __m512i u = _mm512_castps_si512(x);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                      _mm512_set1_epi32(0x7f800000));
+        return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+    };
+    const __m512i packed = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(round16(lo))),
+                                              _mm512_cvtepi32_epi16(round16(hi)), 1);
+    return _mm512_permutexvar_epi16(idx, packed);
+}
+
+// In place: r[i] lane j becomes r[j] lane i (a 16 x 16 matrix of 32-bit elements).
+inline void transpose16(__m512i (&r)[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 16; i += 2) {
+        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);      // per 128-bit lane L: r_i[4L], r_i+1[4L], r_i[4L+1], ...
+        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);  // r_i[4L+2], r_i+1[4L+2], r_i[4L+3], r_i+1[4L+3]
+    }
+    for (int g = 0; g < 4; g++) {  // b[4g + k], lane L: rows 4g .. 4g+3 of column 4L + k
+        b[4 * g + 0] = _mm512_unpacklo_epi64(a[4 * g], a[4 * g + 2]);
+        b[4 * g + 1] = _mm512_unpackhi_epi64(a[4 * g], a[4 * g + 2]);
+        b[4 * g + 2] = _mm512_unpacklo_epi64(a[4 * g + 1], a[4 * g + 3]);
+        b[4 * g + 3] = _mm512_unpackhi_epi64(a[4 * g + 1], a[4 * g + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512i clo = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x44), chi = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xee);
+        const __m512i dlo = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x44);
+        const __m512i dhi = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xee);
+        r[k] = _mm512_shuffle_i32x4(clo, dlo, 0x88);
+        r[4 + k] = _mm512_shuffle_i32x4(clo, dlo, 0xdd);
+        r[8 + k] = _mm512_shuffle_i32x4(chi, dhi, 0x88);
+        r[12 + k] = _mm512_shuffle_i32x4(chi, dhi, 0xdd);
+    }
+}
+#endif
+
+// One query's D float32 elements as the products read them: rounded to bfloat16, padded with
+// +0 to whole blocks of 32, each block arranged for vdpbf16ps (`arrange32`).
+inline void prepare_query(const float* q, int64_t D, uint16_t* out) {
+#if defined(__AVX512BF16__)
+    if (D % 32 == 0) {
+        const __m512i idx = arrange_index();
+        for (int64_t c = 0; c < D; c += 32)
+            _mm512_storeu_si512(out + c, round_arranged(_mm512_loadu_ps(q + c), _mm512_loadu_ps(q + c + 16), idx));
+        return;
+    }
+#endif
+    alignas(64) uint16_t b[32];
+    for (int64_t c = 0; c < padded(D); c += 32) {
+        for (int j = 0; j < 32; j++) b[j] = c + j < D ? f32_to_bf16(q[c + j]) : 0;
+        arrange32(b, out + c);
+    }
+}
+
+// One KV head's block of n <= KB keys and values as the products read them.
+struct Block {
+    // Scores: one lane per key. With vdpbf16ps: kp[16 c + s][i] is key i's pair s of
+    // block c (`pair_k`); else kt[d][i] its element d widened. Keys past n are 0 (their
+    // scores are dropped), elements past D -0 (their products leave a sum unchanged).
+    // p v: one lane per output element. With vdpbf16ps: vp[s][d] pairs the values of keys
+    // pair_k(s, 0) and pair_k(s, 1); else vt[i][d] is key i's value widened. Keys past n
+    // are -0 (their weight p is +0).
+    alignas(64) uint32_t kp[kNative ? DMAX / 2 : 1][KB];
+    alignas(64) float kt[kNative ? 1 : DMAX][KB];
+    alignas(64) uint32_t vp[kNative ? 16 : 1][DMAX];
+    alignas(64) float vt[kNative ? 1 : KB][DMAX];
+
+    // K[i * ld + d], V[i * ld + d]: the block's keys and values of one head, D elements.
+    void prepare(const uint16_t* K, const uint16_t* V, int64_t ld, int n, int64_t D) {
+        const int64_t Dp = padded(D), Dv = acc_stride(D);
+#if defined(__AVX512BF16__)
+        // Keys: each key's block of 32 elements arranged in one vpermw (padded with -0 past
+        // D), 16 keys' pairs transposed to a lane per key.
+        const __m512i idx = arrange_index(), nz = _mm512_set1_epi16((short)NEG_ZERO);
+        for (int64_t c = 0; c < Dp; c += 32) {
+            const __mmask32 in = D - c >= 32 ? ~0u : (1u << (D - c)) - 1;
+            for (int h = 0; h < NK; h++) {
+                __m512i r[16];
+                for (int u = 0; u < 16; u++) {
+                    const int i = L * h + u;
+                    r[u] = i >= n ? _mm512_setzero_si512()
+                                  : _mm512_permutexvar_epi16(
+                                        idx, _mm512_mask_blend_epi16(in, nz, _mm512_maskz_loadu_epi16(in, K + i * ld + c)));
+                }
+                transpose16(r);
+                for (int s = 0; s < 16; s++) _mm512_store_si512(&kp[c / 2 + s][L * h], r[s]);
+            }
+        }
+        // Values: pair s holds keys pair_k(s, 0) (low half) and pair_k(s, 1) (high), -0 past n.
+        for (int s = 0; s < 16; s++) {
+            const int i0 = pair_k(s, 0), i1 = pair_k(s, 1);
+            for (int64_t d = 0; d < Dv; d += 16) {
+                const __mmask16 in = D - d >= 16 ? 0xffff : (__mmask16)((1u << (D - d)) - 1);
+                const __m512i lo = i0 >= n ? _mm512_set1_epi32(NEG_ZERO)
+                                           : _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, V + i0 * ld + d));
+                const __m512i hi = i1 >= n ? _mm512_set1_epi32(NEG_ZERO)
+                                           : _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, V + i1 * ld + d));
+                _mm512_store_si512(&vp[s][d], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+        }
+#else
+        for (int64_t d = 0; d < Dp; d++)
+            for (int i = 0; i < KB; i++) kt[d][i] = i >= n ? 0.f : d < D ? widen(K[i * ld + d]) : -0.f;
+        for (int i = 0; i < KB; i++)
+            for (int64_t d = 0; d < Dv; d++) vt[i][d] = i >= n ? -0.f : d < D ? widen(V[i * ld + d]) : 0.f;
+#endif
+    }
+};
+
+#if defined(__AVX512BF16__)
+inline vf dp(vf acc, uint32_t pair, const uint32_t* b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)pair), (__m512bh)_mm512_load_si512(b));
+}
+#endif
+
+// The scores of NQ queries (prepared, Dp elements each) against the block: s[qi * KB + i] =
+// S * scale (all KB lanes; those past n are dropped by the softmax step).
+template <int NQ>
+inline void scores(const uint16_t* const* q, int64_t Dp, const Block& b, float scale, float* s) {
+    vf S[NQ][NK];
+    for (int qi = 0; qi < NQ; qi++)
+        for (int h = 0; h < NK; h++) S[qi][h] = vzero();
+    for (int64_t c = 0; c < Dp; c += 32) {
+        vf e[NQ][NK], o[NQ][NK];
+        for (int qi = 0; qi < NQ; qi++)
+            for (int h = 0; h < NK; h++) e[qi][h] = o[qi][h] = vzero();
+#if defined(__AVX512BF16__)
+        for (int t = 0; t < 8; t++)
+            for (int qi = 0; qi < NQ; qi++) {
+                uint32_t pe, po;
+                std::memcpy(&pe, q[qi] + c + 2 * t, 4);
+                std::memcpy(&po, q[qi] + c + 16 + 2 * t, 4);
+                for (int h = 0; h < NK; h++) {
+                    e[qi][h] = dp(e[qi][h], pe, &b.kp[c / 2 + t][L * h]);
+                    o[qi][h] = dp(o[qi][h], po, &b.kp[c / 2 + 8 + t][L * h]);
+                }
+            }
+#else
+        for (int j = 0; j < 16; j++) {
+            const int64_t d = c + 2 * j;
+            for (int qi = 0; qi < NQ; qi++) {
+                const vf ae = vset(widen(q[qi][d])), ao = vset(widen(q[qi][d + 1]));
+                for (int h = 0; h < NK; h++) {
+                    e[qi][h] = vfma(ae, vload(&b.kt[d][L * h]), e[qi][h]);
+                    o[qi][h] = vfma(ao, vload(&b.kt[d + 1][L * h]), o[qi][h]);
+                }
+            }
+        }
+#endif
+        for (int qi = 0; qi < NQ; qi++)
+            for (int h = 0; h < NK; h++) S[qi][h] = vadd(S[qi][h], vadd(e[qi][h], o[qi][h]));
+    }
+    const vf sv = vset(scale);
+    for (int qi = 0; qi < NQ; qi++)
+        for (int h = 0; h < NK; h++) vstoreu(s + qi * KB + L * h, vmul(S[qi][h], sv));
+}
+
+// The online-softmax step of NQ queries over a block's n <= KB scores (s + qi * KB, 64-byte
+// aligned), in 8-lane float32 vectors in every build: m' = max(m, the block's scores), s
+// becomes p = exp(s - m') (+0 past n), corr = exp(m - m') (0 before the first key, when l
+// and the output are 0), l' = l corr + hsum8((p[0:8] + p[8:16]) + (p[16:24] + p[24:32])).
+// The queries' steps are interleaved (each a chain of dependent operations) and their
+// factors computed in one exp8; each query's arithmetic is the same whatever NQ.
+template <int NQ>
+inline void softmax_steps(float* s, int n, float* const* m, float* const* l, float* corr) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 valid[4];
+    for (int j = 0; j < 4; j++)
+        valid[j] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8 * j), lanes));
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    alignas(32) float mold[8] = {}, mnew[8] = {};
+    __m256 x[NQ][4];
+    for (int qi = 0; qi < NQ; qi++) {
+        for (int j = 0; j < 4; j++) x[qi][j] = _mm256_blendv_ps(ninf, _mm256_load_ps(s + qi * KB + 8 * j), valid[j]);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(x[qi][0], x[qi][1]), _mm256_max_ps(x[qi][2], x[qi][3]));
+        mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
+        mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4e));
+        mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xb1));
+        mold[qi] = *m[qi];
+        mnew[qi] = std::max(mold[qi], _mm256_cvtss_f32(mx));
+    }
+    // exp(m - m') per query, -inf - m' clamped like any score (and replaced by 0 below)
+    alignas(32) float c[8];
+    _mm256_store_ps(c, exp8(_mm256_sub_ps(_mm256_load_ps(mold), _mm256_load_ps(mnew))));
+    for (int qi = 0; qi < NQ; qi++) {
+        const __m256 mv = _mm256_set1_ps(mnew[qi]);
+        __m256 p[4];
+        for (int j = 0; j < 4; j++) {
+            p[j] = _mm256_and_ps(exp8(_mm256_sub_ps(x[qi][j], mv)), valid[j]);
+            _mm256_store_ps(s + qi * KB + 8 * j, p[j]);
+        }
+        const float sum = hsum8(_mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3])));
+        corr[qi] = mold[qi] == -INFINITY ? 0.f : c[qi];
+        *l[qi] = *l[qi] * corr[qi] + sum;
+        *m[qi] = mnew[qi];
+    }
+}
+
+// The block's weights of one query (KB floats from the softmax step, +0 past n) as the p v
+// products read them: rounded to bfloat16 and arranged (`arrange32`).
+inline void prepare_weights(const float* s, uint16_t* out) {
+#if defined(__AVX512BF16__)
+    _mm512_store_si512(out, round_arranged(_mm512_load_ps(s), _mm512_load_ps(s + 16), arrange_index()));
+#else
+    alignas(64) uint16_t b[KB];
+    for (int i = 0; i < KB; i++) b[i] = f32_to_bf16(s[i]);
+    arrange32(b, out);
+#endif
+}
+
+// acc[qi][d] = acc[qi][d] * corr[qi] + the block's p v, d < Dv (acc_stride), for NQ queries
+// whose weights p[qi] were prepared.
+template <int NQ>
+inline void accumulate(float* const* acc, const float* corr, const uint16_t* const* p, const Block& b, int64_t Dv) {
+    constexpr int CB = L == 16 ? (NQ == 1 ? 4 : 2) : (NQ == 1 ? 2 : 1);  // column vectors per pass
+    for (int64_t d0 = 0; d0 < Dv; d0 += CB * L) {
+        const int nc = (int)std::min<int64_t>(CB, (Dv - d0) / L);
+        vf e[NQ][CB], o[NQ][CB];
+        for (int qi = 0; qi < NQ; qi++)
+            for (int c = 0; c < CB; c++) e[qi][c] = o[qi][c] = vzero();
+#if defined(__AVX512BF16__)
+        for (int t = 0; t < 8; t++)
+            for (int qi = 0; qi < NQ; qi++) {
+                uint32_t pe, po;
+                std::memcpy(&pe, p[qi] + 2 * t, 4);
+                std::memcpy(&po, p[qi] + 16 + 2 * t, 4);
+                for (int c = 0; c < nc; c++) {
+                    e[qi][c] = dp(e[qi][c], pe, &b.vp[t][d0 + L * c]);
+                    o[qi][c] = dp(o[qi][c], po, &b.vp[8 + t][d0 + L * c]);
+                }
+            }
+#else
+        for (int j = 0; j < KB / 2; j++)
+            for (int qi = 0; qi < NQ; qi++) {
+                const vf ae = vset(widen(p[qi][2 * j])), ao = vset(widen(p[qi][2 * j + 1]));
+                for (int c = 0; c < nc; c++) {
+                    e[qi][c] = vfma(ae, vload(&b.vt[2 * j][d0 + L * c]), e[qi][c]);
+                    o[qi][c] = vfma(ao, vload(&b.vt[2 * j + 1][d0 + L * c]), o[qi][c]);
+                }
+            }
+#endif
+        for (int qi = 0; qi < NQ; qi++)
+            for (int c = 0; c < nc; c++) {
+                float* a = acc[qi] + d0 + L * c;
+                vstoreu(a, vadd(vmul(vloadu(a), vset(corr[qi])), vadd(e[qi][c], o[qi][c])));
+            }
+    }
+}
+
+}  // namespace batchgen::bf16attn
