@@ -115,10 +115,11 @@ def bf16_arena(B, Hq, Hkv, D, P, seed):
 
 @pytest.mark.parametrize("D", [24, 64, 80])
 def test_decode_over_a_bfloat16_arena(D):
-    """Over a bfloat16 arena the decode kernel multiplies bfloat16 queries, keys, weights and
-    values (attention_bf16.h): within bfloat16 rounding of attention in float64 on the
-    rounded queries (a head size with a partial block of 32 included), and it stores this
-    step's float32 keys and values rounded as `.to(torch.bfloat16)`."""
+    """Over a bfloat16 arena's prompt runs the decode kernel multiplies bfloat16 queries,
+    keys, weights and values (attention_bf16.h; the rows' own runs keep float32 products of
+    the widened values): within bfloat16 rounding of attention in float64 on the rounded
+    queries (a head size with a partial block of 32 included), and it stores this step's
+    float32 keys and values rounded as `.to(torch.bfloat16)`."""
     B, Hq, Hkv, P = 5, 8, 2, 300
     q, kc, vc = bf16_arena(B, Hq, Hkv, D, P, seed=5)
     g = torch.Generator().manual_seed(6)
@@ -139,7 +140,8 @@ def test_bfloat16_decode_rows_depend_on_their_own_runs_only(D):
     """A row's bits over a bfloat16 arena are the same in a group of rows sharing its prompt,
     alone, with its prompt copied to a run of its own, and on one thread or two: the
     products' sums never depend on which queries share a block (4 at a time on AVX-512, 1
-    on AVX2) or on where the row sits."""
+    on AVX2) or on where the row sits, and a prompt run is read the same way whether it is
+    shared or a copy."""
     B, Hq, Hkv, P = 7, 9, 3, 700
     q, kc, vc = bf16_arena(B, Hq, Hkv, D, P, seed=11)
     kc[400:477], vc[400:477] = kc[0:77], vc[0:77]  # a copy of the shared prompt

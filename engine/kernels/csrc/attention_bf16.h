@@ -1,12 +1,16 @@
-// Decode attention's arithmetic over a bfloat16 KV arena (decode_attention.cpp): bfloat16
-// products summed in float32, in the order an AMX tile multiply sums them.
+// Decode attention's arithmetic over a bfloat16 KV arena's prompt runs (decode_attention.cpp):
+// bfloat16 products summed in float32, in the order an AMX tile multiply sums them.
 //
 // Why: with bfloat16 GEMMs 1.5x (vdpbf16ps, Zen 4) to 4x (AMX) faster than float32 ones, a
 // decode attention that widened bfloat16 keys and values to float32 arithmetic became half
 // of a bfloat16 step on the RL shape (1,200-token prompts read by 16 samples each). Here
-// the two products of attention, scores = q k^T and out = p v, take bfloat16 operands as the
-// GEMMs do (gemm.cpp), so vdpbf16ps does two products per lane where an FMA does one, and the
-// sequence is the one AMX tiles compute, for a tile kernel to come.
+// the two products of attention over a prompt's keys, scores = q k^T and out = p v, take
+// bfloat16 operands as the GEMMs do (gemm.cpp), so vdpbf16ps does two products per lane where
+// an FMA does one, and the sequence is the one AMX tiles compute, for a tile kernel to come.
+// A block is arranged once for every query that reads it, which pays where a group's rows
+// share the prompt (48 queries per KV head on the RL shape) and not for a row's own run (3):
+// those keep decode_attention.cpp's float32 update of the widened keys and values. Each run
+// kind has one arithmetic, so a row's bits do not depend on its group.
 //
 // The sequence, for one query of one KV head and a block of n <= KB keys (FlashAttention's
 // block update, Dao et al. 2022; bfloat16 operands as its CPU and GPU kernels round them):
@@ -88,7 +92,7 @@ constexpr bool kNative = false;
 constexpr int NK = KB / L;  // vectors per block of keys
 
 inline int64_t padded(int64_t D) { return (D + 31) / 32 * 32; }   // a head's elements in whole blocks of 32
-inline int64_t acc_stride(int64_t D) { return (D + 15) / 16 * 16; }  // floats per query's output (whole vectors)
+inline int64_t acc_stride(int64_t D) { return (D + 15) / 16 * 16; }  // a block's value columns (whole vectors)
 
 inline float widen(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
@@ -343,10 +347,11 @@ inline void prepare_weights(const float* s, uint16_t* out) {
 #endif
 }
 
-// acc[qi][d] = acc[qi][d] * corr[qi] + the block's p v, d < Dv (acc_stride), for NQ queries
-// whose weights p[qi] were prepared.
+// acc[qi][d] = acc[qi][d] * corr[qi] + the block's p v, d < D, for NQ queries whose weights
+// p[qi] were prepared (the block's columns past D, up to acc_stride, are computed and dropped).
 template <int NQ>
-inline void accumulate(float* const* acc, const float* corr, const uint16_t* const* p, const Block& b, int64_t Dv) {
+inline void accumulate(float* const* acc, const float* corr, const uint16_t* const* p, const Block& b, int64_t D) {
+    const int64_t Dv = acc_stride(D);
     constexpr int CB = L == 16 ? (NQ == 1 ? 4 : 2) : (NQ == 1 ? 2 : 1);  // column vectors per pass
     for (int64_t d0 = 0; d0 < Dv; d0 += CB * L) {
         const int nc = (int)std::min<int64_t>(CB, (Dv - d0) / L);
@@ -377,7 +382,16 @@ inline void accumulate(float* const* acc, const float* corr, const uint16_t* con
         for (int qi = 0; qi < NQ; qi++)
             for (int c = 0; c < nc; c++) {
                 float* a = acc[qi] + d0 + L * c;
-                vstoreu(a, vadd(vmul(vloadu(a), vset(corr[qi])), vadd(e[qi][c], o[qi][c])));
+                const int64_t cols = D - (d0 + L * c);  // < L only for AVX-512's half vector
+                if (cols >= L) {
+                    vstoreu(a, vadd(vmul(vloadu(a), vset(corr[qi])), vadd(e[qi][c], o[qi][c])));
+                } else {
+#if defined(__AVX512F__)
+                    const __mmask16 k = (__mmask16)((1u << cols) - 1);
+                    const vf old = _mm512_maskz_loadu_ps(k, a);
+                    _mm512_mask_storeu_ps(a, k, vadd(vmul(old, vset(corr[qi])), vadd(e[qi][c], o[qi][c])));
+#endif
+                }
             }
     }
 }

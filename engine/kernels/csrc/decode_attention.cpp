@@ -47,8 +47,12 @@ namespace bf16attn = batchgen::bf16attn;
 constexpr int KB = 32;  // keys per block
 static_assert(KB == bf16attn::KB, "attention_bf16.h's blocks are decode's");
 
-// 8 consecutive keys' or values' elements of a float32 arena.
+// 8 consecutive keys' or values' elements as float32: a float32 arena as it is, a bfloat16
+// one widened (its 16 bits become the top half of a float32: exact).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
 
 // A step's new key or value row (n float32) into the arena: copied, or rounded to bfloat16
 // as torch rounds (`.to(torch.bfloat16)`), so the cache holds what a prefill writes.
@@ -64,49 +68,83 @@ inline void store_row(uint16_t* dst, const float* src, int64_t n) {
 // for bit and a key's score never depends on where it sits.
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
 
 // 8 elements at p in lanes 0-7 of a 16-lane register, zeros above (a head's last half chunk).
 inline __m512 load8z(const float* p) { return _mm512_zextps256_ps512(_mm256_loadu_ps(p)); }
+inline __m512 load8z(const uint16_t* p) { return _mm512_zextps256_ps512(load8(p)); }
 
 #endif
 
-// The score partials of 8 keys k[u] for the query q (D = 16 NC + 8 HALF: NC chunks of 16,
-// then a half chunk whose lanes 8-15 add 0 x 0), folded to 8 lanes each: r[u].
+// The score partials of 8 keys k[u] for NQ query heads (query qi at q + qi * D; D = 16 NC
+// + 8 HALF: NC chunks of 16, then a half chunk whose lanes 8-15 add 0 x 0), folded to 8
+// lanes each: r[qi][u]. Each key's elements are loaded (and widened) once for all NQ
+// queries; how many keys and queries share the registers changes only which partial is
+// computed when, never its chain of instructions.
 #if defined(__AVX512F__)
-template <int NC, bool HALF>
-inline void partials8(const float* q, const float* const* k, __m256* r) {
-    __m512 a[8];
-    for (int u = 0; u < 8; u++) a[u] = _mm512_mul_ps(NC > 0 ? _mm512_loadu_ps(q) : load8z(q), NC > 0 ? load16(k[u]) : load8z(k[u]));
-    for (int c = 1; c < NC; c++)
-        for (int u = 0; u < 8; u++) a[u] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), load16(k[u] + 16 * c), a[u]);
-    if (HALF && NC > 0)
-        for (int u = 0; u < 8; u++) a[u] = _mm512_fmadd_ps(load8z(q + 16 * NC), load8z(k[u] + 16 * NC), a[u]);
-    for (int u = 0; u < 8; u++) {
-        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[u]), 1));
-        r[u] = _mm256_add_ps(_mm512_castps512_ps256(a[u]), hi);
+template <int NC, bool HALF, int NQ, class T>
+inline void partials8(const float* q, int64_t D, const T* const* k, __m256 (*r)[8]) {
+    constexpr int KG = NQ <= 2 ? 8 : 4;  // keys at a time: NQ x KG accumulators of 32 registers
+    for (int h = 0; h < 8; h += KG) {
+        __m512 a[NQ][KG];
+        for (int u = 0; u < KG; u++) {
+            const __m512 kv = NC > 0 ? load16(k[h + u]) : load8z(k[h + u]);
+            for (int qi = 0; qi < NQ; qi++)
+                a[qi][u] = _mm512_mul_ps(NC > 0 ? _mm512_loadu_ps(q + qi * D) : load8z(q + qi * D), kv);
+        }
+        for (int c = 1; c < NC; c++)
+            for (int u = 0; u < KG; u++) {
+                const __m512 kv = load16(k[h + u] + 16 * c);
+                for (int qi = 0; qi < NQ; qi++)
+                    a[qi][u] = _mm512_fmadd_ps(_mm512_loadu_ps(q + qi * D + 16 * c), kv, a[qi][u]);
+            }
+        if (HALF && NC > 0)
+            for (int u = 0; u < KG; u++) {
+                const __m512 kv = load8z(k[h + u] + 16 * NC);
+                for (int qi = 0; qi < NQ; qi++)
+                    a[qi][u] = _mm512_fmadd_ps(load8z(q + qi * D + 16 * NC), kv, a[qi][u]);
+            }
+        for (int qi = 0; qi < NQ; qi++)
+            for (int u = 0; u < KG; u++) {
+                const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[qi][u]), 1));
+                r[qi][h + u] = _mm256_add_ps(_mm512_castps512_ps256(a[qi][u]), hi);
+            }
     }
 }
 #else
-template <int NC, bool HALF>
-inline void partials8(const float* q, const float* const* k, __m256* r) {
+template <int NC, bool HALF, int NQ, class T>
+inline void partials8(const float* q, int64_t D, const T* const* k, __m256 (*r)[8]) {
+    constexpr int KG = NQ == 1 ? 4 : NQ == 2 ? 2 : 1;  // 2 x NQ x KG accumulators of 16 registers
     const __m256 zero = _mm256_setzero_ps();
-    for (int h = 0; h < 8; h += 4) {  // 4 keys at a time: 8 accumulators of 16 registers
-        __m256 lo[4], hi[4];
-        for (int u = 0; u < 4; u++) {
-            lo[u] = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k[h + u]));
-            hi[u] = NC > 0 ? _mm256_mul_ps(_mm256_loadu_ps(q + 8), load8(k[h + u] + 8)) : zero;
+    for (int h = 0; h < 8; h += KG) {
+        __m256 lo[NQ][KG], hi[NQ][KG];
+        for (int u = 0; u < KG; u++) {
+            const __m256 k0 = load8(k[h + u]), k1 = NC > 0 ? load8(k[h + u] + 8) : zero;
+            for (int qi = 0; qi < NQ; qi++) {
+                lo[qi][u] = _mm256_mul_ps(_mm256_loadu_ps(q + qi * D), k0);
+                hi[qi][u] = NC > 0 ? _mm256_mul_ps(_mm256_loadu_ps(q + qi * D + 8), k1) : zero;
+            }
         }
         for (int c = 1; c < NC; c++)
-            for (int u = 0; u < 4; u++) {
-                lo[u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * c), load8(k[h + u] + 16 * c), lo[u]);
-                hi[u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * c + 8), load8(k[h + u] + 16 * c + 8), hi[u]);
+            for (int u = 0; u < KG; u++) {
+                const __m256 ka = load8(k[h + u] + 16 * c), kb = load8(k[h + u] + 16 * c + 8);
+                for (int qi = 0; qi < NQ; qi++) {
+                    lo[qi][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + qi * D + 16 * c), ka, lo[qi][u]);
+                    hi[qi][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + qi * D + 16 * c + 8), kb, hi[qi][u]);
+                }
             }
         if (HALF && NC > 0)
-            for (int u = 0; u < 4; u++) {
-                lo[u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * NC), load8(k[h + u] + 16 * NC), lo[u]);
-                hi[u] = _mm256_add_ps(hi[u], zero);
+            for (int u = 0; u < KG; u++) {
+                const __m256 ka = load8(k[h + u] + 16 * NC);
+                for (int qi = 0; qi < NQ; qi++) {
+                    lo[qi][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + qi * D + 16 * NC), ka, lo[qi][u]);
+                    hi[qi][u] = _mm256_add_ps(hi[qi][u], zero);
+                }
             }
-        for (int u = 0; u < 4; u++) r[h + u] = _mm256_add_ps(lo[u], hi[u]);
+        for (int qi = 0; qi < NQ; qi++)
+            for (int u = 0; u < KG; u++) r[qi][h + u] = _mm256_add_ps(lo[qi][u], hi[qi][u]);
     }
 }
 #endif
@@ -150,67 +188,105 @@ inline float softmax_step(float* __restrict s, int n, float* __restrict m, float
     return corr;
 }
 
-// acc[0, D) = acc * corr + sum_i s[i] v_i for the n values V + i * ld: one fused
-// multiply-add chain per element in order of i, so the vector width does not enter.
-template <int NC, bool HALF>
-inline void accumulate(float* __restrict acc, float corr, const float* s, const float* __restrict V, int64_t ld,
-                       int n) {
+// acc[0, D) = acc * corr + sum_i s[i] v_i for the n values V + i * ld, for NQ query heads
+// (query qi's acc at acc + qi * D, its weights at s + qi * KB, its factor corr[qi]): one
+// fused multiply-add chain per element in order of i, so neither the vector width nor the
+// column blocks (which keep several queries' accumulators in registers, each value vector
+// loaded and widened once for all of them) enter.
+template <int NC, bool HALF, int NQ, class T>
+inline void accumulate(float* __restrict acc, int64_t D, const float* corr, const float* s,
+                          const T* __restrict V, int64_t ld, int n) {
 #if defined(__AVX512F__)
-    if (NC > 0) {
-        __m512 a[NC > 0 ? NC : 1];
-        for (int c = 0; c < NC; c++) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), _mm512_set1_ps(corr));
-        for (int i = 0; i < n; i++)
-            for (int c = 0; c < NC; c++) a[c] = _mm512_fmadd_ps(_mm512_set1_ps(s[i]), load16(V + i * ld + 16 * c), a[c]);
-        for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc + 16 * c, a[c]);
+    constexpr int CB = NQ == 1 ? (NC > 0 ? NC : 1) : 4;  // 16-float column vectors per pass: NQ x CB accumulators
+    for (int c0 = 0; c0 < NC; c0 += CB) {
+        const int nc = std::min(CB, NC - c0);
+        __m512 a[NQ][CB];
+        for (int qi = 0; qi < NQ; qi++)
+            for (int c = 0; c < nc; c++)
+                a[qi][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + qi * D + 16 * (c0 + c)), _mm512_set1_ps(corr[qi]));
+        for (int i = 0; i < n; i++) {
+            const T* v = V + i * ld + 16 * c0;
+            for (int c = 0; c < nc; c++) {
+                const __m512 vv = load16(v + 16 * c);
+                for (int qi = 0; qi < NQ; qi++) a[qi][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[qi * KB + i]), vv, a[qi][c]);
+            }
+        }
+        for (int qi = 0; qi < NQ; qi++)
+            for (int c = 0; c < nc; c++) _mm512_storeu_ps(acc + qi * D + 16 * (c0 + c), a[qi][c]);
     }
     if (HALF) {
-        __m256 h = _mm256_mul_ps(_mm256_loadu_ps(acc + 16 * NC), _mm256_set1_ps(corr));
-        for (int i = 0; i < n; i++) h = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), load8(V + i * ld + 16 * NC), h);
-        _mm256_storeu_ps(acc + 16 * NC, h);
+        __m256 h[NQ];
+        for (int qi = 0; qi < NQ; qi++)
+            h[qi] = _mm256_mul_ps(_mm256_loadu_ps(acc + qi * D + 16 * NC), _mm256_set1_ps(corr[qi]));
+        for (int i = 0; i < n; i++) {
+            const __m256 vv = load8(V + i * ld + 16 * NC);
+            for (int qi = 0; qi < NQ; qi++) h[qi] = _mm256_fmadd_ps(_mm256_set1_ps(s[qi * KB + i]), vv, h[qi]);
+        }
+        for (int qi = 0; qi < NQ; qi++) _mm256_storeu_ps(acc + qi * D + 16 * NC, h[qi]);
     }
 #else
     constexpr int N8 = 2 * NC + (HALF ? 1 : 0);
-    __m256 a[N8];
-    for (int c = 0; c < N8; c++) a[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), _mm256_set1_ps(corr));
-    for (int i = 0; i < n; i++)
-        for (int c = 0; c < N8; c++) a[c] = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), load8(V + i * ld + 8 * c), a[c]);
-    for (int c = 0; c < N8; c++) _mm256_storeu_ps(acc + 8 * c, a[c]);
+    constexpr int CB = NQ == 1 ? N8 : NQ <= 3 ? 4 : 3;  // 8-float column vectors per pass: NQ x CB accumulators
+    for (int c0 = 0; c0 < N8; c0 += CB) {
+        const int nc = std::min(CB, N8 - c0);
+        __m256 a[NQ][CB];
+        for (int qi = 0; qi < NQ; qi++)
+            for (int c = 0; c < nc; c++)
+                a[qi][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + qi * D + 8 * (c0 + c)), _mm256_set1_ps(corr[qi]));
+        for (int i = 0; i < n; i++) {
+            const T* v = V + i * ld + 8 * c0;
+            for (int c = 0; c < nc; c++) {
+                const __m256 vv = load8(v + 8 * c);
+                for (int qi = 0; qi < NQ; qi++) a[qi][c] = _mm256_fmadd_ps(_mm256_set1_ps(s[qi * KB + i]), vv, a[qi][c]);
+            }
+        }
+        for (int qi = 0; qi < NQ; qi++)
+            for (int c = 0; c < nc; c++) _mm256_storeu_ps(acc + qi * D + 8 * (c0 + c), a[qi][c]);
+    }
 #endif
 }
 
-// One query head q (D = 16 NC + 8 HALF floats) against n <= KB keys K[i * ld], values
-// V[i * ld] of a float32 arena: the online-softmax update of its running max m, sum l and
-// unnormalised output acc. Keys go through the same instructions eight at a time (a short
-// block repeats its last key and drops the extra scores), so a key's score never depends
-// on where it sits.
-template <int NC, bool HALF>
-__attribute__((noinline)) void update(const float* __restrict q, const float* __restrict K,
-                                         const float* __restrict V, int64_t ld, int n, float scale, float* __restrict m,
+// NQ query heads of one row that read the same KV head (query qi at q + qi * D, D = 16 NC +
+// 8 HALF floats) against n <= KB keys K[i * ld], values V[i * ld]: the online-softmax update
+// of each query's running max m[qi], sum l[qi] and unnormalised output acc + qi * D. The
+// keys and values are read once for all NQ queries, and each query's arithmetic is the
+// same whatever NQ, so its bits are too. Keys go through the same instructions eight at a
+// time (a short block repeats its last key and drops the extra scores), so a key's score
+// never depends on where it sits.
+template <int NC, bool HALF, int NQ, class T>
+__attribute__((noinline)) void update(const float* __restrict q, int64_t D, const T* __restrict K,
+                                         const T* __restrict V, int64_t ld, int n, float scale, float* __restrict m,
                                          float* __restrict l, float* __restrict acc) {
-    alignas(32) float s[KB];
+    alignas(32) float s[NQ * KB];
     const __m256 sv = _mm256_set1_ps(scale);
     for (int i = 0; i < n; i += 8) {
-        const float* k[8];
+        const T* k[8];
         for (int u = 0; u < 8; u++) k[u] = K + std::min(i + u, n - 1) * ld;
-        __m256 r[8];
-        partials8<NC, HALF>(q, k, r);
-        _mm256_store_ps(s + i, _mm256_mul_ps(hsum8x8(r), sv));
+        __m256 r[NQ][8];
+        partials8<NC, HALF, NQ>(q, D, k, r);
+        for (int qi = 0; qi < NQ; qi++) _mm256_store_ps(s + qi * KB + i, _mm256_mul_ps(hsum8x8(r[qi]), sv));
     }
-    accumulate<NC, HALF>(acc, softmax_step(s, n, m, l), s, V, ld, n);
+    float corr[NQ];
+    for (int qi = 0; qi < NQ; qi++) corr[qi] = softmax_step(s + qi * KB, n, m + qi, l + qi);
+    accumulate<NC, HALF, NQ>(acc, D, corr, s, V, ld, n);
 }
 
-using UpdateFn = void (*)(const float*, const float*, const float*, int64_t, int, float, float*, float*, float*);
+template <class T>
+using UpdateFn = void (*)(const float*, int64_t, const T*, const T*, int64_t, int, float, float*, float*, float*);
 
-// The update for head size D, or nullptr. Head sizes: every multiple of 8 up to 128, and
-// 160, 192, 256.
-UpdateFn pick(int64_t D) {
-    switch (D) {
-#define BATCHGEN_D(d) \
-    case (d): return update<(d) / 16, (d) % 16 != 0>;
+// The update for head size D and nq (1 to 4) query heads at a time, or nullptr. Head
+// sizes: every multiple of 8 up to 128, and 160, 192, 256.
+template <class T>
+UpdateFn<T> pick(int64_t D, int nq) {
+    switch (D * 8 + nq) {
+#define BATCHGEN_DQ(d, n) \
+    case (d) * 8 + (n): return update<(d) / 16, (d) % 16 != 0, n, T>;
+#define BATCHGEN_D(d) BATCHGEN_DQ(d, 1) BATCHGEN_DQ(d, 2) BATCHGEN_DQ(d, 3) BATCHGEN_DQ(d, 4)
         BATCHGEN_D(8) BATCHGEN_D(16) BATCHGEN_D(24) BATCHGEN_D(32) BATCHGEN_D(40) BATCHGEN_D(48) BATCHGEN_D(56)
         BATCHGEN_D(64) BATCHGEN_D(72) BATCHGEN_D(80) BATCHGEN_D(88) BATCHGEN_D(96) BATCHGEN_D(104) BATCHGEN_D(112)
         BATCHGEN_D(120) BATCHGEN_D(128) BATCHGEN_D(160) BATCHGEN_D(192) BATCHGEN_D(256)
 #undef BATCHGEN_D
+#undef BATCHGEN_DQ
         default: return nullptr;
     }
 }
@@ -236,19 +312,20 @@ inline void stream_in(const T* kc, const T* vc, int64_t p, int n, int64_t ld) {
     asm volatile("" : : "r"(sink));  // the loads are the point: keep them
 }
 
-// A float32 arena: all the (row, query head) pairs of KV head h of rows[0 .. nr) (state
-// index first + r) against `n` keys from arena position p, one query head at a time (the
-// extra query loads of several cost more than the shared key loads save).
-inline void block(UpdateFn up, const float* q, const float* kc, const float* vc, int64_t p, int n, int64_t h,
-                  int64_t q_ld, int64_t Hq, int64_t g, int64_t D, int64_t ld, float scale, const int64_t* rows,
-                  int64_t nr, int64_t first, float* m, float* l, float* acc) {
-    const float* K = kc + p * ld + h * D;
-    const float* V = vc + p * ld + h * D;
+// All the (row, query head) pairs of one KV head h against `n` keys from arena position p.
+template <class T>
+inline void block(const UpdateFn<T>* up, int64_t MQ, const float* q, const T* kc, const T* vc, int64_t p, int n,
+                  int64_t h, int64_t q_ld, int64_t Hq, int64_t g, int64_t D, int64_t ld, float scale,
+                  const int64_t* rows, int64_t nr, int64_t first, float* m, float* l, float* acc) {
+    const T* K = kc + p * ld + h * D;
+    const T* V = vc + p * ld + h * D;
     for (int64_t r = 0; r < nr; r++) {
         const float* qr = q + rows[r] * q_ld + h * g * D;
-        for (int64_t j = 0; j < g; j++) {
+        for (int64_t j = 0; j < g;) {
             const int64_t x = (first + r) * Hq + h * g + j;
-            up(qr + j * D, K, V, ld, n, scale, m + x, l + x, acc + x * D);
+            const int nq = (int)std::min<int64_t>(g - j, MQ);
+            up[nq](qr + j * D, D, K, V, ld, n, scale, m + x, l + x, acc + x * D);
+            j += nq;
         }
     }
 }
@@ -259,7 +336,7 @@ inline void block(UpdateFn up, const float* q, const float* kc, const float* vc,
 // same whatever NQ). qprep: every row's query heads prepared (`prepare_query`), Dp apart.
 template <int NQ>
 inline void queries_bf16(const bf16attn::Block& blk, const uint16_t* const* qs, float* const* accs, int n,
-                         int64_t Dp, int64_t DA, float scale, float* const* ms, float* const* ls) {
+                         int64_t Dp, int64_t D, float scale, float* const* ms, float* const* ls) {
     alignas(64) float s[NQ * KB];
     alignas(64) uint16_t pw[NQ][KB];
     const uint16_t* ps[NQ];
@@ -270,14 +347,14 @@ inline void queries_bf16(const bf16attn::Block& blk, const uint16_t* const* qs, 
         bf16attn::prepare_weights(s + u * KB, pw[u]);
         ps[u] = pw[u];
     }
-    bf16attn::accumulate<NQ>(accs, corr, ps, blk, DA);
+    bf16attn::accumulate<NQ>(accs, corr, ps, blk, D);
 }
 
 inline void block_bf16(bf16attn::Block& blk, const uint16_t* kc, const uint16_t* vc, int64_t p, int n, int64_t h,
                        const uint16_t* qprep, int64_t Hq, int64_t g, int64_t D, int64_t ld, float scale,
                        const int64_t* rows, int64_t nr, int64_t first, float* m, float* l, float* acc) {
     blk.prepare(kc + p * ld + h * D, vc + p * ld + h * D, ld, n, D);
-    const int64_t Dp = bf16attn::padded(D), DA = bf16attn::acc_stride(D);
+    const int64_t Dp = bf16attn::padded(D);
     constexpr int NQ = bf16attn::L == 16 ? 4 : 1;
     const int64_t total = nr * g;
     for (int64_t t0 = 0; t0 < total; t0 += NQ) {
@@ -287,15 +364,15 @@ inline void block_bf16(bf16attn::Block& blk, const uint16_t* kc, const uint16_t*
         for (int u = 0; u < nq; u++) {
             const int64_t r = (t0 + u) / g, j = (t0 + u) % g, x = (first + r) * Hq + h * g + j;
             qs[u] = qprep + (rows[r] * Hq + h * g + j) * Dp;
-            accs[u] = acc + x * DA;
+            accs[u] = acc + x * D;
             ms[u] = m + x;
             ls[u] = l + x;
         }
         switch (nq) {
-            case 1: queries_bf16<1>(blk, qs, accs, n, Dp, DA, scale, ms, ls); break;
-            case 2: queries_bf16<2>(blk, qs, accs, n, Dp, DA, scale, ms, ls); break;
-            case 3: queries_bf16<3>(blk, qs, accs, n, Dp, DA, scale, ms, ls); break;
-            default: queries_bf16<4>(blk, qs, accs, n, Dp, DA, scale, ms, ls); break;
+            case 1: queries_bf16<1>(blk, qs, accs, n, Dp, D, scale, ms, ls); break;
+            case 2: queries_bf16<2>(blk, qs, accs, n, Dp, D, scale, ms, ls); break;
+            case 3: queries_bf16<3>(blk, qs, accs, n, Dp, D, scale, ms, ls); break;
+            default: queries_bf16<4>(blk, qs, accs, n, Dp, D, scale, ms, ls); break;
         }
     }
 }
@@ -304,8 +381,14 @@ template <class T>
 int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t* seg, const int64_t* group_ptr,
            const int64_t* order, int64_t n_groups, int64_t Hq, int64_t Hkv, int64_t D, float scale, int threads,
            const float* knew, const float* vnew, int64_t kv_ld, const int64_t* write, int64_t B) {
-    const UpdateFn up = pick(D);  // a float32 arena's; a bfloat16 one's: attention_bf16.h
-    if (up == nullptr) return -1;
+    // A row's own run is read by its query heads only: a bfloat16 arena's are updated up to 4
+    // at a time (each key and value widened once for all of them: 1.3-1.45x less time on the
+    // RL shape, bench/bench_attention.py); a float32 arena has nothing to widen, and there
+    // the extra query loads cost more than the shared key loads save: one at a time.
+    constexpr int64_t MQ = sizeof(T) == 2 ? 4 : 1;
+    UpdateFn<T> up[MQ + 1] = {};  // up[nq]: nq query heads at a time
+    for (int nq = 1; nq <= MQ; nq++) up[nq] = pick<T>(D, nq);
+    if (up[1] == nullptr) return -1;
     const int64_t g = Hq / Hkv, ld = Hkv * D;
     if (knew != nullptr) {
         for (int64_t b = 0; b < B; b++) {
@@ -313,10 +396,13 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
             store_row(vc + write[b] * ld, vnew + b * kv_ld, ld);
         }
     }
-    // A bfloat16 arena's products take bfloat16 queries: every row's, rounded once for all
-    // the blocks that read them.
+    // A bfloat16 arena's prompt runs, read by every row of a group, take bfloat16 products
+    // (attention_bf16.h), with bfloat16 queries: every row's, rounded once for all the blocks
+    // that read them. (Arranging a block costs about what 3 queries' products save, so a
+    // row's own run keeps float32 products of the widened keys and values: a row's own run
+    // and its prompt run are each read the same way whatever the group.)
     constexpr bool bf16 = sizeof(T) == 2;
-    const int64_t Dp = bf16attn::padded(D), DA = bf16 ? bf16attn::acc_stride(D) : D;
+    const int64_t Dp = bf16attn::padded(D);
     std::vector<uint16_t> qprep(bf16 ? B * Hq * Dp : 0);
 #pragma omp parallel num_threads(threads)
     {
@@ -330,42 +416,42 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
                 for (int64_t j = 0; j < Hq; j++)
                     bf16attn::prepare_query(q + b * q_ld + j * D, D, qprep.data() + (b * Hq + j) * Dp);
         }
-        // All the (row, query head) pairs of KV head h of rows[0 .. nr) (state index
-        // first + r) against `n` keys from arena position p.
-        auto attend_block = [&](int64_t p, int n, int64_t h, const int64_t* rows, int64_t nr, int64_t first, float* m,
-                                float* l, float* acc) {
-            if constexpr (bf16)
-                block_bf16(*blk, kc, vc, p, n, h, qprep.data(), Hq, g, D, ld, scale, rows, nr, first, m, l, acc);
-            else
-                block(up, q, kc, vc, p, n, h, q_ld, Hq, g, D, ld, scale, rows, nr, first, m, l, acc);
-        };
         std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t gi = 0; gi < n_groups; gi++) {
             const int64_t* rows = order + group_ptr[gi];
             const int64_t nr = group_ptr[gi + 1] - group_ptr[gi];
             const int64_t nq = nr * Hq;  // (row, query head) states
-            buf.assign(nq * (DA + 2), 0.f);
+            buf.assign(nq * (D + 2), 0.f);
             float *m = buf.data(), *l = m + nq, *acc = l + nq;
             std::fill(m, m + nq, -INFINITY);
             const int64_t* s0 = seg + rows[0] * 4;  // the group's shared prompt run
             for (int64_t a = 0; a < s0[1]; a += KB) {
                 const int n = (int)std::min<int64_t>(KB, s0[1] - a);
                 stream_in(kc, vc, s0[0] + a, n, ld);
-                for (int64_t h = 0; h < Hkv; h++) attend_block(s0[0] + a, n, h, rows, nr, 0, m, l, acc);
+                for (int64_t h = 0; h < Hkv; h++) {
+                    if constexpr (bf16)
+                        block_bf16(*blk, kc, vc, s0[0] + a, n, h, qprep.data(), Hq, g, D, ld, scale, rows, nr, 0, m,
+                                   l, acc);
+                    else
+                        block<T>(up, MQ, q, kc, vc, s0[0] + a, n, h, q_ld, Hq, g, D, ld, scale, rows, nr, 0, m,
+                                 l, acc);
+                }
             }
             for (int64_t r = 0; r < nr; r++) {  // each row's own run, then its output
                 const int64_t* s = seg + rows[r] * 4;
                 for (int64_t a = 0; a < s[3]; a += KB) {
                     const int n = (int)std::min<int64_t>(KB, s[3] - a);
                     stream_in(kc, vc, s[2] + a, n, ld);
-                    for (int64_t h = 0; h < Hkv; h++) attend_block(s[2] + a, n, h, rows + r, 1, r, m, l, acc);
+                    for (int64_t h = 0; h < Hkv; h++)
+                        block<T>(up, MQ, q, kc, vc, s[2] + a, n, h, q_ld, Hq, g, D, ld, scale, rows + r, 1, r, m,
+                                 l, acc);
                 }
                 for (int64_t j = 0; j < Hq; j++) {
                     const int64_t x = r * Hq + j;
                     float* o = out + (rows[r] * Hq + j) * D;
                     const float inv = l[x] > 0.f ? 1.f / l[x] : 0.f;
-                    for (int64_t d = 0; d < D; d++) o[d] = acc[x * DA + d] * inv;
+                    for (int64_t d = 0; d < D; d++) o[d] = acc[x * D + d] * inv;
                 }
             }
         }
@@ -379,7 +465,7 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
 extern "C" {
 
 // 1 when head_dim D is supported, else 0.
-int batchgen_decode_attention_supports(int64_t D) { return pick(D) != nullptr; }
+int batchgen_decode_attention_supports(int64_t D) { return pick<float>(D, 1) != nullptr; }
 
 // See the file comment. q: row b's query heads at q + b * q_ld (Hq x D contiguous). kv_bf16:
 // 0 when kc, vc are float32, 1 when bfloat16. When knew is not null, first stores this
