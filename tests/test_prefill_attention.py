@@ -173,3 +173,33 @@ def test_every_isa_gives_the_same_bits(dtype, D):
     decodes = [native_kernels(isa).decode_attention(q[:2, 0], kc, vc, seg, torch.tensor([0, 2]), torch.arange(2), 2)
                for isa in supported_isas()]
     assert all(torch.equal(o, decodes[0]) for o in decodes)
+
+
+def test_prompt_blocks_on_emulated_amx_tiles_give_the_same_bits():
+    """Decode attention over a bfloat16 arena's prompt blocks on AMX tiles (the
+    BATCHGEN_AMX_EMULATE build: tile instructions computed as the hardware computes them)
+    gives the avx512_bf16 build's bits: whole and short blocks, head sizes with and without
+    a partial block of 32, groups of 1 to 20 rows (query tiles full and partial), 1 or 2
+    threads. On an AMX machine the tiles themselves run in
+    tests/test_gemm.py::test_engine_in_bfloat16_is_the_same_bits_on_amx."""
+    import ctypes
+
+    from engine.kernels import build as B, native as N
+    if "avx512_bf16" not in supported_isas():
+        pytest.skip(f"the emulated AMX build is an avx512_bf16 one; this CPU runs {supported_isas()}")
+    path = B.build_library("avx512_bf16", extra_flags=("-DBATCHGEN_AMX_EMULATE",))
+    tiles = N.NativeKernels(ctypes.CDLL(str(path)), "amx", path, "swapped")
+    ref = native_kernels("avx512_bf16")
+    for D, sizes, plen in [(64, [16, 1, 3], 77), (24, [5, 20], 64), (80, [2, 7], 33), (128, [4], 32)]:
+        B_ = sum(sizes)
+        q, kc, vc = bf16_arena(B_, 9, 3, D, 600 + 40 * B_, seed=D)
+        seg, order, ptr, pos = [], [], [0], 300
+        for gi, n in enumerate(sizes):
+            for _ in range(n):
+                seg.append([100 * gi, plen, pos, 5 + len(seg)])
+                pos += 40
+                order.append(len(seg) - 1)
+            ptr.append(len(order))
+        args = (q, kc, vc, torch.tensor(seg), torch.tensor(ptr), torch.tensor(order))
+        for threads in (1, 2):
+            assert torch.equal(tiles.decode_attention(*args, threads), ref.decode_attention(*args, threads)), (D, sizes)

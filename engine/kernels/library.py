@@ -102,7 +102,7 @@ class NativeKernels:
         self.native_bf16 = bool(lib.batchgen_gemm_native_bf16())
         self._attention = lib.batchgen_decode_attention
         self._attention.argtypes = [_p, _i64, _p, _p, _int, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _f32, _int,
-                                    _p, _p, _i64, _p, _i64]
+                                    _p, _p, _i64, _p, _i64, _int]
         self._attention.restype = _int
         self._prefill = lib.batchgen_prefill_attention
         self._prefill.argtypes = [_p, _i64, _i64, _p, _p, _int, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _p,
@@ -189,8 +189,9 @@ class NativeKernels:
 
         q: (B, Hq, D) float32 whose last two dims are contiguous (rows may be strided, as
         the q part of a fused qkv projection is); kc, vc: one layer's contiguous (positions,
-        Hkv, D) arena, float32 or bfloat16 (each key and value widened to float32 as read);
-        seg (B, 4) int64 rows of (prompt start, prompt length, own start, own length) in
+        Hkv, D) arena, float32 or bfloat16 (a bfloat16 arena's prompt runs take bfloat16
+        products: csrc/attention_bf16.h, on AMX tiles where this library's `amx_order` is
+        set; its own runs are widened to float32 as read); seg (B, 4) int64 rows of (prompt start, prompt length, own start, own length) in
         arena positions, every run inside the arena; group_ptr (G + 1,) and order (B,)
         int64: group i is rows order[group_ptr[i]:group_ptr[i + 1]], which share their
         prompt run. new_kv: (k, v, write), this step's keys and values (B, Hkv, D) float32
@@ -207,7 +208,7 @@ class NativeKernels:
                    vc.data_ptr(), int(kc.dtype == torch.bfloat16), out.data_ptr(), seg.data_ptr(),
                    group_ptr.data_ptr(), order.data_ptr(),
                    group_ptr.numel() - 1, Hq, kc.shape[1], D, D ** -0.5, threads, _ptr(k), _ptr(v), kv_ld,
-                   _ptr(write), B)
+                   _ptr(write), B, int(self.amx_order is not None))
         if rc != 0:
             raise ValueError(f"decode attention kernel: head_dim {D} is not supported")
         return out

@@ -377,10 +377,44 @@ inline void block_bf16(bf16attn::Block& blk, const uint16_t* kc, const uint16_t*
     }
 }
 
+#if defined(BATCHGEN_HAVE_TILES)
+// block_bf16 on AMX tiles: the group's query heads of KV head h (prepared once per group as
+// `qt`, state index order) 16 at a time, the same bits.
+inline void block_tiles(bf16attn::tiles::BlockTiles& bt, const bf16attn::tiles::QueryTiles& qt, const uint16_t* kc,
+                        const uint16_t* vc, int64_t p, int n, int64_t h, int64_t Hq, int64_t g, int64_t D, int64_t ld,
+                        float scale, int64_t nr, float* m, float* l, float* acc) {
+    namespace tl = bf16attn::tiles;
+    bt.prepare(kc + p * ld + h * D, vc + p * ld + h * D, ld, n, D);
+    const int64_t total = nr * g;
+    for (int64_t t = 0; t < qt.nt; t++) {
+        const int nq = (int)std::min<int64_t>(tl::TQ, total - t * tl::TQ);
+        alignas(64) float s[tl::TQ * KB];
+        float *accs[tl::TQ], *ms[tl::TQ], *ls[tl::TQ], corr[tl::TQ];
+        for (int u = 0; u < nq; u++) {
+            const int64_t r = (t * tl::TQ + u) / g, j = (t * tl::TQ + u) % g, x = r * Hq + h * g + j;
+            accs[u] = acc + x * D;
+            ms[u] = m + x;
+            ls[u] = l + x;
+        }
+        tl::scores(qt, t, nq, bt, scale, s);
+        for (int u = 0; u < nq; u += 4) {
+            float* su = s + u * KB;
+            switch (std::min(4, nq - u)) {
+                case 1: bf16attn::softmax_steps<1>(su, n, ms + u, ls + u, corr + u); break;
+                case 2: bf16attn::softmax_steps<2>(su, n, ms + u, ls + u, corr + u); break;
+                case 3: bf16attn::softmax_steps<3>(su, n, ms + u, ls + u, corr + u); break;
+                default: bf16attn::softmax_steps<4>(su, n, ms + u, ls + u, corr + u); break;
+            }
+        }
+        tl::accumulate(accs, corr, s, nq, bt, D);
+    }
+}
+#endif
+
 template <class T>
 int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t* seg, const int64_t* group_ptr,
            const int64_t* order, int64_t n_groups, int64_t Hq, int64_t Hkv, int64_t D, float scale, int threads,
-           const float* knew, const float* vnew, int64_t kv_ld, const int64_t* write, int64_t B) {
+           const float* knew, const float* vnew, int64_t kv_ld, const int64_t* write, int64_t B, int tiles) {
     // A row's own run is read by its query heads only: a bfloat16 arena's are updated up to 4
     // at a time (each key and value widened once for all of them: 1.3-1.45x less time on the
     // RL shape, bench/bench_attention.py); a float32 arena has nothing to widen, and there
@@ -416,7 +450,23 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
                 for (int64_t j = 0; j < Hq; j++)
                     bf16attn::prepare_query(q + b * q_ld + j * D, D, qprep.data() + (b * Hq + j) * Dp);
         }
+#if defined(BATCHGEN_HAVE_TILES)
+        // AMX tiles for the prompt blocks: per thread, the tile configuration (released at
+        // the end), a block's tiles and each KV head's query tiles.
+        const bool use_tiles = bf16 && tiles != 0;
+        std::unique_ptr<bf16attn::tiles::BlockTiles> bt;
+        std::vector<bf16attn::tiles::QueryTiles> qts;
+        if (use_tiles) {
+            const batchgen::amx::TileConfig cfg = batchgen::amx::tile_config();
+            BG_TILE_CONFIG(&cfg);
+            bt = std::make_unique<bf16attn::tiles::BlockTiles>();
+            qts.resize(Hkv);
+        }
+#else
+        (void)tiles;
+#endif
         std::vector<float> buf;
+        std::vector<const float*> qh;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t gi = 0; gi < n_groups; gi++) {
             const int64_t* rows = order + group_ptr[gi];
@@ -426,10 +476,26 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
             float *m = buf.data(), *l = m + nq, *acc = l + nq;
             std::fill(m, m + nq, -INFINITY);
             const int64_t* s0 = seg + rows[0] * 4;  // the group's shared prompt run
+#if defined(BATCHGEN_HAVE_TILES)
+            if (use_tiles && s0[1] > 0)
+                for (int64_t h = 0; h < Hkv; h++) {  // KV head h's queries in state order
+                    qh.clear();
+                    for (int64_t r = 0; r < nr; r++)
+                        for (int64_t j = 0; j < g; j++) qh.push_back(q + rows[r] * q_ld + (h * g + j) * D);
+                    qts[h].prepare(qh.data(), (int64_t)qh.size(), D);
+                }
+#endif
             for (int64_t a = 0; a < s0[1]; a += KB) {
                 const int n = (int)std::min<int64_t>(KB, s0[1] - a);
                 stream_in(kc, vc, s0[0] + a, n, ld);
                 for (int64_t h = 0; h < Hkv; h++) {
+#if defined(BATCHGEN_HAVE_TILES)
+                    if (use_tiles) {
+                        block_tiles(*bt, qts[h], (const uint16_t*)kc, (const uint16_t*)vc, s0[0] + a, n, h, Hq, g, D,
+                                    ld, scale, nr, m, l, acc);
+                        continue;
+                    }
+#endif
                     if constexpr (bf16)
                         block_bf16(*blk, kc, vc, s0[0] + a, n, h, qprep.data(), Hq, g, D, ld, scale, rows, nr, 0, m,
                                    l, acc);
@@ -455,6 +521,9 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
                 }
             }
         }
+#if defined(BATCHGEN_HAVE_TILES)
+        if (use_tiles) BG_TILE_RELEASE();
+#endif
         _mm_setcsr(csr);
     }
     return 0;
@@ -471,16 +540,18 @@ int batchgen_decode_attention_supports(int64_t D) { return pick<float>(D, 1) != 
 // 0 when kc, vc are float32, 1 when bfloat16. When knew is not null, first stores this
 // step's keys and values (float32): row b's knew + b * kv_ld and vnew + b * kv_ld (Hkv x D
 // each) at arena position write[b] (b < B), which the caller puts inside the row's own run.
-// Returns 0, or -1 for an unsupported D (nothing written).
+// tiles: 1 to run a bfloat16 arena's prompt blocks on AMX tiles (the caller verified them and
+// Linux granted the tile state; ignored by builds without AMX). Returns 0, or -1 for an
+// unsupported D (nothing written).
 int batchgen_decode_attention(const float* q, int64_t q_ld, void* kc, void* vc, int kv_bf16, float* out,
                               const int64_t* seg, const int64_t* group_ptr, const int64_t* order, int64_t n_groups,
                               int64_t Hq, int64_t Hkv, int64_t D, float scale, int threads, const float* knew,
-                              const float* vnew, int64_t kv_ld, const int64_t* write, int64_t B) {
+                              const float* vnew, int64_t kv_ld, const int64_t* write, int64_t B, int tiles) {
     if (kv_bf16)
         return attend<uint16_t>(q, q_ld, (uint16_t*)kc, (uint16_t*)vc, out, seg, group_ptr, order, n_groups, Hq, Hkv,
-                                D, scale, threads, knew, vnew, kv_ld, write, B);
+                                D, scale, threads, knew, vnew, kv_ld, write, B, tiles);
     return attend<float>(q, q_ld, (float*)kc, (float*)vc, out, seg, group_ptr, order, n_groups, Hq, Hkv, D, scale,
-                         threads, knew, vnew, kv_ld, write, B);
+                         threads, knew, vnew, kv_ld, write, B, tiles);
 }
 
 }  // extern "C"
