@@ -61,29 +61,7 @@ constexpr int DMAX = 256;    // largest head size
 constexpr uint16_t NEG_ZERO = 0x8000;
 constexpr unsigned MXCSR_FTZ_DAZ = 0x8040u;
 
-#if defined(__AVX512F__)
-using vf = __m512;
-constexpr int L = 16;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vload(const float* p) { return _mm512_load_ps(p); }
-inline vf vloadu(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstoreu(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline vf vset(float x) { return _mm512_set1_ps(x); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-#else
-using vf = __m256;
-constexpr int L = 8;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vload(const float* p) { return _mm256_load_ps(p); }
-inline vf vloadu(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstoreu(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline vf vset(float x) { return _mm256_set1_ps(x); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-#endif
+using namespace batchgen::vec;
 
 #if defined(__AVX512BF16__)
 constexpr bool kNative = true;
@@ -293,7 +271,7 @@ inline void scores(const uint16_t* const* q, int64_t Dp, const Block& b, float s
     }
     const vf sv = vset(scale);
     for (int qi = 0; qi < NQ; qi++)
-        for (int h = 0; h < NK; h++) vstoreu(s + qi * KB + L * h, vmul(S[qi][h], sv));
+        for (int h = 0; h < NK; h++) vstore(s + qi * KB + L * h, vmul(S[qi][h], sv));
 }
 
 // The online-softmax step of NQ queries over a block's n <= KB scores (s + qi * KB, 64-byte
@@ -386,7 +364,7 @@ inline void accumulate(float* const* acc, const float* corr, const uint16_t* con
                 float* a = acc[qi] + d0 + L * c;
                 const int64_t cols = D - (d0 + L * c);  // < L only for AVX-512's half vector
                 if (cols >= L) {
-                    vstoreu(a, vadd(vmul(vloadu(a), vset(corr[qi])), vadd(e[qi][c], o[qi][c])));
+                    vstore(a, vadd(vmul(vload(a), vset(corr[qi])), vadd(e[qi][c], o[qi][c])));
                 } else {
 #if defined(__AVX512F__)
                     const __mmask16 k = (__mmask16)((1u << cols) - 1);

@@ -56,35 +56,12 @@ namespace {
 using batchgen::f32_to_bf16;
 
 // ---------------------------------------------------------------- vectors of one ISA
+using namespace batchgen::vec;
 #if defined(__AVX512F__)
-using vf = __m512;
-using vi = __m512i;
-constexpr int L = 16;  // float lanes
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline vf vset(float x) { return _mm512_set1_ps(x); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline vi viload(const void* p) { return _mm512_loadu_si512(p); }
-inline vf vlo16(vi p) { return _mm512_castsi512_ps(_mm512_slli_epi32(p, 16)); }  // bf16 in the low half
-inline vf vhi16(vi p) { return _mm512_castsi512_ps(_mm512_and_si512(p, _mm512_set1_epi32((int)0xffff0000u))); }
 constexpr int MR_F32 = 8, NV_F32 = 3;      // 8 x 48 tile: 24 accumulators of 32 registers
 constexpr int MR_BF16 = 3, NV_BF16 = 3;    // bf16: the running sum and two partial sums: 27 registers
 constexpr int MR_EMU = 4, NV_EMU = 2;      // emulated bf16: 8 sums, 16 partial sums, 4 weight vectors
 #else
-using vf = __m256;
-using vi = __m256i;
-constexpr int L = 8;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline vf vset(float x) { return _mm256_set1_ps(x); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline vi viload(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
-inline vf vlo16(vi p) { return _mm256_castsi256_ps(_mm256_slli_epi32(p, 16)); }
-inline vf vhi16(vi p) { return _mm256_castsi256_ps(_mm256_and_si256(p, _mm256_set1_epi32((int)0xffff0000u))); }
 constexpr int MR_F32 = 4, NV_F32 = 3;      // 4 x 24 tile: 12 accumulators of 16 registers
 constexpr int MR_BF16 = 4, NV_BF16 = 2;    // (bf16 on AVX2 is always emulated)
 constexpr int MR_EMU = 2, NV_EMU = 2;      // 8 partial sums, 4 weight vectors, 2 broadcasts

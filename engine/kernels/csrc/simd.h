@@ -98,4 +98,38 @@ inline void store_part(float* p, __m256 v, int64_t n) {
     for (int64_t i = 0; i < n; i++) p[i] = b[i];
 }
 
+// One ISA's float vector for kernels written once for both widths (gemm.cpp, attention_bf16.h):
+// 16 lanes with AVX-512, 8 with AVX2; loads and stores unaligned.
+namespace vec {
+#if defined(__AVX512F__)
+using vf = __m512;
+using vi = __m512i;
+constexpr int L = 16;  // float lanes
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vi viload(const void* p) { return _mm512_loadu_si512(p); }
+inline vf vlo16(vi p) { return _mm512_castsi512_ps(_mm512_slli_epi32(p, 16)); }  // bf16 in the low half
+inline vf vhi16(vi p) { return _mm512_castsi512_ps(_mm512_and_si512(p, _mm512_set1_epi32((int)0xffff0000u))); }
+#else
+using vf = __m256;
+using vi = __m256i;
+constexpr int L = 8;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vi viload(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline vf vlo16(vi p) { return _mm256_castsi256_ps(_mm256_slli_epi32(p, 16)); }
+inline vf vhi16(vi p) { return _mm256_castsi256_ps(_mm256_and_si256(p, _mm256_set1_epi32((int)0xffff0000u))); }
+#endif
+}  // namespace vec
+
 }  // namespace batchgen
