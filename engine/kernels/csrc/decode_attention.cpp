@@ -25,8 +25,10 @@
 // in two (`partials8`), and each output element is one fused multiply-add chain over the
 // keys (`accumulate`), whatever the vector width. A bfloat16 arena's products take bfloat16
 // operands in the order of an AMX tile multiply, a lane per key or output element
-// (attention_bf16.h: vdpbf16ps where the CPU has it, fused multiply-adds elsewhere).
+// (attention_bf16.h: vdpbf16ps where the CPU has it, fused multiply-adds elsewhere; on AMX
+// tiles where verified, attention_tiles.h).
 #include "attention_bf16.h"
+#include "attention_tiles.h"
 #include "simd.h"
 
 #include <algorithm>
