@@ -56,8 +56,6 @@ using batchgen::hsum8;
 
 constexpr int KB = 32;       // keys per block: decode_attention.cpp's
 constexpr int DMAX = 256;    // largest head size
-constexpr uint16_t NEG_ZERO = 0x8000;
-constexpr unsigned MXCSR_FTZ_DAZ = 0x8040u;
 
 using namespace batchgen::vec;
 
@@ -70,18 +68,7 @@ constexpr bool kNative = false;
 constexpr int NK = KB / L;  // vectors per block of keys
 
 inline int64_t padded(int64_t D) { return (D + 31) / 32 * 32; }   // a head's elements in whole blocks of 32
-inline int64_t acc_stride(int64_t D) { return (D + 15) / 16 * 16; }  // a block's value columns (whole vectors)
-
-inline float widen(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-// Within a block of 32, the element of pair s (0..15), half h (0: vdpbf16ps's element 0, 1:
-// its element 1, which it adds first) in the vdpbf16ps arrangement: gemm.cpp's `pair_k`.
-constexpr int pair_k(int s, int half) { return 4 * (s % 8) + s / 8 + (half == 0 ? 2 : 0); }
+inline int64_t value_cols(int64_t D) { return (D + 15) / 16 * 16; }  // a block's value columns (whole vectors)
 
 // 32 bfloat16 values in the order of `pair_k` (a plain copy without vdpbf16ps).
 inline void arrange32(const uint16_t* in, uint16_t* out) {
@@ -102,8 +89,8 @@ struct ArrangeTable {
     alignas(64) uint16_t idx[32];
     constexpr ArrangeTable() : idx() {
         for (int s = 0; s < 16; s++) {
-            idx[2 * s] = (uint16_t)(4 * (s % 8) + s / 8 + 2);
-            idx[2 * s + 1] = (uint16_t)(4 * (s % 8) + s / 8);
+            idx[2 * s] = (uint16_t)pair_k(s, 0);
+            idx[2 * s + 1] = (uint16_t)pair_k(s, 1);
         }
     }
 };
@@ -184,11 +171,11 @@ struct Block {
 
     // K[i * ld + d], V[i * ld + d]: the block's keys and values of one head, D elements.
     void prepare(const uint16_t* K, const uint16_t* V, int64_t ld, int n, int64_t D) {
-        const int64_t Dp = padded(D), Dv = acc_stride(D);
+        const int64_t Dp = padded(D), Dv = value_cols(D);
 #if defined(__AVX512BF16__)
         // Keys: each key's block of 32 elements arranged in one vpermw (padded with -0 past
         // D), 16 keys' pairs transposed to a lane per key.
-        const __m512i idx = arrange_index(), nz = _mm512_set1_epi16((short)NEG_ZERO);
+        const __m512i idx = arrange_index(), nz = _mm512_set1_epi16((short)BF16_NEG_ZERO);
         for (int64_t c = 0; c < Dp; c += 32) {
             const __mmask32 in = D - c >= 32 ? ~0u : (1u << (D - c)) - 1;
             for (int h = 0; h < NK; h++) {
@@ -208,18 +195,18 @@ struct Block {
             const int i0 = pair_k(s, 0), i1 = pair_k(s, 1);
             for (int64_t d = 0; d < Dv; d += 16) {
                 const __mmask16 in = D - d >= 16 ? 0xffff : (__mmask16)((1u << (D - d)) - 1);
-                const __m512i lo = i0 >= n ? _mm512_set1_epi32(NEG_ZERO)
+                const __m512i lo = i0 >= n ? _mm512_set1_epi32(BF16_NEG_ZERO)
                                            : _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, V + i0 * ld + d));
-                const __m512i hi = i1 >= n ? _mm512_set1_epi32(NEG_ZERO)
+                const __m512i hi = i1 >= n ? _mm512_set1_epi32(BF16_NEG_ZERO)
                                            : _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, V + i1 * ld + d));
                 _mm512_store_si512(&vp[s][d], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
             }
         }
 #else
         for (int64_t d = 0; d < Dp; d++)
-            for (int i = 0; i < KB; i++) kt[d][i] = i >= n ? 0.f : d < D ? widen(K[i * ld + d]) : -0.f;
+            for (int i = 0; i < KB; i++) kt[d][i] = i >= n ? 0.f : d < D ? bf16_to_f32(K[i * ld + d]) : -0.f;
         for (int i = 0; i < KB; i++)
-            for (int64_t d = 0; d < Dv; d++) vt[i][d] = i >= n ? -0.f : d < D ? widen(V[i * ld + d]) : 0.f;
+            for (int64_t d = 0; d < Dv; d++) vt[i][d] = i >= n ? -0.f : d < D ? bf16_to_f32(V[i * ld + d]) : 0.f;
 #endif
     }
 };
@@ -256,7 +243,7 @@ inline void scores(const uint16_t* const* q, int64_t Dp, const Block& b, float s
         for (int j = 0; j < 16; j++) {
             const int64_t d = c + 2 * j;
             for (int qi = 0; qi < NQ; qi++) {
-                const vf ae = vset(widen(q[qi][d])), ao = vset(widen(q[qi][d + 1]));
+                const vf ae = vset(bf16_to_f32(q[qi][d])), ao = vset(bf16_to_f32(q[qi][d + 1]));
                 for (int h = 0; h < NK; h++) {
                     e[qi][h] = vfma(ae, vload(&b.kt[d][L * h]), e[qi][h]);
                     o[qi][h] = vfma(ao, vload(&b.kt[d + 1][L * h]), o[qi][h]);
@@ -326,10 +313,10 @@ inline void prepare_weights(const float* s, uint16_t* out) {
 }
 
 // acc[qi][d] = acc[qi][d] * corr[qi] + the block's p v, d < D, for NQ queries whose weights
-// p[qi] were prepared (the block's columns past D, up to acc_stride, are computed and dropped).
+// p[qi] were prepared (the block's columns past D, up to value_cols, are computed and dropped).
 template <int NQ>
 inline void accumulate(float* const* acc, const float* corr, const uint16_t* const* p, const Block& b, int64_t D) {
-    const int64_t Dv = acc_stride(D);
+    const int64_t Dv = value_cols(D);
     constexpr int CB = L == 16 ? (NQ == 1 ? 4 : 2) : (NQ == 1 ? 2 : 1);  // column vectors per pass
     for (int64_t d0 = 0; d0 < Dv; d0 += CB * L) {
         const int nc = (int)std::min<int64_t>(CB, (Dv - d0) / L);
@@ -350,7 +337,7 @@ inline void accumulate(float* const* acc, const float* corr, const uint16_t* con
 #else
         for (int j = 0; j < KB / 2; j++)
             for (int qi = 0; qi < NQ; qi++) {
-                const vf ae = vset(widen(p[qi][2 * j])), ao = vset(widen(p[qi][2 * j + 1]));
+                const vf ae = vset(bf16_to_f32(p[qi][2 * j])), ao = vset(bf16_to_f32(p[qi][2 * j + 1]));
                 for (int c = 0; c < nc; c++) {
                     e[qi][c] = vfma(ae, vload(&b.vt[2 * j][d0 + L * c]), e[qi][c]);
                     o[qi][c] = vfma(ao, vload(&b.vt[2 * j + 1][d0 + L * c]), o[qi][c]);

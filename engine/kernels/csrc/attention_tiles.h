@@ -65,17 +65,17 @@ struct BlockTiles {
             kstride = ld * 2;
         } else {
             for (int i = 0; i < KB; i++)
-                for (int64_t d = 0; d < Dp; d++) k[i][d] = i >= n ? 0 : d < D ? K[i * ld + d] : NEG_ZERO;
+                for (int64_t d = 0; d < Dp; d++) k[i][d] = i >= n ? 0 : d < D ? K[i * ld + d] : BF16_NEG_ZERO;
             keys = &k[0][0];
             kstride = DMAX * 2;
         }
-        for (int64_t t = 0; t < acc_stride(D) / 16; t++) {
+        for (int64_t t = 0; t < value_cols(D) / 16; t++) {
             const __mmask16 in = (__mmask16)((1u << std::min<int64_t>(16, D - 16 * t)) - 1);
             for (int j = 0; j < 16; j++) {
-                const __m512i lo = 2 * j >= n ? _mm512_set1_epi32(NEG_ZERO)
+                const __m512i lo = 2 * j >= n ? _mm512_set1_epi32(BF16_NEG_ZERO)
                                               : _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, V + 2 * j * ld + 16 * t));
                 const __m512i hi = 2 * j + 1 >= n
-                                       ? _mm512_set1_epi32(NEG_ZERO)
+                                       ? _mm512_set1_epi32(BF16_NEG_ZERO)
                                        : _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, V + (2 * j + 1) * ld + 16 * t));
                 _mm512_store_si512(v[t][j], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
             }
@@ -111,7 +111,7 @@ inline void scores(const QueryTiles& qt, int64_t t, int nq, const BlockTiles& b,
 // acc[u][0, D) = acc[u] * corr[u] + the block's p v for the tile's nq queries, whose weights
 // are s[u * KB, u * KB + KB) (after the softmax step).
 inline void accumulate(float* const* acc, const float* corr, const float* s, int nq, const BlockTiles& b, int64_t D) {
-    const int64_t Dv = acc_stride(D);
+    const int64_t Dv = value_cols(D);
     alignas(64) uint16_t p[TQ][KB];
     alignas(64) float c[TQ][DMAX];
     for (int u = 0; u < TQ; u++) {  // rows past nq: zeros

@@ -445,7 +445,7 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
         const unsigned csr = _mm_getcsr();
         std::unique_ptr<bf16attn::Block> blk;
         if constexpr (bf16) {
-            _mm_setcsr(csr | bf16attn::MXCSR_FTZ_DAZ);  // per thread: the whole bf16 sequence flushes
+            _mm_setcsr(csr | batchgen::MXCSR_FTZ_DAZ);  // per thread: the whole bf16 sequence flushes
             blk = std::make_unique<bf16attn::Block>();
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < B; b++)

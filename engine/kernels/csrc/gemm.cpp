@@ -54,6 +54,10 @@
 namespace {
 
 using batchgen::f32_to_bf16;
+using batchgen::bf16_to_f32;
+using batchgen::BF16_NEG_ZERO;
+using batchgen::MXCSR_FTZ_DAZ;
+using batchgen::pair_k;
 
 // ---------------------------------------------------------------- vectors of one ISA
 using namespace batchgen::vec;
@@ -77,28 +81,11 @@ constexpr int NR_F32 = NV_F32 * L;
 constexpr int NR_BF16 = kNativeBf16 ? NV_BF16 * L : NV_EMU * L;  // columns per bf16 panel
 constexpr int64_t MC = 256;  // rows per block: a block of activations stays in L2 across panels
 constexpr int64_t KB = 32;              // k per block of the bfloat16 sequence (16 pairs: an AMX tile row)
-constexpr uint16_t NEG_ZERO = 0x8000;   // bfloat16 -0
 
 // With vdpbf16ps, K is padded to whole blocks (packed weights and arranged activations).
 inline int64_t k_padded(int64_t K) { return kNativeBf16 ? (K + KB - 1) / KB * KB : K; }
 
-// Within a block, the k (from the block's first) of element `half` of the 16 pairs vdpbf16ps
-// takes: pair i < 8 holds (4i + 2, 4i), pair 8 + i holds (4i + 3, 4i + 1). vdpbf16ps adds
-// element 1's product first, so pair i adds x[4i] w[4i], then x[4i+2] w[4i+2], to the even
-// partial sum, in k order, and pair 8 + i does the same for the odd one.
-inline int64_t pair_k(int s, int half) {
-    const int i = s % 8, odd = s / 8;
-    return 4 * i + odd + (half == 0 ? 2 : 0);
-}
-
 enum Dtype : int { F32 = 0, BF16 = 1 };
-
-inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
 
 
 // The output tile's epilogue, shared by every kernel: bias, then the store (float32, or
@@ -180,7 +167,7 @@ void kernel_bf16(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* pane
     for (int r = 0; r < MR; r++)
         for (int v = 0; v < NV; v++) acc[r][v] = vzero();
     const unsigned int csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040u);  // the partial sums' adds flush as vdpbf16ps does: FTZ | DAZ
+    _mm_setcsr(csr | MXCSR_FTZ_DAZ);  // the partial sums' adds flush as vdpbf16ps does
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
         vf even[MR][NV], odd[MR][NV];
         for (int r = 0; r < MR; r++)
@@ -210,7 +197,7 @@ void kernel_bf16_emulated(const uint16_t* x, int64_t ldx, int64_t K, const uint1
     for (int r = 0; r < MR; r++)
         for (int v = 0; v < NV; v++) acc[r][v] = vzero();
     const unsigned int csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6)
+    _mm_setcsr(csr | MXCSR_FTZ_DAZ);
     for (int64_t j0 = 0; j0 < K / 2; j0 += KB / 2) {
         vf even[MR][NV], odd[MR][NV];
         for (int r = 0; r < MR; r++)
@@ -363,7 +350,7 @@ void batchgen_gemm_pack(const void* w, int64_t ldw, int64_t N, int64_t K, int dt
                         uint16_t* d = dst + p * Kp * NR_BF16 + k0 * NR_BF16 + (s * NR_BF16 + c) * 2;
                         for (int h = 0; h < 2; h++) {
                             const int64_t k = k0 + pair_k(s, h);
-                            d[h] = n >= N ? 0 : k >= K ? NEG_ZERO : src[n * ldw + k];
+                            d[h] = n >= N ? 0 : k >= K ? BF16_NEG_ZERO : src[n * ldw + k];
                         }
                     }
         return;

@@ -67,6 +67,7 @@ namespace {
 
 using batchgen::f32_to_bf16;
 using namespace batchgen::amx;
+using batchgen::BF16_NEG_ZERO;
 
 constexpr int64_t TP = 16;        // pairs per tile row (64 bytes)
 constexpr int64_t TN = 16;        // columns per tile
@@ -74,7 +75,6 @@ constexpr int64_t TM = 16;        // rows per tile
 constexpr int64_t NP = 2 * TN;    // columns per panel (two C tiles across)
 constexpr int64_t MC = 256;       // rows per block of work
 constexpr int64_t TILE_ELEMS = TP * TN * 2;  // bfloat16 per B tile (1 KiB)
-constexpr uint16_t NEG_ZERO = 0x8000;
 
 enum Dtype : int { F32 = 0, BF16 = 1 };
 
@@ -220,7 +220,7 @@ void batchgen_gemm_amx_pack(const void* w, int64_t ldw, int64_t N, int64_t K, in
                     const int64_t n = p * TN + c, J = kb * TP + j;
                     uint16_t* d = dst + (p * KB + kb) * TILE_ELEMS + (j * TN + c) * 2;
                     if (J >= K2) {
-                        d[0] = d[1] = NEG_ZERO;
+                        d[0] = d[1] = BF16_NEG_ZERO;
                     } else if (n >= N) {
                         d[0] = d[1] = 0;
                     } else {

@@ -23,6 +23,24 @@ inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// bfloat16 to float32: exact (its 16 bits become the top half).
+inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+constexpr uint16_t BF16_NEG_ZERO = 0x8000;  // -0: its products leave a sum unchanged (x + -0 = x)
+constexpr unsigned MXCSR_FTZ_DAZ = 0x8040u;  // flush-to-zero (bit 15), denormals-are-zero (bit 6)
+
+// The bfloat16 sequence's blocks of 32 elements as vdpbf16ps takes them (gemm.cpp, decode
+// attention): the element, from the block's first, of half `half` of pair s (0..15). Pair i < 8
+// holds (4i + 2, 4i), pair 8 + i holds (4i + 3, 4i + 1); vdpbf16ps adds element 1's product
+// first, so pair i adds a[4i] b[4i], then a[4i+2] b[4i+2], to the even partial sum, in order,
+// and pair 8 + i does the same for the odd one.
+constexpr int pair_k(int s, int half) { return 4 * (s % 8) + s / 8 + (half == 0 ? 2 : 0); }
+
 // exp(x) for 8 floats: Cephes' expf (range reduction by ln 2 split in two constants, a
 // degree-6 polynomial; about 1 ulp on the inputs softmax gives it, x <= 0).
 inline __m256 exp8(__m256 x) {
