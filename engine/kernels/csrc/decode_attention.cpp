@@ -354,7 +354,7 @@ inline void queries_bf16(const bf16attn::Block& blk, const uint16_t* const* qs, 
 
 inline void block_bf16(bf16attn::Block& blk, const uint16_t* kc, const uint16_t* vc, int64_t p, int n, int64_t h,
                        const uint16_t* qprep, int64_t Hq, int64_t g, int64_t D, int64_t ld, float scale,
-                       const int64_t* rows, int64_t nr, int64_t first, float* m, float* l, float* acc) {
+                       const int64_t* rows, int64_t nr, float* m, float* l, float* acc) {
     blk.prepare(kc + p * ld + h * D, vc + p * ld + h * D, ld, n, D);
     const int64_t Dp = bf16attn::padded(D);
     constexpr int NQ = bf16attn::L == 16 ? 4 : 1;
@@ -364,7 +364,7 @@ inline void block_bf16(bf16attn::Block& blk, const uint16_t* kc, const uint16_t*
         const uint16_t* qs[NQ];
         float *accs[NQ], *ms[NQ], *ls[NQ];
         for (int u = 0; u < nq; u++) {
-            const int64_t r = (t0 + u) / g, j = (t0 + u) % g, x = (first + r) * Hq + h * g + j;
+            const int64_t r = (t0 + u) / g, j = (t0 + u) % g, x = r * Hq + h * g + j;
             qs[u] = qprep + (rows[r] * Hq + h * g + j) * Dp;
             accs[u] = acc + x * D;
             ms[u] = m + x;
@@ -419,8 +419,9 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
            const float* knew, const float* vnew, int64_t kv_ld, const int64_t* write, int64_t B, int tiles) {
     // A row's own run is read by its query heads only: a bfloat16 arena's are updated up to 4
     // at a time (each key and value widened once for all of them: 1.3-1.45x less time on the
-    // RL shape, bench/bench_attention.py); a float32 arena has nothing to widen, and there
-    // the extra query loads cost more than the shared key loads save: one at a time.
+    // RL shape, bench/bench_attention.py, when this update served the prompt runs too); a
+    // float32 arena has nothing to widen, and there the extra query loads cost more than the
+    // shared key loads save: one at a time.
     constexpr int64_t MQ = sizeof(T) == 2 ? 4 : 1;
     UpdateFn<T> up[MQ + 1] = {};  // up[nq]: nq query heads at a time
     for (int nq = 1; nq <= MQ; nq++) up[nq] = pick<T>(D, nq);
@@ -439,23 +440,30 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
     // and its prompt run are each read the same way whatever the group.)
     constexpr bool bf16 = sizeof(T) == 2;
     const int64_t Dp = bf16attn::padded(D);
-    std::vector<uint16_t> qprep(bf16 ? B * Hq * Dp : 0);
+#if defined(BATCHGEN_HAVE_TILES)
+    const bool use_tiles = bf16 && tiles != 0;  // AMX tiles for the prompt blocks
+#else
+    constexpr bool use_tiles = false;
+    (void)tiles;
+#endif
+    std::vector<uint16_t> qprep(bf16 && !use_tiles ? B * Hq * Dp : 0);
 #pragma omp parallel num_threads(threads)
     {
         const unsigned csr = _mm_getcsr();
         std::unique_ptr<bf16attn::Block> blk;
         if constexpr (bf16) {
             _mm_setcsr(csr | batchgen::MXCSR_FTZ_DAZ);  // per thread: the whole bf16 sequence flushes
-            blk = std::make_unique<bf16attn::Block>();
+            if (!use_tiles) {
+                blk = std::make_unique<bf16attn::Block>();
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < B; b++)
-                for (int64_t j = 0; j < Hq; j++)
-                    bf16attn::prepare_query(q + b * q_ld + j * D, D, qprep.data() + (b * Hq + j) * Dp);
+                for (int64_t b = 0; b < B; b++)
+                    for (int64_t j = 0; j < Hq; j++)
+                        bf16attn::prepare_query(q + b * q_ld + j * D, D, qprep.data() + (b * Hq + j) * Dp);
+            }
         }
 #if defined(BATCHGEN_HAVE_TILES)
-        // AMX tiles for the prompt blocks: per thread, the tile configuration (released at
-        // the end), a block's tiles and each KV head's query tiles.
-        const bool use_tiles = bf16 && tiles != 0;
+        // Per thread: the tile configuration (released at the end), a block's tiles and each
+        // KV head's query tiles.
         std::unique_ptr<bf16attn::tiles::BlockTiles> bt;
         std::vector<bf16attn::tiles::QueryTiles> qts;
         if (use_tiles) {
@@ -464,8 +472,6 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
             bt = std::make_unique<bf16attn::tiles::BlockTiles>();
             qts.resize(Hkv);
         }
-#else
-        (void)tiles;
 #endif
         std::vector<float> buf;
         std::vector<const float*> qh;
@@ -499,8 +505,8 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
                     }
 #endif
                     if constexpr (bf16)
-                        block_bf16(*blk, kc, vc, s0[0] + a, n, h, qprep.data(), Hq, g, D, ld, scale, rows, nr, 0, m,
-                                   l, acc);
+                        block_bf16(*blk, kc, vc, s0[0] + a, n, h, qprep.data(), Hq, g, D, ld, scale, rows, nr, m, l,
+                                   acc);
                     else
                         block<T>(up, MQ, q, kc, vc, s0[0] + a, n, h, q_ld, Hq, g, D, ld, scale, rows, nr, 0, m,
                                  l, acc);
