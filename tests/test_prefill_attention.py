@@ -135,15 +135,19 @@ def test_decode_over_a_bfloat16_arena(D):
     assert (out - f32).abs().max().item() < 1e-2 and not torch.equal(out, f32)  # the products are bfloat16 ones
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [24, 64])
-def test_bfloat16_decode_rows_depend_on_their_own_runs_only(D):
-    """A row's bits over a bfloat16 arena are the same in a group of rows sharing its prompt,
-    alone, with its prompt copied to a run of its own, and on one thread or two: the
-    products' sums never depend on which queries share a block (4 at a time on AVX-512, 1
-    on AVX2) or on where the row sits, and a prompt run is read the same way whether it is
-    shared or a copy."""
+def test_decode_rows_depend_on_their_own_runs_only(D, dtype):
+    """A row's bits over a float32 or bfloat16 arena are the same in a group of rows sharing
+    its prompt, alone, with its prompt copied to a run of its own, and on one thread or two:
+    a prompt block's products never depend on which queries share it (attention_f32.h: 4 at
+    a time on AVX-512, 2 on AVX2; attention_bf16.h: 4 or 1) or on where the row sits, and a
+    prompt run is read the same way whether it is shared or a copy."""
     B, Hq, Hkv, P = 7, 9, 3, 700
     q, kc, vc = bf16_arena(B, Hq, Hkv, D, P, seed=11)
+    if dtype == torch.float32:
+        g = torch.Generator().manual_seed(12)
+        kc, vc = torch.randn(P, Hkv, D, generator=g), torch.randn(P, Hkv, D, generator=g)
     kc[400:477], vc[400:477] = kc[0:77], vc[0:77]  # a copy of the shared prompt
     seg = torch.tensor([[0, 77, 100 + 40 * b, 3 + 5 * b] for b in range(B)])
     shared = K.decode_attention(q, kc, vc, seg, torch.tensor([0, B]), torch.arange(B), 2)

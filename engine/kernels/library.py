@@ -189,9 +189,10 @@ class NativeKernels:
 
         q: (B, Hq, D) float32 whose last two dims are contiguous (rows may be strided, as
         the q part of a fused qkv projection is); kc, vc: one layer's contiguous (positions,
-        Hkv, D) arena, float32 or bfloat16 (a bfloat16 arena's prompt runs take bfloat16
-        products: csrc/attention_bf16.h, on AMX tiles where this library's `amx_order` is
-        set; its own runs are widened to float32 as read); seg (B, 4) int64 rows of (prompt start, prompt length, own start, own length) in
+        Hkv, D) arena, float32 or bfloat16 (a float32 arena's prompt runs are transposed once
+        per block for all the group's queries: csrc/attention_f32.h; a bfloat16 arena's take
+        bfloat16 products: csrc/attention_bf16.h, on AMX tiles where this library's
+        `amx_order` is set; its own runs are widened to float32 as read); seg (B, 4) int64 rows of (prompt start, prompt length, own start, own length) in
         arena positions, every run inside the arena; group_ptr (G + 1,) and order (B,)
         int64: group i is rows order[group_ptr[i]:group_ptr[i + 1]], which share their
         prompt run. new_kv: (k, v, write), this step's keys and values (B, Hkv, D) float32

@@ -40,6 +40,7 @@
 // and (with vdpbf16ps) paired by key for p v.
 #pragma once
 
+#include "online_softmax.h"
 #include "simd.h"
 
 #include <immintrin.h>
@@ -53,8 +54,9 @@ namespace batchgen::bf16attn {
 
 using batchgen::exp8;
 using batchgen::hsum8;
+using batchgen::attn::softmax_steps;
 
-constexpr int KB = 32;       // keys per block: decode_attention.cpp's
+constexpr int KB = attn::KB;  // keys per block: decode_attention.cpp's
 constexpr int DMAX = 256;    // largest head size
 
 using namespace batchgen::vec;
@@ -113,29 +115,6 @@ inline __m512i round_arranged(__m512 lo, __m512 hi, __m512i idx) {
     return _mm512_permutexvar_epi16(idx, packed);
 }
 
-// In place: r[i] lane j becomes r[j] lane i (a 16 x 16 matrix of 32-bit elements).
-inline void transpose16(__m512i (&r)[16]) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 16; i += 2) {
-        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);      // per 128-bit lane L: r_i[4L], r_i+1[4L], r_i[4L+1], ...
-        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);  // r_i[4L+2], r_i+1[4L+2], r_i[4L+3], r_i+1[4L+3]
-    }
-    for (int g = 0; g < 4; g++) {  // b[4g + k], lane L: rows 4g .. 4g+3 of column 4L + k
-        b[4 * g + 0] = _mm512_unpacklo_epi64(a[4 * g], a[4 * g + 2]);
-        b[4 * g + 1] = _mm512_unpackhi_epi64(a[4 * g], a[4 * g + 2]);
-        b[4 * g + 2] = _mm512_unpacklo_epi64(a[4 * g + 1], a[4 * g + 3]);
-        b[4 * g + 3] = _mm512_unpackhi_epi64(a[4 * g + 1], a[4 * g + 3]);
-    }
-    for (int k = 0; k < 4; k++) {
-        const __m512i clo = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x44), chi = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xee);
-        const __m512i dlo = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x44);
-        const __m512i dhi = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xee);
-        r[k] = _mm512_shuffle_i32x4(clo, dlo, 0x88);
-        r[4 + k] = _mm512_shuffle_i32x4(clo, dlo, 0xdd);
-        r[8 + k] = _mm512_shuffle_i32x4(chi, dhi, 0x88);
-        r[12 + k] = _mm512_shuffle_i32x4(chi, dhi, 0xdd);
-    }
-}
 #endif
 
 // One query's D float32 elements as the products read them: rounded to bfloat16, padded with
@@ -257,47 +236,6 @@ inline void scores(const uint16_t* const* q, int64_t Dp, const Block& b, float s
     const vf sv = vset(scale);
     for (int qi = 0; qi < NQ; qi++)
         for (int h = 0; h < NK; h++) vstore(s + qi * KB + L * h, vmul(S[qi][h], sv));
-}
-
-// The online-softmax step of NQ queries over a block's n <= KB scores (s + qi * KB, 64-byte
-// aligned), in 8-lane float32 vectors in every build: m' = max(m, the block's scores), s
-// becomes p = exp(s - m') (+0 past n), corr = exp(m - m') (0 before the first key, when l
-// and the output are 0), l' = l corr + hsum8((p[0:8] + p[8:16]) + (p[16:24] + p[24:32])).
-// The queries' steps are interleaved (each a chain of dependent operations) and their
-// factors computed in one exp8; each query's arithmetic is the same whatever NQ.
-template <int NQ>
-inline void softmax_steps(float* s, int n, float* const* m, float* const* l, float* corr) {
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 valid[4];
-    for (int j = 0; j < 4; j++)
-        valid[j] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8 * j), lanes));
-    const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    alignas(32) float mold[8] = {}, mnew[8] = {};
-    __m256 x[NQ][4];
-    for (int qi = 0; qi < NQ; qi++) {
-        for (int j = 0; j < 4; j++) x[qi][j] = _mm256_blendv_ps(ninf, _mm256_load_ps(s + qi * KB + 8 * j), valid[j]);
-        __m256 mx = _mm256_max_ps(_mm256_max_ps(x[qi][0], x[qi][1]), _mm256_max_ps(x[qi][2], x[qi][3]));
-        mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
-        mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4e));
-        mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xb1));
-        mold[qi] = *m[qi];
-        mnew[qi] = std::max(mold[qi], _mm256_cvtss_f32(mx));
-    }
-    // exp(m - m') per query, -inf - m' clamped like any score (and replaced by 0 below)
-    alignas(32) float c[8];
-    _mm256_store_ps(c, exp8(_mm256_sub_ps(_mm256_load_ps(mold), _mm256_load_ps(mnew))));
-    for (int qi = 0; qi < NQ; qi++) {
-        const __m256 mv = _mm256_set1_ps(mnew[qi]);
-        __m256 p[4];
-        for (int j = 0; j < 4; j++) {
-            p[j] = _mm256_and_ps(exp8(_mm256_sub_ps(x[qi][j], mv)), valid[j]);
-            _mm256_store_ps(s + qi * KB + 8 * j, p[j]);
-        }
-        const float sum = hsum8(_mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3])));
-        corr[qi] = mold[qi] == -INFINITY ? 0.f : c[qi];
-        *l[qi] = *l[qi] * corr[qi] + sum;
-        *m[qi] = mnew[qi];
-    }
 }
 
 // The block's weights of one query (KB floats from the softmax step, +0 past n) as the p v

@@ -20,14 +20,17 @@
 // computes each key's score, exponential and contribution with the same instructions
 // wherever the key sits in its block; threads split the groups, never a row. So a row's
 // bits do not depend on the batch, its group, the thread count, or whether its prompt is
-// shared or its own copy. Nor on the ISA. A float32 arena's arithmetic is float32 (`update`):
-// a score's partial sums run in a 16-lane order that AVX-512 holds in one register and AVX2
-// in two (`partials8`), and each output element is one fused multiply-add chain over the
-// keys (`accumulate`), whatever the vector width. A bfloat16 arena's products take bfloat16
+// shared or its own copy. Nor on the ISA. A float32 arena's arithmetic is float32. Over a
+// row's own run (`update`), a score's partial sums run in a 16-lane order that AVX-512 holds
+// in one register and AVX2 in two (`partials8`), and each output element is one fused
+// multiply-add chain over the keys (`accumulate`), whatever the vector width. Over a prompt
+// run, read by every row of its group, each block is transposed once to a lane per key and
+// a score is one fused multiply-add chain per lane (attention_f32.h). A bfloat16 arena's products take bfloat16
 // operands in the order of an AMX tile multiply, a lane per key or output element
 // (attention_bf16.h: vdpbf16ps where the CPU has it, fused multiply-adds elsewhere; on AMX
 // tiles where verified, attention_tiles.h).
 #include "attention_bf16.h"
+#include "attention_f32.h"
 #include "attention_tiles.h"
 #include "simd.h"
 
@@ -44,7 +47,9 @@ using batchgen::exp8;
 using batchgen::f32_to_bf16;
 using batchgen::hsum8;
 using batchgen::hsum8x8;
+namespace attn = batchgen::attn;
 namespace bf16attn = batchgen::bf16attn;
+namespace f32attn = batchgen::f32attn;
 
 constexpr int KB = 32;  // keys per block
 static_assert(KB == bf16attn::KB, "attention_bf16.h's blocks are decode's");
@@ -314,7 +319,8 @@ inline void stream_in(const T* kc, const T* vc, int64_t p, int n, int64_t ld) {
     asm volatile("" : : "r"(sink));  // the loads are the point: keep them
 }
 
-// All the (row, query head) pairs of one KV head h against `n` keys from arena position p.
+// The query heads of KV head h of rows `rows[0 .. nr)` (state index first + r) against `n`
+// keys from arena position p: a row's own run.
 template <class T>
 inline void block(const UpdateFn<T>* up, int64_t MQ, const float* q, const T* kc, const T* vc, int64_t p, int n,
                   int64_t h, int64_t q_ld, int64_t Hq, int64_t g, int64_t D, int64_t ld, float scale,
@@ -344,7 +350,7 @@ inline void queries_bf16(const bf16attn::Block& blk, const uint16_t* const* qs, 
     const uint16_t* ps[NQ];
     float corr[NQ];
     bf16attn::scores<NQ>(qs, Dp, blk, scale, s);
-    bf16attn::softmax_steps<NQ>(s, n, ms, ls, corr);
+    attn::softmax_steps<NQ>(s, n, ms, ls, corr);
     for (int u = 0; u < NQ; u++) {
         bf16attn::prepare_weights(s + u * KB, pw[u]);
         ps[u] = pw[u];
@@ -379,6 +385,37 @@ inline void block_bf16(bf16attn::Block& blk, const uint16_t* kc, const uint16_t*
     }
 }
 
+// A float32 arena: all the (row, query head) pairs of KV head h against `n` keys from arena
+// position p (attention_f32.h): the block's keys arranged once, then its queries NQ at a
+// time (the loads of the keys and values shared by them; a query's bits are the same
+// whatever NQ).
+inline void block_f32(f32attn::Block& blk, const float* q, const float* kc, const float* vc, int64_t p, int n,
+                      int64_t h, int64_t q_ld, int64_t Hq, int64_t g, int64_t D, int64_t ld, float scale,
+                      const int64_t* rows, int64_t nr, float* m, float* l, float* acc) {
+    blk.prepare(kc + p * ld + h * D, ld, n, D);
+    const float* V = vc + p * ld + h * D;
+    constexpr int NQ = f32attn::NQ;
+    const int64_t total = nr * g;
+    for (int64_t t0 = 0; t0 < total; t0 += NQ) {
+        const int nq = (int)std::min<int64_t>(NQ, total - t0);
+        const float* qs[NQ];
+        float *accs[NQ], *ms[NQ], *ls[NQ];
+        for (int u = 0; u < nq; u++) {
+            const int64_t r = (t0 + u) / g, j = (t0 + u) % g, x = r * Hq + h * g + j;
+            qs[u] = q + rows[r] * q_ld + (h * g + j) * D;
+            accs[u] = acc + x * D;
+            ms[u] = m + x;
+            ls[u] = l + x;
+        }
+        switch (nq) {
+            case 1: f32attn::queries<1>(blk, qs, V, ld, n, D, scale, ms, ls, accs); break;
+            case 2: f32attn::queries<2>(blk, qs, V, ld, n, D, scale, ms, ls, accs); break;
+            case 3: f32attn::queries<3>(blk, qs, V, ld, n, D, scale, ms, ls, accs); break;
+            default: f32attn::queries<NQ>(blk, qs, V, ld, n, D, scale, ms, ls, accs); break;
+        }
+    }
+}
+
 #if defined(BATCHGEN_HAVE_TILES)
 // block_bf16 on AMX tiles: the group's query heads of KV head h (prepared once per group as
 // `qt`, state index order) 16 at a time, the same bits.
@@ -402,10 +439,10 @@ inline void block_tiles(bf16attn::tiles::BlockTiles& bt, const bf16attn::tiles::
         for (int u = 0; u < nq; u += 4) {
             float* su = s + u * KB;
             switch (std::min(4, nq - u)) {
-                case 1: bf16attn::softmax_steps<1>(su, n, ms + u, ls + u, corr + u); break;
-                case 2: bf16attn::softmax_steps<2>(su, n, ms + u, ls + u, corr + u); break;
-                case 3: bf16attn::softmax_steps<3>(su, n, ms + u, ls + u, corr + u); break;
-                default: bf16attn::softmax_steps<4>(su, n, ms + u, ls + u, corr + u); break;
+                case 1: attn::softmax_steps<1>(su, n, ms + u, ls + u, corr + u); break;
+                case 2: attn::softmax_steps<2>(su, n, ms + u, ls + u, corr + u); break;
+                case 3: attn::softmax_steps<3>(su, n, ms + u, ls + u, corr + u); break;
+                default: attn::softmax_steps<4>(su, n, ms + u, ls + u, corr + u); break;
             }
         }
         tl::accumulate(accs, corr, s, nq, bt, D);
@@ -421,7 +458,9 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
     // at a time (each key and value widened once for all of them: 1.3-1.45x less time on the
     // RL shape, bench/bench_attention.py, when this update served the prompt runs too); a
     // float32 arena has nothing to widen, and there the extra query loads cost more than the
-    // shared key loads save: one at a time.
+    // shared key loads save: one at a time. (Transposing an own block as attention_f32.h does
+    // a prompt block costs more than it saves for 3 queries: SmolLM2's shape, own runs of 64
+    // tokens, one layer, one thread, 0.77-0.80 ms against 0.53.)
     constexpr int64_t MQ = sizeof(T) == 2 ? 4 : 1;
     UpdateFn<T> up[MQ + 1] = {};  // up[nq]: nq query heads at a time
     for (int nq = 1; nq <= MQ; nq++) up[nq] = pick<T>(D, nq);
@@ -433,7 +472,8 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
             store_row(vc + write[b] * ld, vnew + b * kv_ld, ld);
         }
     }
-    // A bfloat16 arena's prompt runs, read by every row of a group, take bfloat16 products
+    // A float32 arena's prompt runs, read by every row of a group, are transposed once per
+    // block for all its queries (attention_f32.h). A bfloat16 arena's take bfloat16 products
     // (attention_bf16.h), with bfloat16 queries: every row's, rounded once for all the blocks
     // that read them. (Arranging a block costs about what 3 queries' products save, so a
     // row's own run keeps float32 products of the widened keys and values: a row's own run
@@ -451,6 +491,8 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
     {
         const unsigned csr = _mm_getcsr();
         std::unique_ptr<bf16attn::Block> blk;
+        std::unique_ptr<f32attn::Block> blk32;
+        if constexpr (!bf16) blk32 = std::make_unique<f32attn::Block>();
         if constexpr (bf16) {
             _mm_setcsr(csr | batchgen::MXCSR_FTZ_DAZ);  // per thread: the whole bf16 sequence flushes
             if (!use_tiles) {
@@ -508,8 +550,8 @@ int attend(const float* q, int64_t q_ld, T* kc, T* vc, float* out, const int64_t
                         block_bf16(*blk, kc, vc, s0[0] + a, n, h, qprep.data(), Hq, g, D, ld, scale, rows, nr, m, l,
                                    acc);
                     else
-                        block<T>(up, MQ, q, kc, vc, s0[0] + a, n, h, q_ld, Hq, g, D, ld, scale, rows, nr, 0, m,
-                                 l, acc);
+                        block_f32(*blk32, q, kc, vc, s0[0] + a, n, h, q_ld, Hq, g, D, ld, scale, rows, nr, m, l,
+                                  acc);
                 }
             }
             for (int64_t r = 0; r < nr; r++) {  // each row's own run, then its output

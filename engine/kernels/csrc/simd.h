@@ -79,10 +79,53 @@ inline __m512 exp16(__m512 x) {
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
+// In place: r[i] lane j becomes r[j] lane i (a 16 x 16 matrix of 32-bit elements).
+inline void transpose16(__m512i (&r)[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 16; i += 2) {
+        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);      // per 128-bit lane L: r_i[4L], r_i+1[4L], r_i[4L+1], ...
+        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);  // r_i[4L+2], r_i+1[4L+2], r_i[4L+3], r_i+1[4L+3]
+    }
+    for (int g = 0; g < 4; g++) {  // b[4g + k], lane L: rows 4g .. 4g+3 of column 4L + k
+        b[4 * g + 0] = _mm512_unpacklo_epi64(a[4 * g], a[4 * g + 2]);
+        b[4 * g + 1] = _mm512_unpackhi_epi64(a[4 * g], a[4 * g + 2]);
+        b[4 * g + 2] = _mm512_unpacklo_epi64(a[4 * g + 1], a[4 * g + 3]);
+        b[4 * g + 3] = _mm512_unpackhi_epi64(a[4 * g + 1], a[4 * g + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512i clo = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x44), chi = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xee);
+        const __m512i dlo = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x44);
+        const __m512i dhi = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xee);
+        r[k] = _mm512_shuffle_i32x4(clo, dlo, 0x88);
+        r[4 + k] = _mm512_shuffle_i32x4(clo, dlo, 0xdd);
+        r[8 + k] = _mm512_shuffle_i32x4(chi, dhi, 0x88);
+        r[12 + k] = _mm512_shuffle_i32x4(chi, dhi, 0xdd);
+    }
+}
+
 // The first n (< 16) floats at p, zeros after them; and the first n lanes of v stored at p.
 inline __m512 load_part16(const float* p, int64_t n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
 inline void store_part16(float* p, __m512 v, int64_t n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
 #endif
+
+// In place: r[i] lane j becomes r[j] lane i (an 8 x 8 matrix of floats).
+inline void transpose8(__m256 (&r)[8]) {
+    __m256 a[8], b[8];
+    for (int i = 0; i < 8; i += 2) {
+        a[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);      // per 128-bit half H: r_i[4H], r_i+1[4H], r_i[4H+1], r_i+1[4H+1]
+        a[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);  // r_i[4H+2], r_i+1[4H+2], r_i[4H+3], r_i+1[4H+3]
+    }
+    for (int g = 0; g < 2; g++) {  // b[4g + k], half H: rows 4g .. 4g+3 of column 4H + k
+        b[4 * g + 0] = _mm256_shuffle_ps(a[4 * g], a[4 * g + 2], 0x44);
+        b[4 * g + 1] = _mm256_shuffle_ps(a[4 * g], a[4 * g + 2], 0xee);
+        b[4 * g + 2] = _mm256_shuffle_ps(a[4 * g + 1], a[4 * g + 3], 0x44);
+        b[4 * g + 3] = _mm256_shuffle_ps(a[4 * g + 1], a[4 * g + 3], 0xee);
+    }
+    for (int k = 0; k < 4; k++) {
+        r[k] = _mm256_permute2f128_ps(b[k], b[4 + k], 0x20);
+        r[4 + k] = _mm256_permute2f128_ps(b[k], b[4 + k], 0x31);
+    }
+}
 
 inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
