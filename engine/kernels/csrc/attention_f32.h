@@ -38,9 +38,10 @@ constexpr int KB = attn::KB;  // keys per block: decode_attention.cpp's
 constexpr int DMAX = 256;     // largest head size
 constexpr int NK = KB / L;    // vectors per block of keys
 // Queries per pass: NQ x NK score accumulators (8 registers of 32 with AVX-512, 12 of 16
-// with AVX2); a query's bits are the same whatever NQ. Measured on a Zen 4, the RL shape's
-// prompt blocks (bench/bench_attention.py's rl, one thread): with AVX-512 4 queries took
-// 5.4 ms a layer, 6 or 8 (2 column passes) 8.0; with AVX2 3 took 7.4 ms (the whole layer), 2 took 8.4.
+// with AVX2); a query's bits are the same whatever NQ. Measured on a Zen 4, one layer of
+// the RL shape (bench/bench_attention.py's rl, one thread): AVX-512, the prompt blocks
+// alone, 4 queries 5.4 ms, 6 or 8 8.0 ms (their p v accumulators take 2 column passes);
+// AVX2, the whole layer, 3 queries 7.4 ms, 2 8.4 ms.
 constexpr int NQ = L == 16 ? 4 : 3;
 
 // One KV head's block of n <= KB keys, a lane per key: kt[d][i] is key i's element d, 0 for
