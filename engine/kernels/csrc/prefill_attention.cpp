@@ -98,14 +98,15 @@ template <int ND, class T>
 inline void update(Row& row, float* s, int64_t a, const T* V, int64_t ldv, float* acc) {
     const int64_t first = std::max<int64_t>(row.lo - a, 0), last = std::min<int64_t>(row.t - a, KB - 1);
     if (first > last) return;  // nothing visible in this block: the state is unchanged
-    for (int64_t j = 0; j < KB; j++)
-        if (j < first || j > last) s[j] = -INFINITY;
-    __m256 mx = _mm256_loadu_ps(s);
-    for (int c = 1; c < 4; c++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + 8 * c));
-    alignas(32) float t8[8];
-    _mm256_store_ps(t8, mx);
-    float bm = t8[0];
-    for (int u = 1; u < 8; u++) bm = std::max(bm, t8[u]);
+    if (first > 0 || last < KB - 1)  // a block at the window's start or the row's diagonal
+        for (int64_t j = 0; j < KB; j++)
+            if (j < first || j > last) s[j] = -INFINITY;
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_loadu_ps(s), _mm256_loadu_ps(s + 8)),
+                              _mm256_max_ps(_mm256_loadu_ps(s + 16), _mm256_loadu_ps(s + 24)));
+    mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
+    mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4e));
+    mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xb1));
+    const float bm = _mm256_cvtss_f32(mx);
     const float mnew = std::max(row.m, bm);
     const __m256 mv = _mm256_set1_ps(mnew);
     __m256 sum = _mm256_setzero_ps();
