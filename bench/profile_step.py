@@ -2,13 +2,16 @@
 
 The bench_engine.py workload (a GPT-2-small-shaped model, random weights, fp32, 32 GSM8K
 prompts x 4 samples, top_k 50), or with --model smollm2 bench_smollm2.py's (SmolLM2-135M,
-the same questions as chat prompts) is admitted, decoded for `--warmup` steps so that all 128
-samples run, then `--steps` decode steps are profiled with torch.profiler. Prints the
-step time, its operators grouped as GEMM (oneDNN / BLAS matmuls), attention (the compiled
-kernel, or torch's flash kernel), sampling and the rest, and the top operators outside GEMMs.
+the same questions as chat prompts), or with --model smollm2 --workload rl bench_rl.py's (8
+GSM8K questions behind the 8-shot prefix, about 1.2k tokens each, x 16 samples, the full
+vocabulary) is admitted and stepped until every sample runs (the prefill's seconds are
+printed), decoded for the rest of `--warmup` steps, then `--steps` decode steps are profiled
+with torch.profiler. Prints the step time, its operators grouped as GEMM (oneDNN / BLAS
+matmuls), attention (the compiled kernel, or torch's flash kernel), sampling and the rest,
+and the top operators outside GEMMs. Samples ignore stop tokens, so all 128 keep running.
 
     python bench/profile_step.py [--threads 2] [--steps 10] [--batch-invariant 1] [--prefix-sharing 1] [--model gpt2|smollm2]
-                                 [--dtype float32|bfloat16]
+                                 [--workload gsm8k|rl] [--dtype float32|bfloat16]
 """
 from __future__ import annotations
 
@@ -47,7 +50,12 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=SHARED)
     ap.add_argument("--model", choices=("gpt2", "smollm2"), default="gpt2",
                     help="gpt2: GPT-2 small shape, random weights, plain prompts; smollm2: the real model, chat prompts")
+    ap.add_argument("--workload", choices=("gsm8k", "rl"), default="gsm8k",
+                    help="gsm8k: 32 questions x 4 samples, top_k 50; rl: bench_rl.py's prompts x 16, full vocabulary "
+                         "(--model smollm2)")
     args = ap.parse_args()
+    if args.workload == "rl" and args.model != "smollm2":
+        ap.error("--workload rl runs SmolLM2's chat prompts: add --model smollm2")
     torch.set_num_threads(args.threads)
     print(describe())
 
@@ -70,11 +78,25 @@ def main() -> None:
         tmp = tempfile.mkdtemp(prefix="profile-gpt2-")
         GPT2LMHeadModel(GPT2Config()).save_pretrained(tmp)
         eng = load_engine(tmp, tokenizer=ranks, max_seq_len=400, **opts)
-    params = SamplingParams(num_samples=4, max_tokens=args.warmup + 2 * args.steps + 10, temperature=1.0, top_k=50,
-                            stop_token_ids=[])
+    num_samples, top_k = 4, 50
+    if args.workload == "rl":
+        from bench_dtypes import workload  # bench/ is the script's directory
+
+        messages, kw = workload("rl", args.data)
+        prompts = [eng.tokenizer.render_chat([{"role": "user", "content": m}]) for m in messages]
+        num_samples, top_k = kw["num_samples"], kw["top_k"]
+    params = SamplingParams(num_samples=num_samples, max_tokens=args.warmup + 2 * args.steps + 10, temperature=1.0,
+                            top_k=top_k, stop_token_ids=[])
     for i, p in enumerate(prompts):
         eng.add_request(p, params, str(i))
-    for _ in range(args.warmup):
+    total, steps = num_samples * len(prompts), 0
+    t0 = time.perf_counter()
+    while len(eng.running) < total and steps < args.warmup:
+        eng.step()
+        steps += 1
+    print(f"prefill: {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"{time.perf_counter() - t0:.2f} s until {len(eng.running)} of {total} samples ran ({steps} steps)")
+    for _ in range(args.warmup - steps):
         eng.step()
     t0 = time.perf_counter()
     for _ in range(args.steps):
