@@ -165,7 +165,8 @@ def _vocab_noise_chunks(keys: torch.Tensor, positions: torch.Tensor, V: int, bat
 
 
 def _race_plain(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                processed: bool, batched: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                processed: bool, batched: bool = False, whole_vocabulary: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The race over the whole vocabulary (no truncation), a cache-sized chunk of rows at a time.
 
     Per row: x = float64(logits / T), token = argmax(x - log E) (E from race_noise_vocab),
@@ -178,8 +179,15 @@ def _race_plain(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
     _BATCHED_CHUNK elements a pass), instead of 3 rows a pass for a 152k vocabulary; the
     float32 quotient is widened by the subtraction itself (no float64 copy of x unless
     `processed`). The same bits.
+
+    On CPU with the compiled kernels the race runs on the tokens that can win only
+    (_race_candidates: the same bits); whole_vocabulary=True races every token regardless
+    (its fallback, and the tests' reference).
     """
     B, V = logits.shape
+    kernels = None if batched or whole_vocabulary else _vocab_kernels(logits)
+    if kernels is not None and B > 0:
+        return _race_candidates(kernels, logits, temperature, keys, positions, processed)
     tokens = torch.empty(B, dtype=torch.long, device=logits.device)
     lps = torch.empty(B, dtype=torch.float32, device=logits.device) if processed else None
     for a, b, noise, x in _vocab_noise_chunks(keys, positions, V, batched):
@@ -192,6 +200,52 @@ def _race_plain(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
             torch.argmax(torch.sub(x, noise, out=noise), dim=-1, out=tokens[a:b])  # x - log E
         if lps is not None:
             lps[a:b] = x.gather(1, tokens[a:b, None])[:, 0] - _logsumexp_rows(x)
+    return tokens, lps
+
+
+_RACE_CAP = 4096  # candidates per row before a row races its whole vocabulary
+
+
+def _race_candidates(kernels, logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
+                     positions: torch.Tensor, processed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """_race_plain on CPU with the compiled kernels: the same tokens and logprobs, with the
+    race's two float64 logs (most of its time: 15 of a 333 ms step on the RL shape) taken for
+    the tokens that can win only.
+
+    Per row: q = logits / T (float32, as _race_plain divides), v0 = argmax q and s0 = its race
+    score (race_noise: the same uniform and operations). The winner scores at least s0, so
+    the compiled pass (sampling_ops.cpp, batchgen_race_candidates) lists, in token order,
+    every token whose uniform can lift it to s0: typically a few hundred of a 49k vocabulary.
+    Their scores are computed as _race_plain computes every token's (float64(q) - log(-log
+    u)), and the first maximum wins, as torch.argmax picks it over the whole row. A row with
+    more than _RACE_CAP candidates (a nearly flat distribution) or a non-finite s0 races its
+    whole vocabulary instead. Each row's arithmetic is its own, so batching cannot change it.
+    """
+    B, V = logits.shape
+    threads = torch.get_num_threads()
+    q = logits / temperature[:, None]  # float32 division, then exact widening where compared
+    keys, positions = keys.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+    v0 = torch.argmax(q, dim=-1)
+    s0 = q.gather(1, v0[:, None])[:, 0].double() - race_noise(keys, positions, v0[:, None])[:, 0]
+    idx, u, count = kernels.race_candidates(_token_hash(V, logits.device), keys, positions, q, s0.contiguous(),
+                                            _RACE_CAP, threads)
+    full = (count > _RACE_CAP) | ~torch.isfinite(s0)
+    c = max(1, int(count.clamp(max=_RACE_CAP).max()))
+    pad = torch.arange(c) >= count[:, None]
+    idx, u = idx[:, :c].masked_fill(pad, 0), u[:, :c].masked_fill(pad, 0.5)
+    scores = q.gather(1, idx).double() - u.log_().neg_().log_()  # x - log E, as _race_plain
+    tokens = idx.gather(1, torch.argmax(scores.masked_fill_(pad, -torch.inf), dim=-1)[:, None])[:, 0]
+    if bool(full.any()):
+        rows = full.nonzero()[:, 0]
+        tokens[rows] = _race_plain(logits[rows], temperature[rows], keys[rows], positions[rows], False,
+                                   whole_vocabulary=True)[0]
+    lps = None
+    if processed:
+        lps = torch.empty(B, dtype=torch.float32)
+        step = max(1, _CHUNK // V)
+        for a in range(0, B, step):
+            x = q[a:a + step].double()
+            lps[a:a + step] = x.gather(1, tokens[a:a + step, None])[:, 0] - _logsumexp_rows(x)
     return tokens, lps
 
 
@@ -233,7 +287,8 @@ def sample_with_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k:
 
     Cost: one top-k (or, without top_k, one sort when top_p/min_p is on) over the vocabulary
     and the rest over the K candidates, except plain sampling, which races the whole
-    vocabulary without sorting.
+    vocabulary without sorting (on CPU, its logs taken only for the tokens that can win:
+    _race_candidates).
 
     batched: the GPU path (None: on any device but the CPU). The CPU path works in
     cache-sized chunks of rows (3 rows of a 152k vocabulary per chunk of about 70

@@ -236,3 +236,48 @@ def test_race_noise_is_stable_and_shared_ids_hash_the_same():
                             [1.213688908191209, 1.8066017905482934, 0.5279359020829093]]
     shared = torch.arange(300)
     assert torch.equal(race_noise(keys, pos, shared), race_noise(keys, pos, shared.expand(2, 300).contiguous()))
+
+
+@pytest.mark.parametrize("V", [3001, 49152])
+def test_race_over_candidates_picks_the_whole_vocabularys_token(V, monkeypatch):
+    """On CPU the whole-vocabulary race takes its two logs only for the tokens that can win
+    (engine/sampling.py _race_candidates, sampling_ops.cpp batchgen_race_candidates): its
+    tokens and processed logprobs equal the race over every token, bit for bit, for rows
+    shaped as a model's logits (a few hundred candidates of the vocabulary), nearly flat rows
+    (too many candidates: they race the whole vocabulary), rows with -inf entries, exact ties
+    at the top, a single finite logit, and temperatures from 0.3 to 2."""
+    from engine.kernels.native import native_kernels
+    from engine.sampling import _race_plain, _token_hash, race_noise
+
+    kernels = native_kernels()
+    if kernels is None:
+        pytest.skip("the compiled kernels are unavailable here")
+    g = torch.Generator().manual_seed(V)
+    B = 40
+    logits = torch.randn(B, V, generator=g) * 3 + torch.randn(B, 1, generator=g)
+    logits[:8] = torch.randn(8, V, generator=g) * 1e-3  # nearly flat
+    logits[8:12, ::3] = -torch.inf
+    logits[12:16, 5] = logits[12:16, 9] = logits[12:16].amax(dim=-1) + 0.5  # a tie at the top
+    logits[16] = -torch.inf
+    logits[16, 77] = 1.0
+    temperature = torch.linspace(0.3, 2.0, B)
+    keys = torch.tensor([request_key(3, f"p{b}", b) for b in range(B)], dtype=torch.long)
+    pos = torch.arange(B, dtype=torch.long) * 97
+    import engine.sampling as S
+
+    if V < 4096:
+        monkeypatch.setattr(S, "_RACE_CAP", 1024)  # so that the flat rows overflow here too
+    for processed in (False, True):
+        want = _race_plain(logits, temperature, keys, pos, processed, whole_vocabulary=True)
+        got = _race_plain(logits, temperature, keys, pos, processed)
+        assert torch.equal(got[0], want[0])
+        assert processed == (got[1] is not None) and (not processed or torch.equal(got[1], want[1]))
+        for b in (0, 13, 16, 39):  # a row alone gets its bits in the batch
+            one = _race_plain(logits[b:b + 1], temperature[b:b + 1], keys[b:b + 1], pos[b:b + 1], processed)
+            assert torch.equal(one[0], got[0][b:b + 1])
+    q = logits / temperature[:, None]
+    v0 = q.argmax(dim=-1)
+    s0 = q.gather(1, v0[:, None])[:, 0].double() - race_noise(keys, pos, v0[:, None])[:, 0]
+    _, _, count = kernels.race_candidates(_token_hash(V, torch.device("cpu")), keys, pos, q, s0, S._RACE_CAP, 2)
+    assert (count[:8] == S._RACE_CAP + 1).all()  # flat rows overflow to the whole vocabulary
+    assert count[17:].float().mean() < V / 10, count[17:]  # shaped rows keep a small part

@@ -129,6 +129,9 @@ class NativeKernels:
         self._race_uniforms = lib.batchgen_race_uniforms
         self._race_uniforms.argtypes = [_p, _i64, _p, _p, _i64, _p, _i64, _int]
         self._race_uniforms.restype = None
+        self._race_candidates = lib.batchgen_race_candidates
+        self._race_candidates.argtypes = [_p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _p, _p, _p, _int]
+        self._race_candidates.restype = None
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
         """gemm.cpp's packed form of weight (N, K) float32 or bfloat16 (K even for bfloat16;
@@ -285,6 +288,23 @@ class NativeKernels:
         _call("batchgen::race_uniforms", self._race_uniforms, first.data_ptr(), V, keys.data_ptr(),
               positions.data_ptr(), B, out.data_ptr(), out.stride(0), threads)
         return out
+
+    def race_candidates(self, first: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
+                        s0: torch.Tensor, cap: int, threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tokens of B rows that can win the whole-vocabulary race (csrc/sampling_ops.cpp,
+        batchgen_race_candidates): q (B, V) float32 with contiguous rows (logits / temperature),
+        s0 (B,) float64 (one token's race score per row), first, keys, positions as
+        race_uniforms. Returns (idx (B, cap) int64, u (B, cap) float64, count (B,) int64): row
+        b's candidates idx[b, :count[b]] in increasing order and their uniforms; count[b] =
+        cap + 1 where more than cap (the rest of that row is not written)."""
+        B, V = q.shape
+        idx = torch.empty(B, cap, dtype=torch.int64)
+        u = torch.empty(B, cap, dtype=torch.float64)
+        count = torch.empty(B, dtype=torch.int64)
+        _call("batchgen::race_candidates", self._race_candidates, first.data_ptr(), V, keys.data_ptr(),
+              positions.data_ptr(), q.data_ptr(), q.stride(0), s0.data_ptr(), B, cap, idx.data_ptr(), u.data_ptr(),
+              count.data_ptr(), threads)
+        return idx, u, count
 
     def logsumexp(self, x: torch.Tensor, threads: int) -> torch.Tensor:
         """torch.logsumexp(x, -1) of x (B, V) float32 with contiguous rows: (B,) float32."""

@@ -303,6 +303,122 @@ void batchgen_race_uniforms(const int32_t* first, int64_t V, const int64_t* keys
     }
 }
 
+// The tokens of B rows that can win the whole-vocabulary race (engine/sampling.py,
+// _race_candidates), so that the race's two float64 logs run on them alone. Token v of row b
+// scores x[v] - log(-log u[v]) (x = the row's float32 q widened; u as batchgen_race_uniforms),
+// and s0[b] is one token's score: the winner scores at least s0, and -log(-log u) rises with
+// u, so a token at d = s0 - x[v] can reach s0 only if u[v] >= exp(-exp(-d)). The test runs on
+// the integer hash against a table of that bound (kRaceTable: d in steps of 1/16, each
+// bucket's bound at its low end, lowered by a relative 1e-9 and one step, d taken 1e-6
+// lower): it keeps every token that can win, and a few that cannot. No token scores above
+// x[v] + 22.87 (u < 1 - 2^-33), so d > 23.5 is never kept. Writes row b's candidates in
+// increasing token order (idx at idx + b * cap, their u at u + b * cap) while they fit, and
+// their number to count[b]; a row with more than cap stops there (count[b] = cap + 1) and
+// the caller races its whole vocabulary instead.
+struct RaceTable {
+    static constexpr double kLow = -8.0, kPerUnit = 16.0;  // buckets of d: 1/16 wide from -8
+    static constexpr int kN = (int)((23.5 - kLow) * kPerUnit);
+    static constexpr double kShift = kLow + 1e-6;  // bucket(d) = floor((d - kShift) * 16): d taken 1e-6 lower
+    uint32_t h[kN];  // a token in bucket k can win only if its hash >= h[k]
+    RaceTable() : h() {
+        for (int k = 0; k < kN; k++) {
+            const double t = std::exp(-std::exp(-(kLow + k / kPerUnit))) * 0x1p32 * (1.0 - 1e-9) - 0.5;
+            h[k] = t <= 1.0 ? 0 : (uint32_t)std::min(t - 1.0, 4294967295.0);
+        }
+    }
+};
+static const RaceTable kRaceTable;
+
+// d's bucket clamped to [-1, kN] (-1: always kept, kN: never); NaN gives -1 (kept).
+inline double race_bucket(double s, float x) {
+    const double t = std::floor((s - (double)x - RaceTable::kShift) * RaceTable::kPerUnit);
+    if (t != t) return -1.0;
+    return std::max(-1.0, std::min((double)RaceTable::kN, t));
+}
+
+// 8 lanes of mix32.
+inline __m256i mix32x8(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bu));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// 4 buckets of race_bucket's, as int32: the same arithmetic (exact conversion, subtraction,
+// multiplication by 16, floor), NaN to -1.
+inline __m128i race_buckets4(__m256d s, __m128 x) {
+    const __m256d t = _mm256_floor_pd(_mm256_mul_pd(_mm256_sub_pd(_mm256_sub_pd(s, _mm256_cvtps_pd(x)),
+                                                                  _mm256_set1_pd(RaceTable::kShift)),
+                                                    _mm256_set1_pd(RaceTable::kPerUnit)));
+    // min(kN, t), then max(-1, .): each returns its second operand where one is NaN, so NaN
+    // stays NaN, and NaN converts to INT_MIN (< 0: kept)
+    const __m256d c = _mm256_max_pd(_mm256_set1_pd(-1.0), _mm256_min_pd(_mm256_set1_pd(RaceTable::kN), t));
+    return _mm256_cvttpd_epi32(c);
+}
+
+void batchgen_race_candidates(const int32_t* first, int64_t V, const int64_t* keys, const int64_t* positions,
+                              const float* q, int64_t q_ld, const double* s0, int64_t B, int64_t cap, int64_t* idx,
+                              double* u, int64_t* count, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (B > 1)
+    for (int64_t b = 0; b < B; b++) {
+        const uint32_t p = (uint32_t)positions[b], k1 = (uint32_t)keys[2 * b + 1], k0 = (uint32_t)keys[2 * b];
+        const float* row = q + b * q_ld;
+        int64_t* ib = idx + b * cap;
+        double* ub = u + b * cap;
+        const double s = s0[b];
+        int64_t n = 0;
+        auto keep = [&](int64_t v, uint32_t h) {  // false once the row overflows
+            if (n == cap) {
+                n = cap + 1;
+                return false;
+            }
+            ib[n] = v;
+            ub[n] = ((double)h + 0.5) * 0x1p-32;
+            n++;
+            return true;
+        };
+        // 8 tokens at a time: buckets, hashes and the test in vectors, the rare kept ones
+        // written in token order
+        const __m256d sv = _mm256_set1_pd(s);
+        const __m256i pv = _mm256_set1_epi32((int)p), k1v = _mm256_set1_epi32((int)k1),
+                      k0v = _mm256_set1_epi32((int)k0), top = _mm256_set1_epi32(RaceTable::kN - 1),
+                      zero = _mm256_setzero_si256(), nv = _mm256_set1_epi32(RaceTable::kN);
+        int64_t v = 0;
+        bool open = true;
+        for (; open && v + 8 <= V; v += 8) {
+            const __m256 x = _mm256_loadu_ps(row + v);
+            const __m256i k = _mm256_set_m128i(race_buckets4(sv, _mm256_extractf128_ps(x, 1)),
+                                               race_buckets4(sv, _mm256_castps256_ps128(x)));
+            const __m256i reach = _mm256_cmpgt_epi32(nv, k);  // k < kN
+            if (_mm256_testz_si256(reach, reach)) continue;  // all out of reach: no hash needed
+            const __m256i f = _mm256_loadu_si256((const __m256i*)(first + v));
+            const __m256i h = mix32x8(_mm256_xor_si256(
+                mix32x8(_mm256_xor_si256(mix32x8(_mm256_xor_si256(f, pv)), k1v)), k0v));
+            const __m256i thr = _mm256_i32gather_epi32((const int*)kRaceTable.h,
+                                                       _mm256_min_epi32(_mm256_max_epi32(k, zero), top), 4);
+            const __m256i above = _mm256_cmpeq_epi32(_mm256_max_epu32(h, thr), h);  // h >= thr, unsigned
+            const __m256i kept = _mm256_or_si256(_mm256_cmpgt_epi32(zero, k), _mm256_and_si256(reach, above));
+            unsigned mask = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(kept));
+            if (mask == 0) continue;
+            alignas(32) uint32_t hs[8];
+            _mm256_store_si256((__m256i*)hs, h);
+            for (; mask != 0 && open; mask &= mask - 1) {
+                const int j = __builtin_ctz(mask);
+                open = keep(v + j, hs[j]);
+            }
+        }
+        for (; open && v < V; v++) {
+            const double k = race_bucket(s, row[v]);
+            if (k >= RaceTable::kN) continue;
+            const uint32_t h = mix32(mix32(mix32((uint32_t)first[v] ^ p) ^ k1) ^ k0);
+            if (k >= 0 && h < kRaceTable.h[(int)k]) continue;
+            open = keep(v, h);
+        }
+        count[b] = n;
+    }
+}
+
 // out[b] = log(sum(exp(row b))) for B rows of x (row b at x + b * ld, V floats).
 void batchgen_logsumexp(const float* x, int64_t B, int64_t V, int64_t ld, float* out, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (B > 1)
