@@ -258,6 +258,49 @@ inline uint32_t mix32(uint32_t x) {
     return x;
 }
 
+// batchgen_race_candidates' bound: see there.
+struct RaceTable {
+    static constexpr double kLow = -8.0, kPerUnit = 16.0;  // buckets of d: 1/16 wide from -8
+    static constexpr int kN = (int)((23.5 - kLow) * kPerUnit);
+    static constexpr double kShift = kLow + 1e-6;  // bucket(d) = floor((d - kShift) * 16): d taken 1e-6 lower
+    uint32_t h[kN];  // a token in bucket k can win only if its hash >= h[k]
+    RaceTable() : h() {
+        for (int k = 0; k < kN; k++) {
+            const double t = std::exp(-std::exp(-(kLow + k / kPerUnit))) * 0x1p32 * (1.0 - 1e-9) - 0.5;
+            h[k] = t <= 1.0 ? 0 : (uint32_t)std::min(t - 1.0, 4294967295.0);
+        }
+    }
+};
+static const RaceTable kRaceTable;
+
+// d's bucket clamped to [-1, kN] (-1: always kept, kN: never); NaN gives -1 (kept).
+inline double race_bucket(double s, float x) {
+    const double t = std::floor((s - (double)x - RaceTable::kShift) * RaceTable::kPerUnit);
+    if (t != t) return -1.0;
+    return std::max(-1.0, std::min((double)RaceTable::kN, t));
+}
+
+// 8 lanes of mix32.
+inline __m256i mix32x8(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bu));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// 4 buckets of race_bucket's, as int32: the same arithmetic (exact conversion, subtraction,
+// multiplication by 16, floor), NaN to -1.
+inline __m128i race_buckets4(__m256d s, __m128 x) {
+    const __m256d t = _mm256_floor_pd(_mm256_mul_pd(_mm256_sub_pd(_mm256_sub_pd(s, _mm256_cvtps_pd(x)),
+                                                                  _mm256_set1_pd(RaceTable::kShift)),
+                                                    _mm256_set1_pd(RaceTable::kPerUnit)));
+    // min(kN, t), then max(-1, .): each returns its second operand where one is NaN, so NaN
+    // stays NaN, and NaN converts to INT_MIN (< 0: kept)
+    const __m256d c = _mm256_max_pd(_mm256_set1_pd(-1.0), _mm256_min_pd(_mm256_set1_pd(RaceTable::kN), t));
+    return _mm256_cvttpd_epi32(c);
+}
+
 }  // namespace
 
 extern "C" {
@@ -315,48 +358,6 @@ void batchgen_race_uniforms(const int32_t* first, int64_t V, const int64_t* keys
 // increasing token order (idx at idx + b * cap, their u at u + b * cap) while they fit, and
 // their number to count[b]; a row with more than cap stops there (count[b] = cap + 1) and
 // the caller races its whole vocabulary instead.
-struct RaceTable {
-    static constexpr double kLow = -8.0, kPerUnit = 16.0;  // buckets of d: 1/16 wide from -8
-    static constexpr int kN = (int)((23.5 - kLow) * kPerUnit);
-    static constexpr double kShift = kLow + 1e-6;  // bucket(d) = floor((d - kShift) * 16): d taken 1e-6 lower
-    uint32_t h[kN];  // a token in bucket k can win only if its hash >= h[k]
-    RaceTable() : h() {
-        for (int k = 0; k < kN; k++) {
-            const double t = std::exp(-std::exp(-(kLow + k / kPerUnit))) * 0x1p32 * (1.0 - 1e-9) - 0.5;
-            h[k] = t <= 1.0 ? 0 : (uint32_t)std::min(t - 1.0, 4294967295.0);
-        }
-    }
-};
-static const RaceTable kRaceTable;
-
-// d's bucket clamped to [-1, kN] (-1: always kept, kN: never); NaN gives -1 (kept).
-inline double race_bucket(double s, float x) {
-    const double t = std::floor((s - (double)x - RaceTable::kShift) * RaceTable::kPerUnit);
-    if (t != t) return -1.0;
-    return std::max(-1.0, std::min((double)RaceTable::kN, t));
-}
-
-// 8 lanes of mix32.
-inline __m256i mix32x8(__m256i x) {
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bu));
-    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-}
-
-// 4 buckets of race_bucket's, as int32: the same arithmetic (exact conversion, subtraction,
-// multiplication by 16, floor), NaN to -1.
-inline __m128i race_buckets4(__m256d s, __m128 x) {
-    const __m256d t = _mm256_floor_pd(_mm256_mul_pd(_mm256_sub_pd(_mm256_sub_pd(s, _mm256_cvtps_pd(x)),
-                                                                  _mm256_set1_pd(RaceTable::kShift)),
-                                                    _mm256_set1_pd(RaceTable::kPerUnit)));
-    // min(kN, t), then max(-1, .): each returns its second operand where one is NaN, so NaN
-    // stays NaN, and NaN converts to INT_MIN (< 0: kept)
-    const __m256d c = _mm256_max_pd(_mm256_set1_pd(-1.0), _mm256_min_pd(_mm256_set1_pd(RaceTable::kN), t));
-    return _mm256_cvttpd_epi32(c);
-}
-
 void batchgen_race_candidates(const int32_t* first, int64_t V, const int64_t* keys, const int64_t* positions,
                               const float* q, int64_t q_ld, const double* s0, int64_t B, int64_t cap, int64_t* idx,
                               double* u, int64_t* count, int threads) {
