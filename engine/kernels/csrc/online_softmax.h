@@ -33,12 +33,9 @@ inline void softmax_steps(float* s, int n, float* const* m, float* const* l, flo
     __m256 x[NQ][4];
     for (int qi = 0; qi < NQ; qi++) {
         for (int j = 0; j < 4; j++) x[qi][j] = _mm256_blendv_ps(ninf, _mm256_load_ps(s + qi * KB + 8 * j), valid[j]);
-        __m256 mx = _mm256_max_ps(_mm256_max_ps(x[qi][0], x[qi][1]), _mm256_max_ps(x[qi][2], x[qi][3]));
-        mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
-        mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4e));
-        mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xb1));
+        const float mx = hmax8(_mm256_max_ps(_mm256_max_ps(x[qi][0], x[qi][1]), _mm256_max_ps(x[qi][2], x[qi][3])));
         mold[qi] = *m[qi];
-        mnew[qi] = std::max(mold[qi], _mm256_cvtss_f32(mx));
+        mnew[qi] = std::max(mold[qi], mx);
     }
     // exp(m - m') per query, -inf - m' clamped like any score (and replaced by 0 below)
     alignas(32) float c[8];

@@ -37,6 +37,7 @@
 namespace {
 
 using batchgen::exp8;
+using batchgen::hmax8;
 using batchgen::hsum8;
 
 constexpr int KB = 32;  // keys per block: 4 vectors of 8 lanes
@@ -101,12 +102,8 @@ inline void update(Row& row, float* s, int64_t a, const T* V, int64_t ldv, float
     if (first > 0 || last < KB - 1)  // a block at the window's start or the row's diagonal
         for (int64_t j = 0; j < KB; j++)
             if (j < first || j > last) s[j] = -INFINITY;
-    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_loadu_ps(s), _mm256_loadu_ps(s + 8)),
-                              _mm256_max_ps(_mm256_loadu_ps(s + 16), _mm256_loadu_ps(s + 24)));
-    mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
-    mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4e));
-    mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xb1));
-    const float bm = _mm256_cvtss_f32(mx);
+    const float bm = hmax8(_mm256_max_ps(_mm256_max_ps(_mm256_loadu_ps(s), _mm256_loadu_ps(s + 8)),
+                                         _mm256_max_ps(_mm256_loadu_ps(s + 16), _mm256_loadu_ps(s + 24))));
     const float mnew = std::max(row.m, bm);
     const __m256 mv = _mm256_set1_ps(mnew);
     __m256 sum = _mm256_setzero_ps();

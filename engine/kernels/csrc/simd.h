@@ -127,6 +127,15 @@ inline void transpose8(__m256 (&r)[8]) {
     }
 }
 
+// The largest of 8 floats (a max tree in registers; max is exact, so any order gives the
+// same value for ordered inputs).
+inline float hmax8(__m256 v) {
+    v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 1));
+    v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0x4e));
+    v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0xb1));
+    return _mm256_cvtss_f32(v);
+}
+
 inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -159,7 +168,8 @@ inline void store_part(float* p, __m256 v, int64_t n) {
     for (int64_t i = 0; i < n; i++) p[i] = b[i];
 }
 
-// One ISA's float vector for kernels written once for both widths (gemm.cpp, attention_bf16.h):
+// One ISA's float vector for kernels written once for both widths (gemm.cpp, attention_bf16.h,
+// attention_f32.h):
 // 16 lanes with AVX-512, 8 with AVX2; loads and stores unaligned.
 namespace vec {
 #if defined(__AVX512F__)
