@@ -13,7 +13,7 @@ ratio bfloat16 / float32, and auto against the faster of the two, with the reaso
 (engine/kernels/native.py, `bfloat16_is_faster`).
 
     python bench/bench_dtypes.py [--workload smollm2|rl|both] [--threads 2] [--data ../shared/data]
-                                 [--model smollm2] [--dtypes float32,bfloat16,auto]
+                                 [--model smollm2] [--dtypes float32,bfloat16,auto] [--no-prefix-caching]
 
 --model: another checkpoint of the same tokenizer (a directory or file `load_engine` reads), for
 example SmolLM2's architecture with random weights where the GGUF cannot be installed;
@@ -53,19 +53,22 @@ def workload(name: str, data: Path) -> tuple[list[str], dict]:
             dict(num_samples=16, max_tokens=256, temperature=1.0, top_k=0, seed=0))
 
 
-def run(dtype: str, messages: list[str], params: dict, model: str = "smollm2") -> tuple[float, list, str]:
+def run(dtype: str, messages: list[str], params: dict, model: str = "smollm2",
+        prefix_caching: bool = True) -> tuple[float, list, str]:
     """(tokens/s, every sample's tokens, the engine's resolved dtype) of one engine run."""
     from engine import SamplingParams, load_engine
 
-    eng = load_engine(model, device="cpu", dtype=dtype)
+    eng = load_engine(model, device="cpu", dtype=dtype, prefix_caching=prefix_caching)
     prompts = [eng.tokenizer.render_chat([{"role": "user", "content": m}]) for m in messages]
     eng.generate([prompts[0][:16]], SamplingParams(max_tokens=2))  # warm-up (weights packed)
+    computed0 = eng.num_prefill_tokens
     t0 = time.perf_counter()
     res = eng.generate(prompts, SamplingParams(**params))
     dt = time.perf_counter() - t0
     n = sum(len(s.tokens) for row in res for s in row)
     resolved = str(eng.dtype).replace("torch.", "")
-    print(f"  {dtype:8s} ({resolved}): {n} tokens in {dt:.1f} s = {n / dt:.1f} tokens/s", flush=True)
+    print(f"  {dtype:8s} ({resolved}): {n} tokens in {dt:.1f} s = {n / dt:.1f} tokens/s (prefill "
+          f"{eng.num_prefill_tokens - computed0} prompt tokens, {eng.num_cached_prompt_tokens} cached)", flush=True)
     tokens = [[s.tokens for s in row] for row in res]
     del eng, res
     gc.collect()
@@ -79,6 +82,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=SHARED)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtypes", default=None, help="comma-separated; each once")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="every prompt prefilled whole (for comparison)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(describe())
@@ -96,7 +100,7 @@ def main() -> None:
         order = (args.dtypes.split(",") if args.dtypes else
                  ("float32", "bfloat16", "auto", "bfloat16", "float32"))
         for dtype in order:
-            rate, toks, resolved[dtype] = run(dtype, messages, params, args.model)
+            rate, toks, resolved[dtype] = run(dtype, messages, params, args.model, not args.no_prefix_caching)
             rates.setdefault(dtype, []).append(rate)
             if dtype in tokens:
                 assert toks == tokens[dtype], f"{dtype}: the two runs gave different tokens"

@@ -14,7 +14,9 @@ Systems (--systems picks a subset):
   int8).
 llama.cpp runs through llama-cpp-python's bindings of llama.h (see LlamaBatched): each prompt
 prefilled once into one sequence, its KV copied to its samples' sequences (`llama_memory_seq_cp`),
-then one token per live sample per `llama_decode` call, all 128 samples of a workload in one
+a prompt that begins like an earlier one taking that prompt's KV for their common prefix and
+prefilling only the rest (as batchgen's prefix caching does; --llama-no-prefix-reuse prefills
+every prompt whole), then one token per live sample per `llama_decode` call, all 128 samples of a workload in one
 batch, each sample with its own sampler chain (top-k, temperature, seeded dist), 2 threads for
 prefill and decode. CTranslate2 gets `generate_batch(num_hypotheses=num_samples)`, which
 forwards each prompt once and repeats its state for the hypotheses, over all prompts at once or
@@ -47,7 +49,7 @@ greedy generation (`Llama.generate`) on the same ids, for both GGUF files, and e
 
     python bench/bench_peers.py [--workload smollm2|rl|both] [--systems llama-f32,llama-q4_1,ct2-f32,ct2-int8,batchgen]
                                 [--threads 2] [--prompts N] [--max-tokens N] [--dtype auto] [--cache-dir DIR]
-                                [--llama-kv split|unified] [--ct2-batch N] [--check]
+                                [--llama-kv split|unified] [--llama-no-prefix-reuse] [--ct2-batch N] [--check]
 """
 from __future__ import annotations
 
@@ -202,10 +204,13 @@ class LlamaBatched:
     sequences on bench_smollm2's workload that ran more than ten times slower than split.
     """
 
-    def __init__(self, path: Path, threads: int, max_seqs: int, n_ctx: int, n_batch: int, kv: str = "split"):
+    def __init__(self, path: Path, threads: int, max_seqs: int, n_ctx: int, n_batch: int, kv: str = "split",
+                 prefix_reuse: bool = True):
         import llama_cpp as L
 
         self.L, self.kv, self.max_seqs = L, kv, max_seqs
+        self.prefix_reuse = prefix_reuse and kv == "split"
+        self.reused = 0  # prompt positions copied from another prompt's stream instead of prefilled
         L.llama_backend_init()
         self.model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
         if not self.model:
@@ -307,14 +312,27 @@ class LlamaBatched:
 
             # Prefill. Unified: as many whole prompts per call as n_batch holds (their sequences
             # do not see each other). Split: one prompt per call, since a split batch needs the
-            # same number of tokens from every sequence in it.
+            # same number of tokens from every sequence in it; with prefix_reuse a prompt that
+            # begins like an earlier prompt of the group takes that prompt's stream (a split
+            # cache copies whole streams), drops the cells past their common prefix and is
+            # prefilled from there (batchgen's prefix caching, engine/prefix_cache.py).
             i = 0
             while i < len(group):
                 entries, lasts = [], []
                 while i < len(group) and (not entries or (self.kv == "unified" and
                                                           len(entries) + len(group[i]) <= self.n_batch)):
                     p, seq0 = group[i], i * num_samples
-                    entries += [(t, pos, seq0, pos == len(p) - 1) for pos, t in enumerate(p)]
+                    start = 0
+                    if self.prefix_reuse and i > 0:
+                        common = [next((k for k, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
+                                  for q in group[:i]]
+                        j = max(range(i), key=common.__getitem__)
+                        start = min(common[j], len(p) - 1)
+                        if start > 0:
+                            L.llama_memory_seq_cp(self.mem, j * num_samples, seq0, -1, -1)
+                            L.llama_memory_seq_rm(self.mem, seq0, start, -1)
+                            self.reused += start
+                    entries += [(t, pos, seq0, pos == len(p) - 1) for pos, t in enumerate(p) if pos >= start]
                     lasts.append((i, len(entries) - 1))
                     i += 1
                 self._decode(entries)
@@ -350,7 +368,8 @@ def llama_runner(path: Path, wl: Workload, args) -> LlamaBatched:
     else:  # a stream per sequence, each holding the longest prompt and its new tokens
         n_ctx = n_seqs * (-(-(longest + wl.max_tokens) // 256) * 256)
     n_batch = max(512, n_seqs, longest)
-    return LlamaBatched(path, args.threads, n_seqs, n_ctx, n_batch, kv=args.llama_kv)
+    return LlamaBatched(path, args.threads, n_seqs, n_ctx, n_batch, kv=args.llama_kv,
+                        prefix_reuse=not args.llama_no_prefix_reuse)
 
 
 def run_llama(name: str, path: Path, wl: Workload, args) -> tuple[int, float]:
@@ -359,8 +378,11 @@ def run_llama(name: str, path: Path, wl: Workload, args) -> tuple[int, float]:
     try:
         runner.generate([wl.prompts[0][:16]], 2, 4, wl.top_k, 1.0, wl.stop, seed=1234)  # warm-up
         t0 = time.perf_counter()
+        reused = runner.reused
         res = runner.generate(wl.prompts, wl.num_samples, wl.max_tokens, wl.top_k, 1.0, wl.stop, seed=0)
         dt = time.perf_counter() - t0
+        if runner.prefix_reuse:
+            print(f"  {name}: {runner.reused - reused} prompt positions copied from an earlier prompt's stream")
     finally:
         runner.close()
     return sum(count_generated(s, wl.stop, wl.max_tokens) for row in res for s in row), dt
@@ -485,6 +507,9 @@ def main() -> None:
     ap.add_argument("--llama-kv", choices=("unified", "split"), default="split",
                     help="llama.cpp's KV layout (see LlamaBatched)")
     ap.add_argument("--llama-seqs", type=int, default=128, help="llama.cpp sequences decoded together")
+    ap.add_argument("--llama-no-prefix-reuse", action="store_true",
+                    help="llama.cpp prefills every prompt whole (default: a prompt copies the common prefix of "
+                         "an earlier one in its group, as batchgen's prefix caching does)")
     ap.add_argument("--ct2-batch", type=int, default=0,
                     help="CTranslate2's max_batch_size in prompts (0: all prompts in one batch)")
     ap.add_argument("--check", action="store_true", help="check llama.cpp's batched driver against greedy, and exit")

@@ -1,5 +1,5 @@
 """RL-rollout shape: long shared prompts, many samples each. transformers vs batchgen with
-shared-prefix attention off and on, in one run.
+shared-prefix attention off and on, and prefix caching across prompts off and on, in one run.
 
 Workload (issue #10): SmolLM2-135M-Instruct (`smollm2`, the GGUF file dequantized to fp32),
 2 CPU threads; 8 GSM8K test questions, each behind the same 8-shot prefix of the first 8
@@ -7,10 +7,12 @@ GSM8K train problems with their worked answers (about 900 tokens), rendered with
 chat template; num_samples=16, max_tokens=256, temperature 1 (no top-k / top-p).
 - transformers: the same GGUF file (`from_pretrained(dir, gguf_file=..., dtype=float32)`),
   `generate(num_return_sequences=16)` per prompt (16 rows of one prompt, no padding);
-- batchgen with prefix_sharing=False: every sample attends over its own copy of its prompt's
-  KV (the engine before issue #10, with its memory by need);
-- batchgen with prefix_sharing=True (the default): each prompt's KV stored once and read once
-  per step for all 16 samples.
+- batchgen with prefix_sharing=False, prefix_caching=False: every sample attends over its own
+  copy of its prompt's KV (the engine before issue #10, with its memory by need);
+- batchgen with prefix_sharing=True, prefix_caching=False: each prompt's KV stored once and
+  read once per step for all 16 samples;
+- batchgen with both on (the defaults): the 8 prompts' common 8-shot prefix is prefilled once
+  and copied to the others (engine/prefix_cache.py).
 All count generated tokens up to the end-of-turn token. For each engine run it prints the
 rate, the most KV memory reserved at once and the reserved KV bytes per running sample
 (averaged over decode steps), and at the end the ratios. Machines are noisy: compare ratios
@@ -77,8 +79,8 @@ def main() -> None:
     rates, kv = {}, {}
     prompts: list[list[int]] = []
     stop: list[int] = []
-    for sharing in (False, True):
-        eng = load_engine("smollm2", device="cpu", dtype=args.dtype, prefix_sharing=sharing)
+    for sharing, caching in ((False, False), (True, False), (True, True)):
+        eng = load_engine("smollm2", device="cpu", dtype=args.dtype, prefix_sharing=sharing, prefix_caching=caching)
         if not prompts:
             tok = eng.tokenizer
             prompts = [tok.render_chat([{"role": "user", "content": f"{prefix}Question: {q}\nAnswer:"}])
@@ -93,17 +95,21 @@ def main() -> None:
                                 seed=0)
         eng.generate([prompts[0][:16]], SamplingParams(max_tokens=2))  # warm-up (weights packed)
         eng.reset_kv_stats()
+        computed = eng.num_prefill_tokens
         t0 = time.perf_counter()
         res = eng.generate(prompts, params)
         dt = time.perf_counter() - t0
         n = sum(len(s.tokens) for row in res for s in row)
-        rates[sharing] = n / dt
-        kv[sharing] = (eng.peak_kv_bytes, eng.kv_bytes_per_running_sample())
-        print(f"batchgen prefix_sharing={sharing}: {n} tokens in {dt:.1f} s = {n / dt:.1f} tokens/s; KV: peak "
-              f"{kv[sharing][0] / 2**20:.0f} MiB reserved, {kv[sharing][1] / 2**20:.1f} MiB per running sample "
-              f"(budget {eng.kv_capacity_bytes / 2**30:.1f} GiB)")
+        key = (sharing, caching)
+        rates[key] = n / dt
+        kv[key] = (eng.peak_kv_bytes, eng.kv_bytes_per_running_sample())
+        print(f"batchgen prefix_sharing={sharing} prefix_caching={caching}: {n} tokens in {dt:.1f} s = "
+              f"{n / dt:.1f} tokens/s; prompt tokens prefilled {eng.num_prefill_tokens - computed}, copied "
+              f"{eng.num_cached_prompt_tokens}; KV: peak {kv[key][0] / 2**20:.0f} MiB reserved, "
+              f"{kv[key][1] / 2**20:.1f} MiB per running sample (budget {eng.kv_capacity_bytes / 2**30:.1f} GiB)")
         del eng, res
-    print(f"ratio (prefix_sharing on / off tokens/s): {rates[True] / rates[False]:.2f}x")
+    print(f"ratio (prefix_sharing on / off tokens/s): {rates[True, False] / rates[False, False]:.2f}x; "
+          f"(prefix_caching on / off, sharing on): {rates[True, True] / rates[True, False]:.2f}x")
     if args.skip_hf:
         return
 
@@ -128,8 +134,9 @@ def main() -> None:
     rate_hf = n_hf / dt_hf
     print(f"transformers generate(num_return_sequences={args.num_samples}): {n_hf} tokens in {dt_hf:.1f} s = "
           f"{rate_hf:.1f} tokens/s")
-    for sharing in (False, True):
-        print(f"ratio (batchgen prefix_sharing={sharing} / transformers tokens/s): {rates[sharing] / rate_hf:.2f}x")
+    for (sharing, caching), rate in rates.items():
+        print(f"ratio (batchgen prefix_sharing={sharing} prefix_caching={caching} / transformers tokens/s): "
+              f"{rate / rate_hf:.2f}x")
 
 
 if __name__ == "__main__":

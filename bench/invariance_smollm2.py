@@ -1,7 +1,9 @@
 """Batch invariance on a real model, measured: SmolLM2-135M-Instruct on 12 GSM8K chat prompts x
 4 samples x 48 tokens (temperature 1, top_k 50), run with max_num_seqs 64, 3 and 1 and prefix
-sharing on and off, in float32 and bfloat16: every sample's tokens and logprob bits must be
-the same in every run of a dtype (issue 18's acceptance). With --limited the same runs go
+sharing on and off, and prefix caching off for two of them (the prompts share ChatML's
+system turn, which the others copy from a stored prompt: engine/prefix_cache.py), in float32
+and bfloat16: every sample's tokens and logprob bits must be the same in every run of a dtype
+(issue 18's acceptance). With --limited the same runs go
 again in a subprocess with torch, oneDNN and the compiled kernels limited to AVX2, and must
 give the native run's bits.
 
@@ -31,12 +33,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
 LIMITED = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "BATCHGEN_ISA": "avx2"}
-RUNS = [(seqs, sharing) for seqs in (64, 3, 1) for sharing in (True, False)]
+# (max_num_seqs, prefix_sharing, prefix_caching)
+RUNS = [(seqs, sharing, True) for seqs in (64, 3, 1) for sharing in (True, False)] + [(64, True, False),
+                                                                                    (1, False, False)]
 
 
 def run_all(threads: int, model: str = "smollm2", dtypes: tuple = ("float32", "bfloat16"),
             log=None) -> dict:
-    """{dtype: [(max_num_seqs, prefix_sharing, sha256, seconds), ...]} in this process."""
+    """{dtype: [(max_num_seqs, prefix_sharing, prefix_caching, sha256, seconds, cached prompt
+    tokens), ...]} in this process."""
     import torch
 
     from engine import SamplingParams, load_engine
@@ -47,9 +52,9 @@ def run_all(threads: int, model: str = "smollm2", dtypes: tuple = ("float32", "b
     out: dict = {}
     for dtype in dtypes:
         out[dtype] = []
-        for seqs, sharing in RUNS:
+        for seqs, sharing, caching in RUNS:
             eng = load_engine(model, device="cpu", dtype=dtype, max_seq_len=1024, max_num_seqs=seqs,
-                              prefix_sharing=sharing)
+                              prefix_sharing=sharing, prefix_caching=caching)
             prompts = [eng.tokenizer.render_chat([{"role": "user", "content": q}], date="2026-01-01")
                        for q in questions]
             t0 = time.perf_counter()
@@ -59,9 +64,10 @@ def run_all(threads: int, model: str = "smollm2", dtypes: tuple = ("float32", "b
             for row in res:
                 for s in row:
                     h.update(json.dumps(s.tokens).encode() + struct.pack(f"{len(s.logprobs)}f", *s.logprobs))
-            out[dtype].append((seqs, sharing, h.hexdigest(), dt))
+            out[dtype].append((seqs, sharing, caching, h.hexdigest(), dt, eng.num_cached_prompt_tokens))
             if log is not None:
-                log(f"  {dtype} max_num_seqs {seqs} prefix_sharing {sharing}: {h.hexdigest()[:16]} {dt:.1f} s")
+                log(f"  {dtype} max_num_seqs {seqs} prefix_sharing {sharing} prefix_caching {caching}: "
+                    f"{h.hexdigest()[:16]} {dt:.1f} s ({eng.num_cached_prompt_tokens} prompt tokens cached)")
             del eng
     return out
 
@@ -98,9 +104,9 @@ def main() -> int:
     for dtype in args.dtypes.split(","):
         hashes = set()
         for where, res in results.items():
-            for seqs, sharing, h, dt in res[dtype]:
+            for seqs, sharing, caching, h, dt, cached in res[dtype]:
                 print(f"{dtype:9s} {where:6s} max_num_seqs {seqs:3d} prefix_sharing {str(sharing):5s} "
-                      f"{h[:16]}  {dt:6.1f} s")
+                      f"prefix_caching {str(caching):5s} {h[:16]}  {dt:6.1f} s  cached {cached}")
                 hashes.add(h)
         same = len(hashes) == 1
         ok &= same

@@ -3,9 +3,11 @@
 Each `step()`:
 1. the scheduler admits waiting requests into KV memory and decoding slots (memory by
    need, engine/scheduler.py); prompts admitted for the first time are prefilled together
-   in one right-padded batch, each prompt once, its KV written once to its own run; every
-   admitted sample draws its first token from its prompt's last logits (samples admitted
-   later draw it from the same stored logits: no second prefill);
+   in one right-padded batch, each prompt once, its KV written once to its own run (a
+   prompt that begins like a stored one copies that prefix's KV and is prefilled from there:
+   engine/prefix_cache.py); every admitted sample draws its first token from its prompt's
+   last logits (samples admitted later draw it from the same stored logits: no second
+   prefill);
 2. every running sample decodes one token in one batch (continuous batching: rows that
    finish free their memory at once, and the next step admits waiting samples into it).
    With prefix sharing, a sample attends to its prompt's stored KV, read once per prompt
@@ -40,6 +42,7 @@ from engine.kernels.kv_layout import KVLayout
 from engine.kv_cache import KVCache, StepBatch, default_kv_bytes, kv_budget_basis
 from engine.models.base import CausalLM
 from engine.params import RequestOutput, Sample, SamplingParams, error_output
+from engine.prefix_cache import plan_prefills
 from engine.sampling import request_key, row_kinds, sample_step
 from engine.scheduler import Admission, Scheduler, prefill_batches
 from engine.sequence import Request, Sequence, ToolTokens
@@ -75,6 +78,14 @@ class Engine:
             per step for all of them (cascade attention); False gives each sample its own
             copy of the prompt's KV (more memory, more reads; the logits differ in the last
             bits, the tokens only at rare near-ties).
+        prefix_caching: a new prompt that begins with a stored prompt's tokens (at least one
+            block of 16) copies that prefix's KV from the stored prompt's run and prefills
+            only the rest (engine/prefix_cache.py); with batch_invariant its samples are
+            bit-identical either way (without, as close as under another batching).
+            Takes effect where prefill can resume past position 0 (the compiled CPU kernels,
+            models without per-sequence state): `self.prefix_caching` says whether it did;
+            `num_cached_prompt_tokens` counts the positions copied, `num_prefill_tokens` those
+            computed.
         tools: the tools the model may call in the Hermes format (engine/tool_runner.py: a
             ToolBox, or a list of Tool / callables / dicts of Tool fields, max_turns 8);
             None: none (nanochat's calculator does not need this).
@@ -88,7 +99,8 @@ class Engine:
 
     def __init__(self, model: CausalLM, tokenizer, *, max_num_seqs: int = 256, kv_cache_bytes: int | None = None,
                  max_seq_len: int | None = None, max_prefill_tokens: int = 8192, batch_invariant: bool = True,
-                 prefix_sharing: bool = True, kv_share: float = 1.0, tools: ToolBox | list | None = None):
+                 prefix_sharing: bool = True, kv_share: float = 1.0, tools: ToolBox | list | None = None,
+                 prefix_caching: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         info = model.info
@@ -115,6 +127,8 @@ class Engine:
                           num_positions=num_blocks * bs, state_dtype=model.act_dtype)
         self.scheduler = Scheduler(max_num_seqs, num_blocks, bs, self.max_seq_len, max_prefill_tokens,
                                    prefix_sharing)
+        self.prefix_caching = (prefix_caching and not info.state_dims
+                               and self.kv.attention.resumes_prefill(model.act_dtype or p.dtype, info.head_dim))
         self.running: dict[int, Sequence] = {}
         self._batch: DecodeBatch | None = None  # the running rows on the device; None: rebuild
         self.batched_sampling = self.device.type != "cpu"
@@ -125,7 +139,8 @@ class Engine:
         # the checkpoint's own end tokens (Llama family: eos_token_id) when it names any
         self.default_stop_ids = frozenset(info.stop_token_ids or tokenizer.default_stop_token_ids)
         self.num_generated_tokens = 0
-        self.num_prefill_tokens = 0
+        self.num_prefill_tokens = 0  # prompt tokens computed by prefills
+        self.num_cached_prompt_tokens = 0  # prompt tokens copied from another prompt's run instead
         self.peak_kv_bytes = 0  # most KV memory reserved at once
         self.num_compactions = 0  # arena compactions (see _compact), the positions they moved, their time
         self.compacted_positions = 0
@@ -240,31 +255,61 @@ class Engine:
         """Slide every live KV run down so the free blocks become one range (engine/compaction.py)."""
         compaction.compact(self)
 
-    def _prefill(self, group: list[Admission]) -> torch.Tensor:
-        """Prefill the prompts of `group` into their stored runs; (len(group), V) last logits,
-        owned (the next chunk's prefill and the decode step do not overwrite them)."""
+    def _prefill(self, group: list[Admission], cached: dict[int, tuple[Request, int]]) -> torch.Tensor:
+        """Prefill the prompts of `group` into their stored runs, each from the end of its
+        cached prefix (`cached`, by id of request: (donor, positions) already copied into
+        the run); (len(group), V) last logits, owned (the next chunk's prefill and the decode
+        step do not overwrite them)."""
         lengths = [len(a.request.prompt_tokens) for a in group]
-        T = max(lengths)
+        skip = [cached[id(a.request)][1] if id(a.request) in cached else 0 for a in group]
+        T = max(n - c for n, c in zip(lengths, skip))
         tokens = torch.zeros(len(group), T, dtype=torch.long)
         for i, a in enumerate(group):
-            tokens[i, : lengths[i]] = torch.tensor(a.request.prompt_tokens)
+            tokens[i, : lengths[i] - skip[i]] = torch.tensor(a.request.prompt_tokens[skip[i]:])
         dev = self.device
         bs = self.scheduler.block_size
-        layout = KVLayout.for_prefill([a.request.kv_block * bs for a in group], lengths, dev)
-        batch = StepBatch(slots=torch.tensor([a.slots[0] for a in group], device=dev),
-                          positions=torch.arange(T, device=dev).expand(len(group), T),
-                          last_index=torch.tensor(lengths, device=dev) - 1, prefill=True, layout=layout)
+        layout = KVLayout.for_prefill([a.request.kv_block * bs for a in group], lengths, dev, cached=skip)
+        t = torch.arange(T)
+        # a row's inputs are positions skip .. length - 1; its padding repeats its last position
+        positions = torch.minimum(torch.tensor(skip)[:, None] + t, torch.tensor(lengths)[:, None] - 1)
+        batch = StepBatch(slots=torch.tensor([a.slots[0] for a in group], device=dev), positions=positions.to(dev),
+                          last_index=torch.tensor([n - c - 1 for n, c in zip(lengths, skip)], device=dev),
+                          prefill=True, kv_len=max(lengths), layout=layout)
         logits = self.model.forward_step(tokens.to(dev), batch, self.kv)  # (P, V)
-        self.num_prefill_tokens += sum(lengths)
+        self.num_prefill_tokens += sum(lengths) - sum(skip)
+        self.num_cached_prompt_tokens += sum(skip)
         return self.model.owned_logits(logits)  # kept across the step's other prefill chunks
+
+    def _prefill_all(self, admissions: list[Admission]) -> dict[int, torch.Tensor]:
+        """Prefill the new prompts among the step's admissions; their last logits by id of
+        request. With prefix caching, prompts first copy their cached prefix from a stored
+        prompt's run (engine/prefix_cache.py), in two waves when the donor is prefilled in
+        this step too."""
+        prefills = [a for a in admissions if a.prefill]
+        waves, cached = [prefills], {}
+        if self.prefix_caching and prefills:
+            new = {id(a.request) for a in prefills}
+            # stored prompts: those of running samples, of waiting samples, of samples admitted now
+            reqs = ([s.request for s in self.running.values()] + list(self.scheduler.waiting)
+                    + [a.request for a in admissions])
+            stored = list({id(r): r for r in reqs if r.kv_block is not None and id(r) not in new}.values())
+            waves, cached = plan_prefills(prefills, stored, self.scheduler.block_size)
+        bs = self.scheduler.block_size
+        first: dict[int, torch.Tensor] = {}
+        for wave in waves:
+            for a in wave:
+                if id(a.request) in cached:
+                    donor, n = cached[id(a.request)]
+                    self.kv.copy_run(donor.kv_block * bs, a.request.kv_block * bs, n)
+            for chunk in prefill_batches(wave, {k: n for k, (_, n) in cached.items()}):
+                logits = self._prefill(chunk, cached)
+                for i, a in enumerate(chunk):
+                    first[id(a.request)] = logits[i]
+        return first
 
     def _admit(self, admissions: list[Admission]) -> None:
         """Prefill new prompts, start every admitted sample and draw its first token."""
-        first: dict[int, torch.Tensor] = {}
-        for chunk in prefill_batches([a for a in admissions if a.prefill]):
-            logits = self._prefill(chunk)
-            for i, a in enumerate(chunk):
-                first[id(a.request)] = logits[i]
+        first = self._prefill_all(admissions)
         bs = self.scheduler.block_size
         dev = self.device
         seqs: list[Sequence] = []
@@ -519,7 +564,7 @@ def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str =
                 step: int | None = None, max_num_seqs: int = 256, kv_cache_bytes: int | None = None,
                 max_seq_len: int | None = None, max_prefill_tokens: int = 8192,
                 num_threads: int | None = None, batch_invariant: bool = True, prefix_sharing: bool = True,
-                kv_share: float = 1.0, tools: ToolBox | list | None = None) -> Engine:
+                kv_share: float = 1.0, tools: ToolBox | list | None = None, prefix_caching: bool = True) -> Engine:
     """Load a checkpoint (engine/loading/checkpoint.py: "smollm2", "tiny-random", HF Llama family
     or GPT-2, GGUF, nanochat) into an Engine.
 
@@ -528,7 +573,7 @@ def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str =
         None leaves torch's default.
     kv_share: this engine's share of its device's free memory for the default KV budget
         (engine/kv_cache.py `default_kv_bytes`; a Ray worker passes its share of the node).
-    tools: the Hermes-format tools (see Engine).
+    tools: the Hermes-format tools (see Engine); prefix_caching: see Engine.
     Raises FileNotFoundError / CheckpointError for bad checkpoints (see
     engine/loading/checkpoint.py).
     """
@@ -539,4 +584,4 @@ def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str =
     model, tok = load_checkpoint(path, device=device, dtype=dtype, tokenizer=tokenizer, step=step)
     return Engine(model, tok, max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes, max_seq_len=max_seq_len,
                   max_prefill_tokens=max_prefill_tokens, batch_invariant=batch_invariant,
-                  prefix_sharing=prefix_sharing, kv_share=kv_share, tools=tools)
+                  prefix_sharing=prefix_sharing, kv_share=kv_share, tools=tools, prefix_caching=prefix_caching)

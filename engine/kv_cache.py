@@ -32,12 +32,14 @@ class StepBatch:
 
     slots: (B,) int64, each row's sequence slot: its row of per-sequence model state
         (`KVCache.state`; prefill: the slot of the prompt's first sample).
-    positions: (B, T) int64, the position of each input token (prefill: 0..T-1 for every
-        row, prompts right-padded to T; decode: T == 1 and each row's own position).
+    positions: (B, T) int64, the position of each input token (prefill: c..c+T-1 for a row
+        whose first c positions are a cached prefix (`KVLayout.position0`, usually 0), rows
+        right-padded to T; decode: T == 1 and each row's own position).
     last_index: (B,) int64, index along T of each row's last real token, where the
         logits are taken (prefill: length - 1; decode: 0).
-    prefill: True for a prefill from position 0, False for a one-token decode step.
-    kv_len: decode only: max(positions) + 1, the longest sequence of the step (host int).
+    prefill: True for a prefill, False for a one-token decode step.
+    kv_len: max(positions) + 1, the longest sequence of the step (host int); a prefill from
+        position 0 may leave it 0 (`last_position`).
     slot_start: accepted for callers of the static-slot layout; not needed by the cache.
     layout: where each row's keys and values live (engine/kernels/kv_layout.py); None means the
         static-slot layout, built from `slots` and `positions` (which costs a device sync).
@@ -54,6 +56,11 @@ class StepBatch:
     layout: KVLayout | None = None
     all_logits: bool = False
     _masks: dict = field(default_factory=dict)
+
+    def last_position(self, T: int) -> int:
+        """The largest of `positions` as a host int (no device sync): kv_len - 1, or T - 1 for
+        a prefill from position 0 that left kv_len 0."""
+        return self.kv_len - 1 if self.kv_len else T - 1
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """Prefill only: the (1, 1, T, T) boolean mask (True = attend) for a layer with this
@@ -164,6 +171,15 @@ class KVCache:
         """K and V of arena positions `src` into positions `dst`, every layer: (N,) int64 each."""
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
+
+    def copy_run(self, src: int, dst: int, n: int) -> None:
+        """K and V of arena positions [src, src + n) into [dst, dst + n), every layer: a
+        prompt's cached prefix copied from another prompt's run (engine/prefix_cache.py).
+        Raises ValueError when the two ranges overlap."""
+        if n > 0 and src < dst + n and dst < src + n:
+            raise ValueError(f"KVCache.copy_run: [{src}, {src + n}) and [{dst}, {dst + n}) overlap")
+        for arena in (self.k, self.v):
+            arena[:, dst:dst + n].copy_(arena[:, src:src + n])
 
     def slide_down(self, moves: list[tuple[int, int, int]], chunk_bytes: int = 64 << 20) -> None:
         """Move runs of positions down the arena, every layer, K and V: (src, dst, length) per

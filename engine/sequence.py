@@ -72,6 +72,7 @@ class Request:
     prompt_state: dict | None = None
     resume: Sample | None = None  # a continuation (Engine.continue_request): the aborted sample it goes on from
     parent: Any = None  # ... and the request it belongs to (engine.preemption.Continued)
+    block_hashes: list[int] | None = None  # its prompt's chained block hashes (engine/prefix_cache.py)
 
 
 @dataclass(slots=True)

@@ -2,7 +2,8 @@
 file, a dict or a JobSpec, with --set overrides, by jobs/config.py).
 
     model:    {path: smollm2, dtype: auto, device: auto, tokenizer: null, max_num_seqs: 256,
-               kv_cache_gb: null, max_seq_len: null, batch_invariant: true, prefix_sharing: true}
+               kv_cache_gb: null, max_seq_len: null, batch_invariant: true, prefix_sharing: true,
+               prefix_caching: true}
     input:    {path: prompts.parquet, format: text, column: prompt, id_column: null, passthrough: [],
                sampling_column: null}
     output:   {path: out/demo, lease_timeout_s: 120}
@@ -135,6 +136,7 @@ class ModelSpec(_Section):
     max_seq_len: Any = None
     batch_invariant: bool = True
     prefix_sharing: bool = True
+    prefix_caching: bool = True
     chat_template_date: Any = None
 
     @field_validator("path", "tokenizer")
@@ -421,13 +423,14 @@ class JobSpec(_Section):
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.load_engine: path, device and dtype (resolved, see the
         module docstring), tokenizer, max_num_seqs, kv_cache_bytes (kv_cache_gb * 2**30, or
-        None), max_seq_len, batch_invariant, prefix_sharing, and tools (`tool_box()`)."""
+        None), max_seq_len, batch_invariant, prefix_sharing, prefix_caching, and tools
+        (`tool_box()`)."""
         m = self.model
         return {"path": m.path, "device": self.resolved_device(), "dtype": self.resolved_dtype(), "tokenizer": m.tokenizer,
                 "max_num_seqs": m.max_num_seqs,
                 "kv_cache_bytes": None if m.kv_cache_gb is None else int(m.kv_cache_gb * 2**30),
                 "max_seq_len": m.max_seq_len, "batch_invariant": m.batch_invariant,
-                "prefix_sharing": m.prefix_sharing, "tools": self.tool_box()}
+                "prefix_sharing": m.prefix_sharing, "prefix_caching": m.prefix_caching, "tools": self.tool_box()}
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a plain dict (YAML/JSON-able), without `source`."""
@@ -445,8 +448,9 @@ class JobSpec(_Section):
         Per-row sampling values live in the input files, which plan_job fingerprints.
         Excluded: output.path, the cluster's address/width/resources, the device index,
         max_num_seqs, kv_cache_gb (sampling is keyed per sample, so batch composition and
-        worker count do not change the rows), and prefix_sharing: with batch_invariant on CPU
-        it gives bit-identical rows either way (the engine splits every sample's attention at
+        worker count do not change the rows), prefix_caching (it runs only where, with
+        batch_invariant, the rows are bit-identical either way: engine/prefix_cache.py), and prefix_sharing: with
+        batch_invariant on CPU it gives bit-identical rows either way (the engine splits every sample's attention at
         the end of its prompt in both modes, tests/test_kv_memory.py); elsewhere it moves
         logits in the last bits, as batching does.
         """

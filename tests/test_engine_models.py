@@ -259,3 +259,25 @@ def test_prefix_sharing_off_gives_identical_samples(engine_parts):
     params = SamplingParams(num_samples=3, max_tokens=10, top_k=20, stop_token_ids=[])
     off = Engine(model, tok, max_num_seqs=4, prefix_sharing=False).generate(PROMPTS, params, prompt_ids=IDS)
     assert tokens(off) == tokens(generate(model, tok))
+
+
+def test_prefix_caching_gives_identical_samples(engine_parts):
+    """Four prompts behind a shared 40-token prefix and a duplicate of the first: with prefix
+    caching each copies the stored prefix's KV (the 40 shared tokens; the duplicate all but its
+    last token) and prefills the rest, and its samples equal those of whole prefills bit for
+    bit, with max_num_seqs 64 (the donor prefilled in the same step) and 4 (in earlier
+    steps too). Models with per-sequence state (nanochat's smear) prefill whole prompts."""
+    model, tok = engine_parts
+    shared = list(range(40, 80))
+    prompts = [shared + [5 + i, 9, 11 + i] for i in range(4)] + [shared + [5, 9, 11]]
+    params = SamplingParams(num_samples=3, max_tokens=10, top_k=20, stop_token_ids=[])
+    want = tokens(Engine(model, tok, prefix_caching=False).generate(prompts, params))
+    for seqs in (64, 4):
+        eng = Engine(model, tok, max_num_seqs=seqs)
+        assert tokens(eng.generate(prompts, params)) == want, f"max_num_seqs {seqs}"
+        assert eng.prefix_caching == (not model.info.state_dims)
+        if not eng.prefix_caching:
+            assert eng.num_cached_prompt_tokens == 0
+        else:
+            # with 4 slots a prompt admitted after its predecessors finished finds no donor
+            assert eng.num_cached_prompt_tokens == 3 * 40 + 42 if seqs == 64 else eng.num_cached_prompt_tokens >= 40

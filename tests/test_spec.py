@@ -19,7 +19,7 @@ def test_defaults_from_empty_file(tmp_path):
     d = spec.to_dict()
     assert d["model"] == {"path": "smollm2", "dtype": "auto", "device": "auto", "tokenizer": None, "max_num_seqs": 256,
                           "kv_cache_gb": None, "max_seq_len": None, "batch_invariant": True,
-                          "prefix_sharing": True, "chat_template_date": None}
+                          "prefix_sharing": True, "prefix_caching": True, "chat_template_date": None}
     assert d["input"] == {"path": "prompts.parquet", "format": "text", "column": "prompt", "id_column": None,
                           "passthrough": [], "sampling_column": None}
     assert d["output"] == {"path": "out/demo", "lease_timeout_s": 120}
@@ -145,7 +145,8 @@ def test_sampling_params_and_engine_kwargs(tmp_path):
         (2, 9, 0.0, 0, (5,), False)
     assert spec.engine_kwargs() == {"path": "tiny-random", "device": "cpu", "dtype": "float32", "tokenizer": None,
                                     "max_num_seqs": 8, "kv_cache_bytes": None, "max_seq_len": 128,
-                                    "batch_invariant": True, "prefix_sharing": True, "tools": None}
+                                    "batch_invariant": True, "prefix_sharing": True, "prefix_caching": True,
+                                    "tools": None}
 
 
 def test_device_and_dtype_resolved_on_the_driver(tmp_path):
@@ -176,7 +177,7 @@ def test_fingerprint_dict_ignores_placement(tmp_path):
     b = load_spec(write(tmp_path, ""), ["output.path=y", "cluster.num_workers=2", "cluster.address=auto",
                                         "model.max_num_seqs=3", "model.device=cpu",
                                         "cluster.unit_timeout_s=30", "output.lease_timeout_s=60",
-                                        "model.prefix_sharing=false"]).fingerprint_dict()
+                                        "model.prefix_sharing=false", "model.prefix_caching=false"]).fingerprint_dict()
     assert a == b
     c = load_spec(write(tmp_path, ""), ["sampling.seed=1"]).fingerprint_dict()
     d = load_spec(write(tmp_path, ""), ["cluster.unit_rows=7"]).fingerprint_dict()

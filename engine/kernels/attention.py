@@ -362,12 +362,14 @@ def prefill_native(kernel: NativeKernels, q: torch.Tensor, kc: torch.Tensor, vc:
     transpose to (B, T, n_head, head_dim) has contiguous heads (the q part of a fused qkv
     projection does); kc, vc: one layer's contiguous arena. Returns (B, n_head, T, head_dim),
     zeros at padding positions. Row-invariant and the same bits on every ISA by
-    construction (see the source)."""
+    construction (see the source); a row whose prompt starts with a cached prefix
+    (`layout.position0`) gets the bits it would get in a prefill of the whole prompt."""
     qt = q.transpose(1, 2)
     if qt.stride(3) != 1 or qt.stride(2) != qt.shape[3]:
         qt = qt.contiguous()
-    starts, lengths = layout.prefill_runs()
-    return kernel.prefill_attention(qt, kc, vc, starts, lengths, window, torch.get_num_threads()).transpose(1, 2)
+    starts, lengths, cached = layout.prefill_runs()
+    return kernel.prefill_attention(qt, kc, vc, starts, lengths, window, torch.get_num_threads(),
+                                    cached).transpose(1, 2)
 
 
 def prefill_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],

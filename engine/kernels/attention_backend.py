@@ -45,12 +45,19 @@ class CpuAttention:
         self.batch_invariant = batch_invariant
         self.batched_decode = False  # True: decode through decode_batched, what GPUs run
 
+    def resumes_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether a prefill may start past position 0 (a prompt's cached prefix already in
+        its run): only the compiled kernel reads a prompt's earlier keys from the arena."""
+        return native_kernel(dtype, head_dim) is not None
+
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                 layout: KVLayout, window: int | None, mask: MaskFn) -> torch.Tensor:
-        """A prefill from position 0, its keys already stored at `layout`'s runs."""
+        """A prefill of each row's positions layout.position0 .. length - 1 (0 unless
+        `resumes_prefill`), their keys already stored at `layout`'s runs."""
         kernel = native_kernel(q.dtype, k.shape[3]) if kc.is_contiguous() else None
         if kernel is not None:  # one call for the batch, from the arena just written
             return prefill_native(kernel, q, kc, vc, layout, window)
+        _whole_prompts(layout)
         k, v = _as_stored(k, v, kc)
         if self.batch_invariant:
             return prefill_rows(q, k, v, layout.lengths, window)
@@ -69,9 +76,14 @@ class BatchedAttention:
 
     batched_decode = True
 
+    def resumes_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """A prefill here always starts at position 0 (its own keys are the whole history)."""
+        return False
+
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                 layout: KVLayout, window: int | None, mask: MaskFn) -> torch.Tensor:
         """A prefill from position 0, its keys already stored at `layout`'s runs."""
+        _whole_prompts(layout)
         k, v = _as_stored(k, v, kc)
         return _prefill_sdpa(q, k, v, mask(window))
 
@@ -79,6 +91,13 @@ class BatchedAttention:
                layout: KVLayout, window: int | None) -> torch.Tensor:
         """One decode step: store this step's keys and values, attend over each row's history."""
         return _decode_batched(q, k, v, kc, vc, layout, window)
+
+
+def _whole_prompts(layout: KVLayout) -> None:
+    """Raises ValueError for a prefill past position 0 on a path that attends only to the
+    prefill's own keys (the engine checks `resumes_prefill` first)."""
+    if layout.resumes:
+        raise ValueError("this attention path prefills whole prompts only: a cached prefix needs the compiled kernel")
 
 
 def _as_stored(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -91,7 +91,9 @@ class KVLayout:
     length; 0 for no split) are lists of host ints, one per row. `advance()` moves every
     row one position on (the next decode step) and drops per-step caches.
     Prefill (`for_prefill`): own_start is where each row's prompt goes (position 0), lengths
-    its real tokens; rows are right-padded to T.
+    its tokens, position0 the first position this prefill computes (the length of a prefix
+    already stored in the run, `Engine` prefix caching; 0 for the whole prompt): a row's
+    inputs are positions position0 .. lengths - 1, right-padded to T.
     """
 
     own_start: list[int]
@@ -122,10 +124,19 @@ class KVLayout:
                    torch.device(device))
 
     @classmethod
-    def for_prefill(cls, own_start: list[int], lengths: list[int], device: torch.device | str) -> KVLayout:
+    def for_prefill(cls, own_start: list[int], lengths: list[int], device: torch.device | str,
+                    cached: list[int] | None = None) -> KVLayout:
         n = len(own_start)
-        return cls(list(own_start), [0] * n, [-1] * n, [0] * n, [0] * n, torch.device(device), prefill=True,
+        cached = [0] * n if cached is None else list(cached)
+        if len(lengths) != n or len(cached) != n or any(not 0 <= c < m for c, m in zip(cached, lengths)):
+            raise ValueError("KVLayout.for_prefill: each row needs a length and a cached prefix shorter than it")
+        return cls(list(own_start), [0] * n, [-1] * n, cached, [0] * n, torch.device(device), prefill=True,
                    lengths=list(lengths))
+
+    @property
+    def resumes(self) -> bool:
+        """Prefill: some row starts past position 0 (a cached prefix is already stored)."""
+        return any(self.position0)
 
     @classmethod
     def static_slots(cls, slots: list[int], positions: list[int], slot_len: int, device: torch.device | str,
@@ -340,23 +351,26 @@ class KVLayout:
             self._step["write"] = base + self.t if self.t else base
         return self._step["write"]
 
-    def prefill_runs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill: (arena position of each prompt's first token, its length), (B,) int64 on
-        the CPU each, for the compiled prefill kernel."""
+    def prefill_runs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Prefill: (arena position of each prompt's first token, its length, its cached
+        prefix or None when no row has one), (B,) int64 on the CPU each, for the compiled
+        prefill kernel."""
         key = "prefill_runs"
         if key not in self._static:
             self._static[key] = (torch.tensor(self.own_start, dtype=torch.long),
-                                 torch.tensor(self.lengths, dtype=torch.long))
+                                 torch.tensor(self.lengths, dtype=torch.long),
+                                 torch.tensor(self.position0, dtype=torch.long) if self.resumes else None)
         return self._static[key]
 
     def prefill_write(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill: (arena positions, flat row * T + t indices) of every real prompt token."""
+        """Prefill: (arena positions, flat row * T + t indices) of every token this prefill
+        computes (positions position0 .. length - 1 of each row)."""
         key = ("prefill_write", T)
         if key not in self._static:
             dst, src = [], []
-            for r, (s, n) in enumerate(zip(self.own_start, self.lengths)):
-                dst.extend(range(s, s + n))
-                src.extend(range(r * T, r * T + n))
+            for r, (s, n, c) in enumerate(zip(self.own_start, self.lengths, self.position0)):
+                dst.extend(range(s + c, s + n))
+                src.extend(range(r * T, r * T + n - c))
             dev = self.device
             self._static[key] = (torch.tensor(dst, dtype=torch.long, device=dev),
                                  torch.tensor(src, dtype=torch.long, device=dev))

@@ -105,8 +105,8 @@ class NativeKernels:
                                     _p, _p, _i64, _p, _i64, _int]
         self._attention.restype = _int
         self._prefill = lib.batchgen_prefill_attention
-        self._prefill.argtypes = [_p, _i64, _i64, _p, _p, _int, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _p,
-                                  _int]
+        self._prefill.argtypes = [_p, _i64, _i64, _p, _p, _int, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
+                                  _p, _int]
         self._prefill.restype = _int
         self._supports = lib.batchgen_decode_attention_supports
         self._supports.argtypes = [_i64]
@@ -218,23 +218,26 @@ class NativeKernels:
         return out
 
     def prefill_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, starts: torch.Tensor,
-                          lengths: torch.Tensor, window: int | None, threads: int) -> torch.Tensor:
+                          lengths: torch.Tensor, window: int | None, threads: int,
+                          cached: torch.Tensor | None = None) -> torch.Tensor:
         """Causal prefill attention of every prompt token to its prompt's keys, read from
         the arena (engine/kernels/csrc/prefill_attention.cpp).
 
         q: (B, T, Hq, D) float32 with its last two dims contiguous (tokens and prompts may be
         strided, as the q part of a fused qkv projection is); kc, vc: one layer's contiguous
         (positions, Hkv, D) arena, float32 or bfloat16, holding prompt b at positions
-        starts[b] .. starts[b] + lengths[b] - 1 (starts, lengths: (B,) int64, lengths <= T);
+        starts[b] .. starts[b] + lengths[b] - 1 (starts, lengths: (B,) int64); cached: (B,)
+        int64 or None, the positions of each prompt stored before this prefill (a cached
+        prefix): q's row i of prompt b is its position cached[b] + i, and lengths - cached <= T.
         window: a query at t sees keys t - window .. t (None: all). Returns (B, T, Hq, D)
-        float32, zeros past each prompt's length; scale 1/sqrt(D). Raises ValueError for an
-        unsupported head_dim (`supports`)."""
+        float32 by row, zeros past each prompt's rows; scale 1/sqrt(D). A row's bits do not
+        depend on cached. Raises ValueError for an unsupported head_dim (`supports`)."""
         B, T, Hq, D = q.shape
         out = torch.empty(B, T, Hq, D)
         rc = _call("batchgen::prefill_attention", self._prefill, q.data_ptr(), q.stride(1), q.stride(0),
                    kc.data_ptr(), vc.data_ptr(), int(kc.dtype == torch.bfloat16), starts.data_ptr(),
-                   lengths.data_ptr(), B, T, Hq, kc.shape[1], D, -1 if window is None else window, D ** -0.5,
-                   out.data_ptr(), threads)
+                   lengths.data_ptr(), _ptr(cached), B, T, Hq, kc.shape[1], D, -1 if window is None else window,
+                   D ** -0.5, out.data_ptr(), threads)
         if rc != 0:
             raise ValueError(f"prefill attention kernel: head_dim {D} is not supported")
         return out

@@ -173,7 +173,7 @@ class LlamaModel(CausalLM):
         B, T = tokens.shape
         x, delta = self.embedding(tokens, self.embed), None
         kernels = self.fused_kernels(x)
-        rope = RotaryStep(self.rotary, batch.positions, T - 1 if batch.prefill else batch.kv_len - 1, kernels)
+        rope = RotaryStep(self.rotary, batch.positions, batch.last_position(T), kernels)
         last = len(self.layers) - 1
         for i, (layer, window) in enumerate(zip(self.layers, self.cfg.windows)):
             x, h = add_rms_norm(x, delta, layer.input_norm, self.cfg.rms_norm_eps, kernels)

@@ -308,7 +308,7 @@ class NanochatGPT(CausalLM):
         ((B, T, vocab) with batch.all_logits)."""
         B, T = tokens.shape
         pos = batch.positions
-        self._check_positions(T - 1 if batch.prefill else batch.kv_len - 1)  # host ints: no device sync
+        self._check_positions(batch.last_position(T))  # host ints: no device sync
         cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # (B, T, 1, D/2), per-row positions
         x = self._embed(tokens)
         rows = torch.arange(B, device=tokens.device)

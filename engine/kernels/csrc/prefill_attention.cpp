@@ -18,9 +18,11 @@
 // - out = acc / l.
 // So a row's bits depend only on its position, window and keys: not on the batch, the prompt
 // length, the other rows of its tile, the thread count (threads split (prompt, KV head,
-// query tile) items, never a row) or the ISA. Keys and values are read from the arena the
-// prefill has just written (float32, or bfloat16 widened as read), so a prompt attends to
-// what its samples' decode steps will read.
+// query tile) items, never a row), the ISA, or where the call's rows start: a prefill may
+// begin past a prefix whose keys are already in the arena (copied from another prompt's run:
+// engine/prefix_cache.py), and its rows are those of the whole prompt's prefill. Keys and
+// values are read from the arena the prefill has just written (float32, or bfloat16 widened
+// as read), so a prompt attends to what its samples' decode steps will read.
 //
 // Built and loaded by engine/kernels/native.py, called from engine/kernels/attention.py (prefill_native).
 #include "simd.h"
@@ -133,8 +135,8 @@ inline void update(Row& row, float* s, int64_t a, const T* V, int64_t ldv, float
 
 template <int ND, class T>
 void prefill(const float* q, int64_t q_tok_ld, int64_t q_batch_ld, const T* kc, const T* vc, const int64_t* starts,
-             const int64_t* lengths, int64_t B, int64_t T_, int64_t Hq, int64_t Hkv, int64_t window, float scale,
-             float* out, int threads) {
+             const int64_t* lengths, const int64_t* cached, int64_t B, int64_t T_, int64_t Hq, int64_t Hkv,
+             int64_t window, float scale, float* out, int threads) {
     constexpr int64_t D = 8 * ND;
     const int64_t g = Hq / Hkv, ld = Hkv * D, tiles = (T_ + QT - 1) / QT;
     const int64_t items = B * Hkv * tiles;
@@ -148,10 +150,11 @@ void prefill(const float* q, int64_t q_tok_ld, int64_t q_batch_ld, const T* kc, 
         int64_t cur = -1;
         for (int64_t it = items * tid / nt; it < items * (tid + 1) / nt; it++) {
             const int64_t b = it / (Hkv * tiles), h = it / tiles % Hkv, tile = it % tiles;
-            const int64_t len = lengths[b], t0 = tile * QT;
-            const int64_t nq = std::min<int64_t>(QT, len - t0);
-            for (int64_t t = std::max(t0, len); t < std::min(t0 + QT, T_); t++)  // padding: zeros
-                std::memset(out + ((b * T_ + t) * Hq + h * g) * D, 0, g * D * sizeof(float));
+            // query rows i = t0 .. t0 + QT - 1 of this tile are prompt positions c + i
+            const int64_t len = lengths[b], c = cached == nullptr ? 0 : cached[b], t0 = tile * QT;
+            const int64_t nq = std::min<int64_t>(QT, len - c - t0);
+            for (int64_t i = std::max(t0, len - c); i < std::min(t0 + QT, T_); i++)  // padding: zeros
+                std::memset(out + ((b * T_ + i) * Hq + h * g) * D, 0, g * D * sizeof(float));
             if (nq <= 0) continue;
             const int64_t ldk = (len + KB - 1) / KB * KB;  // Kt row length: whole blocks, zeros past len
             if (cur != b * Hkv + h) {
@@ -163,16 +166,16 @@ void prefill(const float* q, int64_t q_tok_ld, int64_t q_batch_ld, const T* kc, 
             }
             const T* V = vc + starts[b] * ld + h * D;
             int64_t n = 0;
-            for (int64_t i = 0; i < nq; i++) {
-                const int64_t t = t0 + i;
+            for (int64_t i = t0; i < t0 + nq; i++) {
+                const int64_t t = c + i;
                 for (int64_t j = 0; j < g; j++) {
                     const int64_t hq = h * g + j;
-                    rowbuf[n++] = {q + b * q_batch_ld + t * q_tok_ld + hq * D, out + ((b * T_ + t) * Hq + hq) * D, t,
+                    rowbuf[n++] = {q + b * q_batch_ld + i * q_tok_ld + hq * D, out + ((b * T_ + i) * Hq + hq) * D, t,
                                    window < 0 ? 0 : std::max<int64_t>(0, t - window), -INFINITY, 0.f};
                 }
             }
             std::fill(acc.begin(), acc.begin() + n * D, 0.f);
-            const int64_t tmax = t0 + nq - 1;
+            const int64_t tmax = c + t0 + nq - 1;
             const int64_t lo_min = rowbuf[0].lo;
             for (int64_t a = lo_min / KB * KB; a <= tmax; a += KB) {
                 for (int64_t r0 = 0; r0 < n; r0 += MR) {
@@ -194,8 +197,8 @@ void prefill(const float* q, int64_t q_tok_ld, int64_t q_batch_ld, const T* kc, 
 }
 
 template <class T>
-using Fn = void (*)(const float*, int64_t, int64_t, const T*, const T*, const int64_t*, const int64_t*, int64_t,
-                    int64_t, int64_t, int64_t, int64_t, float, float*, int);
+using Fn = void (*)(const float*, int64_t, int64_t, const T*, const T*, const int64_t*, const int64_t*,
+                    const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, int);
 
 // Head sizes: every multiple of 8 up to 128, and 160, 192, 256 (as decode_attention.cpp).
 template <class T>
@@ -215,27 +218,30 @@ Fn<T> pick(int64_t D) {
 
 extern "C" {
 
-// Causal prefill attention (see the file comment). q: the query of prompt b, position t, head
-// hq at q + b * q_batch_ld + t * q_tok_ld + hq * D (D contiguous floats); prompt b's keys and
-// values at arena positions starts[b] .. starts[b] + lengths[b] - 1 of kc, vc ((positions,
-// Hkv, D), float32 or, kv_bf16 = 1, bfloat16); window: a query at t sees keys t - window .. t
-// (-1: all before it). out: (B, T, Hq, D) float32, zeros at t >= lengths[b] (padding).
-// Returns 0, or -1 for an unsupported head_dim D (`pick`; nothing written).
+// Causal prefill attention (see the file comment). Prompt b's keys and values are at arena
+// positions starts[b] .. starts[b] + lengths[b] - 1 of kc, vc ((positions, Hkv, D), float32
+// or, kv_bf16 = 1, bfloat16); its first cached[b] positions were stored before this call (a
+// prefix copied from another prompt's run; cached null: none), and its query rows are
+// positions cached[b] + i, i < lengths[b] - cached[b]: row i's query of head hq at q + b *
+// q_batch_ld + i * q_tok_ld + hq * D (D contiguous floats). A row's result is the same
+// whether or not a prefix was cached. window: a query at position t sees keys t - window .. t
+// (-1: all before it). out: (B, T, Hq, D) float32 by row, zeros at rows i >= lengths[b] -
+// cached[b] (padding). Returns 0, or -1 for an unsupported head_dim D (`pick`; nothing written).
 int batchgen_prefill_attention(const float* q, int64_t q_tok_ld, int64_t q_batch_ld, const void* kc,
-                               const void* vc, int kv_bf16, const int64_t* starts, const int64_t* lengths, int64_t B,
-                               int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t window, float scale, float* out,
-                               int threads) {
+                               const void* vc, int kv_bf16, const int64_t* starts, const int64_t* lengths,
+                               const int64_t* cached, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                               int64_t window, float scale, float* out, int threads) {
     if (kv_bf16) {
         const Fn<uint16_t> f = pick<uint16_t>(D);
         if (f == nullptr) return -1;
-        f(q, q_tok_ld, q_batch_ld, (const uint16_t*)kc, (const uint16_t*)vc, starts, lengths, B, T, Hq, Hkv, window,
-          scale, out, threads);
+        f(q, q_tok_ld, q_batch_ld, (const uint16_t*)kc, (const uint16_t*)vc, starts, lengths, cached, B, T, Hq, Hkv,
+          window, scale, out, threads);
         return 0;
     }
     const Fn<float> f = pick<float>(D);
     if (f == nullptr) return -1;
-    f(q, q_tok_ld, q_batch_ld, (const float*)kc, (const float*)vc, starts, lengths, B, T, Hq, Hkv, window, scale, out,
-      threads);
+    f(q, q_tok_ld, q_batch_ld, (const float*)kc, (const float*)vc, starts, lengths, cached, B, T, Hq, Hkv, window,
+      scale, out, threads);
     return 0;
 }
 
