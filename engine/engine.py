@@ -82,8 +82,9 @@ class Engine:
             block of 16) copies that prefix's KV from the stored prompt's run and prefills
             only the rest (engine/prefix_cache.py); with batch_invariant its samples are
             bit-identical either way (without, as close as under another batching).
-            Takes effect where prefill can resume past position 0 (the compiled CPU kernels,
-            models without per-sequence state): `self.prefix_caching` says whether it did;
+            Takes effect where prefill can resume past position 0 (the compiled CPU kernels;
+            models whose per-sequence state allows it, `CausalLM.resumes_prefill`):
+            `self.prefix_caching` says whether it did;
             `num_cached_prompt_tokens` counts the positions copied, `num_prefill_tokens` those
             computed.
         tools: the tools the model may call in the Hermes format (engine/tool_runner.py: a
@@ -127,7 +128,7 @@ class Engine:
                           num_positions=num_blocks * bs, state_dtype=model.act_dtype)
         self.scheduler = Scheduler(max_num_seqs, num_blocks, bs, self.max_seq_len, max_prefill_tokens,
                                    prefix_sharing)
-        self.prefix_caching = (prefix_caching and not info.state_dims
+        self.prefix_caching = (prefix_caching and model.resumes_prefill
                                and self.kv.attention.resumes_prefill(model.act_dtype or p.dtype, info.head_dim))
         self.running: dict[int, Sequence] = {}
         self._batch: DecodeBatch | None = None  # the running rows on the device; None: rebuild
@@ -274,7 +275,9 @@ class Engine:
         positions = torch.minimum(torch.tensor(skip)[:, None] + t, torch.tensor(lengths)[:, None] - 1)
         batch = StepBatch(slots=torch.tensor([a.slots[0] for a in group], device=dev), positions=positions.to(dev),
                           last_index=torch.tensor([n - c - 1 for n, c in zip(lengths, skip)], device=dev),
-                          prefill=True, kv_len=max(lengths), layout=layout)
+                          prefill=True, kv_len=max(lengths), layout=layout,
+                          prev_tokens=torch.tensor([a.request.prompt_tokens[c - 1] if c else -1
+                                                    for a, c in zip(group, skip)], device=dev) if any(skip) else None)
         logits = self.model.forward_step(tokens.to(dev), batch, self.kv)  # (P, V)
         self.num_prefill_tokens += sum(lengths) - sum(skip)
         self.num_cached_prompt_tokens += sum(skip)

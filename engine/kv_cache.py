@@ -45,6 +45,9 @@ class StepBatch:
         static-slot layout, built from `slots` and `positions` (which costs a device sync).
     all_logits: prefill only: the forward returns the logits at every position, (B, T, V),
         instead of at last_index (scoring a given continuation: `teacher_forced_logits`).
+    prev_tokens: prefill only, (B,) int64 or None: the token before each row's first input
+        (the last of a cached prefix; -1 for a row from position 0), for models whose step
+        reads it (nanochat's smear); None when every row starts at position 0.
     """
 
     slots: torch.Tensor
@@ -55,6 +58,7 @@ class StepBatch:
     slot_start: int | None = None
     layout: KVLayout | None = None
     all_logits: bool = False
+    prev_tokens: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict)
 
     def last_position(self, T: int) -> int:

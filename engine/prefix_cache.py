@@ -15,8 +15,9 @@ Correctness rests on the engine's batch invariance: a position's keys and values
 on the tokens up to it, and prefill attention computes a row the same way whether or not the
 positions before its chunk were cached (engine/kernels/csrc/prefill_attention.cpp), so a
 prompt's samples are bit-identical with and without the cache. The engine turns it on only
-where that holds: the compiled CPU kernels, and models without per-sequence state (nanochat's
-smear carries the previous token's embedding across the cut).
+where that holds: the compiled CPU kernels, and models that can resume a prefill
+(`CausalLM.resumes_prefill`: those without per-sequence state, and nanochat, whose smear
+reads the cached prefix's last token from `StepBatch.prev_tokens`).
 
 Matching follows vLLM's block hashes: a prompt's full blocks of `block_size` tokens are
 chained (each block's hash covers every token before it), a new prompt walks its chain

@@ -7,7 +7,8 @@ cache and without it, whether the donor was prefilled in an earlier step or in t
 (two waves), for duplicate prompts (all but the last token cached), short prompts (nothing to
 match), prefix sharing on or off (tests/test_engine_models.py checks the same on every
 architecture, float32 and bfloat16); a prompt whose run was freed is no donor; a hash collision costs a comparison, never a wrong prefix; and paths that cannot
-resume a prefill (models with per-sequence state, torch's attention) prefill whole prompts.
+resume a prefill (per-sequence state the model cannot resume, torch's attention) prefill whole
+prompts.
 """
 from __future__ import annotations
 
@@ -178,9 +179,10 @@ def test_a_prompt_whose_donor_is_new_this_step_waits_for_the_second_wave():
 
 
 def test_paths_that_cannot_resume_a_prefill_compute_whole_prompts():
-    """A model with per-sequence state (nanochat's smear), a head size the compiled kernel
-    lacks (torch's attention) and the batched path (GPUs) turn the cache off, and a layout
-    with a cached prefix is refused there rather than attended wrongly."""
+    """A model with per-sequence state that does not say it can resume a prefill
+    (`CausalLM.resumes_prefill`; nanochat's says so), a head size the compiled kernel lacks
+    (torch's attention) and the batched path (GPUs) turn the cache off, and a layout with a
+    cached prefix is refused there rather than attended wrongly."""
     stateful = ToyLM().eval()
     stateful.info = ModelInfo("toy", 265, 64, 2, 2, 8, state_dims={"smear": 32})
     assert not Engine(stateful, TOK).prefix_caching

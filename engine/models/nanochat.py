@@ -228,12 +228,25 @@ class NanochatGPT(CausalLM):
         gate = self.linear(x[..., :SMEAR_CHANNELS].contiguous(), self.smear_gate)
         return self.smear_lambda.to(x.dtype) * self.pointwise(torch.sigmoid, invariant_sigmoid, gate)
 
-    def _smear_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """Mix each token's predecessor embedding into it within the chunk (position 0 unchanged)."""
-        if x.shape[1] < 2:
-            return x
-        gate = self._smear_gate(x[:, 1:])
-        return torch.cat([x[:, :1], x[:, 1:] + gate * x[:, :-1]], dim=1)
+    def _smear_sequence(self, x: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """Mix each token's predecessor embedding into it within the chunk. The chunk's first
+        token is unchanged at position 0; after a cached prefix (`prev`: (B,) the token before
+        each row's chunk, -1 for a row at position 0) it mixes in that token's embedding, as
+        the whole prompt's prefill would (the gate is a row-invariant projection, the mix
+        elementwise: the same bits)."""
+        if prev is None:
+            if x.shape[1] < 2:
+                return x
+            gate = self._smear_gate(x[:, 1:])
+            return torch.cat([x[:, :1], x[:, 1:] + gate * x[:, :-1]], dim=1)
+        before = torch.cat([self._embed(prev.clamp(min=0))[:, None], x[:, :-1]], dim=1)
+        mixed = x + self._smear_gate(x) * before
+        first = torch.where((prev >= 0)[:, None], mixed[:, 0], x[:, 0])
+        return torch.cat([first[:, None], mixed[:, 1:]], dim=1)
+
+    @property
+    def resumes_prefill(self) -> bool:
+        return True  # the smear's only input from before a chunk is the previous token (prev_tokens)
 
     def _attention(self, i: int, x: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attend) -> torch.Tensor:
@@ -317,7 +330,7 @@ class NanochatGPT(CausalLM):
             if batch.prefill:
                 # what the next decode step smears in: the normed embedding of the last real token
                 current = x[rows, batch.last_index]
-                x = self._smear_sequence(x)
+                x = self._smear_sequence(x, batch.prev_tokens)
             else:
                 current = x[:, 0]
                 x = x + self._smear_gate(x) * state[batch.slots][:, None, :]
