@@ -109,17 +109,18 @@ class CausalLM(nn.Module):
 
     info: ModelInfo
     _head_out: torch.Tensor | None = None
-    # forward_step can prefill past a cached prefix (StepBatch.positions from position0 > 0,
-    # the prefix's KV already in the cache), giving the whole prompt's bits: true of a model
-    # whose only per-sequence input is the KV cache; a model with per-sequence state says so
-    # itself (nanochat: its smear reads StepBatch.prev_tokens). engine/prefix_cache.py.
-    @property
-    def resumes_prefill(self) -> bool:
-        return not self.info.state_dims
-
     _reference = False  # True inside a @reference_numerics forward
     act_dtype: torch.dtype | None = None  # float32 with bfloat16 weights on CPU; None: the weights' dtype
     _kv_dtype: torch.dtype | None = None
+
+    @property
+    def resumes_prefill(self) -> bool:
+        """Whether forward_step can prefill past a cached prefix (StepBatch.positions from
+        KVLayout.position0 > 0, the prefix's KV already in the cache) with the whole prompt's
+        bits (engine/prefix_cache.py): true of a model whose only per-sequence input is the KV
+        cache; a model with per-sequence state says so itself (nanochat: its smear reads
+        StepBatch.prev_tokens)."""
+        return not self.info.state_dims
 
     @property
     def kv_dtype(self) -> torch.dtype:

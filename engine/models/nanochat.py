@@ -246,7 +246,8 @@ class NanochatGPT(CausalLM):
 
     @property
     def resumes_prefill(self) -> bool:
-        return True  # the smear's only input from before a chunk is the previous token (prev_tokens)
+        """True: the smear's only input from before a chunk is the previous token (prev_tokens)."""
+        return True
 
     def _attention(self, i: int, x: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attend) -> torch.Tensor:
