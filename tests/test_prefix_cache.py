@@ -6,9 +6,10 @@ whole prompt's prefill; a prompt's samples (tokens and logprob bits) are the sam
 cache and without it, whether the donor was prefilled in an earlier step or in the same one
 (two waves), for duplicate prompts (all but the last token cached), short prompts (nothing to
 match), prefix sharing on or off (tests/test_engine_models.py checks the same on every
-architecture, float32 and bfloat16); a prompt whose run was freed is no donor; a hash collision costs a comparison, never a wrong prefix; and paths that cannot
-resume a prefill (per-sequence state the model cannot resume, torch's attention) prefill whole
-prompts.
+architecture, float32 and bfloat16, nanochat's smear included); a prompt whose run was freed
+is no donor; a hash collision costs a comparison, never a wrong prefix; and paths that cannot
+resume a prefill (per-sequence state the model cannot resume, torch's attention, GPUs)
+prefill whole prompts.
 """
 from __future__ import annotations
 
