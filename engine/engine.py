@@ -256,13 +256,13 @@ class Engine:
         """Slide every live KV run down so the free blocks become one range (engine/compaction.py)."""
         compaction.compact(self)
 
-    def _prefill(self, group: list[Admission], cached: dict[int, tuple[Request, int]]) -> torch.Tensor:
+    def _prefill(self, group: list[Admission], copied: dict[int, int]) -> torch.Tensor:
         """Prefill the prompts of `group` into their stored runs, each from the end of its
-        cached prefix (`cached`, by id of request: (donor, positions) already copied into
-        the run); (len(group), V) last logits, owned (the next chunk's prefill and the decode
-        step do not overwrite them)."""
+        cached prefix (`copied`, by id of request: positions already copied into the run);
+        (len(group), V) last logits, owned (the next chunk's prefill and the decode step do
+        not overwrite them)."""
         lengths = [len(a.request.prompt_tokens) for a in group]
-        skip = [cached[id(a.request)][1] if id(a.request) in cached else 0 for a in group]
+        skip = [copied.get(id(a.request), 0) for a in group]
         T = max(n - c for n, c in zip(lengths, skip))
         tokens = torch.zeros(len(group), T, dtype=torch.long)
         for i, a in enumerate(group):
@@ -298,14 +298,15 @@ class Engine:
             stored = list({id(r): r for r in reqs if r.kv_block is not None and id(r) not in new}.values())
             waves, cached = plan_prefills(prefills, stored, self.scheduler.block_size)
         bs = self.scheduler.block_size
+        copied = {k: n for k, (_, n) in cached.items()}
         first: dict[int, torch.Tensor] = {}
         for wave in waves:
             for a in wave:
                 if id(a.request) in cached:
                     donor, n = cached[id(a.request)]
                     self.kv.copy_run(donor.kv_block * bs, a.request.kv_block * bs, n)
-            for chunk in prefill_batches(wave, {k: n for k, (_, n) in cached.items()}):
-                logits = self._prefill(chunk, cached)
+            for chunk in prefill_batches(wave, copied):
+                logits = self._prefill(chunk, copied)
                 for i, a in enumerate(chunk):
                     first[id(a.request)] = logits[i]
         return first

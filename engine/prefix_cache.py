@@ -47,8 +47,8 @@ def block_hashes(req: Request, block_size: int) -> list[int]:
 class PrefixIndex:
     """Stored prompts by the hashes of their leading blocks.
 
-    block_size: tokens per hashed block (the scheduler's KV block: a reused prefix is whole
-    blocks, then cut to leave the new prompt's last token to compute).
+    block_size: tokens per hashed block (the scheduler's KV block); a donor is found by whole
+    blocks, and `match` then extends the prefix token by token.
     """
 
     def __init__(self, block_size: int):
