@@ -108,15 +108,22 @@ def test_dtype_auto_is_bfloat16_only_on_native_gpus(monkeypatch):
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
 
 
-@pytest.fixture
-def head_buffer_path(monkeypatch):
-    """The head's path on a GPU in float32, forced on CPU: no compiled kernels (what
-    BATCHGEN_NATIVE=0 decides) and no oneDNN, so `project_head` multiplies into the buffer
-    it reuses from call to call (engine/models/base.py). Models loaded inside the test take it."""
+@pytest.fixture(params=["torch", "compiled-float32", "compiled-bfloat16"])
+def head_buffer_path(request, monkeypatch):
+    """A path whose head writes into the buffer `project_head` reuses from call to call
+    (engine/models/base.py), and the dtype to load: "torch" is a GPU's path in float32,
+    forced on CPU (no compiled kernels, what BATCHGEN_NATIVE=0 decides, and no oneDNN);
+    "compiled-*" the compiled GEMM's (skipped where the library cannot be built). Models
+    loaded inside the test take it."""
     import engine.kernels.native as native
 
-    monkeypatch.setattr(native, "_isa_choice", None)
-    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    if request.param == "torch":
+        monkeypatch.setattr(native, "_isa_choice", None)
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+        return "float32"
+    if native.native_kernels() is None:
+        pytest.skip("the compiled kernels cannot be built here")
+    return request.param.split("-")[1]
 
 
 def test_prefill_chunks_keep_each_prompts_last_logits(head_buffer_path):
@@ -127,7 +134,7 @@ def test_prefill_chunks_keep_each_prompts_last_logits(head_buffer_path):
     from the stored logits (3 slots for 2 x 2 samples)."""
     from engine.engine import Engine
 
-    eng = load_engine("tiny-random", device="cpu", dtype="float32", max_seq_len=256)
+    eng = load_engine("tiny-random", device="cpu", dtype=head_buffer_path, max_seq_len=256)
     long, short = list(range(40, 90)), [5, 6, 7, 8]
     p = SamplingParams(num_samples=2, max_tokens=4, temperature=0, stop_token_ids=[])
     alone = [[s.tokens for s in eng.generate([x], p)[0]] for x in (long, short)]

@@ -156,16 +156,26 @@ class NativeKernels:
         self._pack(w.data_ptr(), w.stride(0), n, k, code, data.data_ptr())
         return PackedWeight(data, n, k, w.dtype, b)
 
-    def gemm(self, x: torch.Tensor, w: PackedWeight, out_dtype: torch.dtype, threads: int) -> torch.Tensor:
+    def gemm(self, x: torch.Tensor, w: PackedWeight, out_dtype: torch.dtype, threads: int,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         """x (M, K) @ W.T + bias, x with a contiguous last dim (rows may be strided) in the
         weight's dtype or float32 (a bfloat16 weight's float32 activations are rounded to
         bfloat16 first, as `.to(torch.bfloat16)` rounds); returns (M, N) of out_dtype
         (float32, or bfloat16 for a bfloat16 weight). Each element is one fixed sequence of
         rounded operations over K in order (gemm.cpp's header), so a row's bits depend on that
         row alone, on any ISA and thread count. A weight packed for AMX tiles (`amx_order`) runs on them
-        (gemm_amx.cpp; RuntimeError if Linux refuses the tile state)."""
+        (gemm_amx.cpp; RuntimeError if Linux refuses the tile state).
+        out: a contiguous (M, N) tensor of out_dtype to write instead of a new one (a step's
+        logits: a fresh 25 MB tensor each step costs its pages' first-touch faults); ValueError
+        if it is not one."""
         M = x.shape[0]
-        y = torch.empty(M, w.n, dtype=out_dtype)
+        if out is None:
+            y = torch.empty(M, w.n, dtype=out_dtype)
+        elif out.shape != (M, w.n) or out.dtype != out_dtype or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"gemm: out must be a contiguous CPU ({M}, {w.n}) {out_dtype} tensor, "
+                             f"got {tuple(out.shape)} {out.dtype}")
+        else:
+            y = out
         if w.amx_order is not None:
             if not self.has_amx:
                 raise ValueError(f"gemm: a weight packed for AMX tiles, and {self.path.name} has no AMX kernel")

@@ -189,11 +189,12 @@ class CausalLM(nn.Module):
         return F.linear(x, weight, bias).to(out_dtype)
 
     @staticmethod
-    def _gemm(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype) -> torch.Tensor:
+    def _gemm(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype,
+              out: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = native_kernels().gemm(x2, packed, out_dtype, torch.get_num_threads())
+        y = native_kernels().gemm(x2, packed, out_dtype, torch.get_num_threads(), out=out)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def pointwise(self, reference: Callable[[torch.Tensor], torch.Tensor],
@@ -217,26 +218,35 @@ class CausalLM(nn.Module):
         """x @ weight.T for the output head: x (B, C) or (B, T, C), weight (N, C) -> (..., N)
         float32 logits, whatever the compute dtype.
 
-        The head (N = the vocabulary) is the largest matmul of a decode step. On CPU it goes
-        through `linear`'s compiled GEMM (or oneDNN) and, for a bfloat16 model, returns the
-        float32 sums unrounded: sampling and logprobs work on float32 logits. Otherwise (GPU
-        in float32, CPU without the compiled kernels or oneDNN) allocating the (B, N) output
-        every step would be a large part of a small model's step, so the result is a matmul
-        into a buffer that every step reuses: it is valid until the next call, and whatever
-        keeps logits past it (a prefill's, kept across prefill chunks and for samples admitted
-        later) takes `owned_logits` of them.
+        The head (N = the vocabulary) is the largest matmul of a decode step, and its (B, N)
+        float32 output the step's largest tensor (25 MB for 128 rows of a 49k vocabulary): a
+        fresh one each step would cost its pages' first-touch faults (on CPU, glibc maps so
+        large a block afresh; about 5 ms a step) or, on a GPU, a large part of a small model's
+        step. So a 2-D x's logits go into a buffer that every step reuses: they are valid
+        until the next call, and whatever keeps them past it (a prefill's, kept across prefill
+        chunks and for samples admitted later) takes `owned_logits` of them. On CPU the head
+        is `linear`'s compiled GEMM (or oneDNN) and, for a bfloat16 model, returns the float32
+        sums unrounded: sampling and logprobs work on float32 logits.
         """
-        if not self._reference and x.device.type == "cpu":
-            packed = self._packed_weight(weight, None)
-            if isinstance(packed, PackedWeight) or (packed is not None and x.dtype == torch.float32):
-                return self._linear(x, weight, None, torch.float32)
-        if self._reference or x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != x.dtype:
+        if self._reference or x.device.type != "cpu":
+            if self._reference or x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != x.dtype:
+                return self._linear(x, weight, None, x.dtype)
+            return torch.mm(x, weight.t(), out=self._head_buffer(x.shape[0], weight.shape[0], x.device))
+        packed = self._packed_weight(weight, None)
+        if isinstance(packed, PackedWeight) and x.dim() == 2 and x.dtype in (weight.dtype, torch.float32):
+            return self._gemm(x, packed, torch.float32, out=self._head_buffer(x.shape[0], weight.shape[0], x.device))
+        if isinstance(packed, PackedWeight) or (packed is not None and x.dtype == torch.float32):
+            return self._linear(x, weight, None, torch.float32)
+        if x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != x.dtype:
             return self._linear(x, weight, None, x.dtype)
-        B, N = x.shape[0], weight.shape[0]
+        return torch.mm(x, weight.t(), out=self._head_buffer(x.shape[0], weight.shape[0], x.device))
+
+    def _head_buffer(self, B: int, N: int, device: torch.device) -> torch.Tensor:
+        """(B, N) float32 rows of the reused logits buffer (grown, never shrunk)."""
         buf = self._head_out
-        if buf is None or buf.shape[0] < B or buf.shape[1] != N or buf.device != x.device:
-            buf = self._head_out = torch.empty(max(B, 64), N, device=x.device)
-        return torch.mm(x, weight.t(), out=buf[:B])
+        if buf is None or buf.shape[0] < B or buf.shape[1] != N or buf.device != device:
+            buf = self._head_out = torch.empty(max(B, 64), N, device=device)
+        return buf[:B]
 
     def owned_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` (or a view of them) as a tensor no later step overwrites: a copy when they
