@@ -228,16 +228,13 @@ class CausalLM(nn.Module):
         is `linear`'s compiled GEMM (or oneDNN) and, for a bfloat16 model, returns the float32
         sums unrounded: sampling and logprobs work on float32 logits.
         """
-        if self._reference or x.device.type != "cpu":
-            if self._reference or x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != x.dtype:
-                return self._linear(x, weight, None, x.dtype)
-            return torch.mm(x, weight.t(), out=self._head_buffer(x.shape[0], weight.shape[0], x.device))
-        packed = self._packed_weight(weight, None)
-        if isinstance(packed, PackedWeight) and x.dim() == 2 and x.dtype in (weight.dtype, torch.float32):
-            return self._gemm(x, packed, torch.float32, out=self._head_buffer(x.shape[0], weight.shape[0], x.device))
-        if isinstance(packed, PackedWeight) or (packed is not None and x.dtype == torch.float32):
-            return self._linear(x, weight, None, torch.float32)
-        if x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != x.dtype:
+        if not self._reference and x.device.type == "cpu":
+            packed = self._packed_weight(weight, None)
+            if isinstance(packed, PackedWeight) and x.dim() == 2 and x.dtype in (weight.dtype, torch.float32):
+                return self._gemm(x, packed, torch.float32, out=self._head_buffer(x.shape[0], weight.shape[0], x.device))
+            if isinstance(packed, PackedWeight) or (packed is not None and x.dtype == torch.float32):
+                return self._linear(x, weight, None, torch.float32)
+        if self._reference or x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != x.dtype:
             return self._linear(x, weight, None, x.dtype)
         return torch.mm(x, weight.t(), out=self._head_buffer(x.shape[0], weight.shape[0], x.device))
 
