@@ -132,7 +132,11 @@ def run(folder: Path, out: Path, budget: float) -> None:
                         "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)], check=True)
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)])
     py = [sys.executable]
-    model = str((folder / "smollm2").resolve())
+    # the weights (540 MB) go outside the carried folder, which must stay small and unchanged
+    model_dir = Path("/tmp/lent_standin")
+    shutil.rmtree(model_dir, ignore_errors=True)
+    shutil.copytree(folder / "smollm2", model_dir)
+    model = str(model_dir)
     data = str((folder / "data").resolve())
 
     machine = subprocess.run(["bash", "-c", "lscpu; grep -m1 flags /proc/cpuinfo; nproc; "
