@@ -105,6 +105,18 @@ def same_rows(table) -> list[dict]:
     return rows
 
 
+def bench_module(name: str):
+    """bench/NAME.py imported as a module (bench/ is scripts, not a package), registered in
+    sys.modules as `_bench_NAME` (dataclasses and pickling look their module up there)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", Path(__file__).parents[1] / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def stop_shared_ray() -> None:
     """Shut down the shared local instance of `ray_local`, if it runs in this process."""
     if "ray" in sys.modules:

@@ -7,18 +7,13 @@ processes of the RL shape and for the forced-tiles runs (whose float32 is the pl
 """
 from __future__ import annotations
 
-import importlib.util
 import subprocess
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import bench_module
 
 
 def _lent():
-    spec = importlib.util.spec_from_file_location("_lent_bench", ROOT / "bench" / "lent_machine.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("lent_machine")
 
 
 def _fake_lscpu(monkeypatch, lent, rows: list[str], allowed: set[int]):

@@ -8,12 +8,10 @@ one get the same model), and keeps each weight tensor's scale.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import json
-from pathlib import Path
 
 import pytest
 
+from conftest import bench_module
 from engine import load_engine
 from engine.loading.builtin import SMOLLM2_INSTALL, smollm2_path
 
@@ -22,14 +20,9 @@ try:
 except FileNotFoundError:  # pragma: no cover - `make install` installs it
     pytest.skip(f"SmolLM2 is not installed ({SMOLLM2_INSTALL})", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _standin():
-    spec = importlib.util.spec_from_file_location("_standin_bench", ROOT / "bench" / "standin.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("standin")
 
 
 def test_the_standin_has_the_models_shapes_tokens_and_weight_scales(tmp_path):

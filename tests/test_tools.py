@@ -42,6 +42,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import bench_module
+
 ROOT = Path(__file__).resolve().parent.parent
 
 try:
@@ -530,11 +532,7 @@ GSM8K_TRAIN = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("_gsm8k_calculator_bench", ROOT / "bench" / "gsm8k_calculator.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("gsm8k_calculator")
 
 
 @pytest.mark.skipif(not GSM8K_TRAIN.exists(), reason=f"GSM8K train split not found at {GSM8K_TRAIN}")
