@@ -5,7 +5,7 @@
 The config is validated here first (exit 2 before anything is submitted). The job's
 entrypoint is `python -m jobs.cli run <config> [--set ...]`, run on the head node inside a
 `runtime_env` whose working_dir is this project directory (engine/, cluster/, jobs/,
-configs/... minus .git, .venv, outputs and other bulk), so the cluster needs batchgen's
+configs/... minus .git, .venv, outputs, what git ignores and other bulk), so the cluster needs batchgen's
 dependencies (torch, ray, pyarrow, pydantic, tiktoken, ...; e.g. a Ray image with
 `pip install batchgen`'s requirements) but not batchgen itself, and the driver and every
 worker import the submitted code. Consequences:
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,6 +27,24 @@ from jobs.errors import JobError, SpecError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 EXCLUDES = [".git", ".venv", "venv", "out", "**/__pycache__", ".pytest_cache", "bench", "*.egg-info"]
+
+
+def git_ignored(root: Path) -> list[str]:
+    """What git ignores in the checkout at `root`, as Ray `excludes` patterns anchored at the
+    working_dir ("/.dev", "/data/big.bin"): Ray leaves out what `.gitignore` files name, but
+    not `.git/info/exclude` or the user's global excludes, and the job server refuses a
+    working_dir over 100 MB (a model or dataset kept beside the code used to make `submit`
+    fail with "Maximum request body size exceeded"). [] when `root` is not a git checkout,
+    git is missing, or RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1 (Ray's own switch: ship ignored
+    files too)."""
+    if os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE") == "1" or not (root / ".git").exists():
+        return []
+    try:
+        listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--others", "--ignored",
+                                 "--exclude-standard", "--directory"], capture_output=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return ["/" + p.rstrip("/") for p in listed.stdout.decode(errors="surrogateescape").split("\0") if p]
 
 
 def build_entrypoint(config_rel: str, overrides: Sequence[str], overwrite: bool) -> str:
@@ -53,7 +72,9 @@ def submit_job(config_path: str, address: str, overrides: Sequence[str] = (), ov
     except ValueError:
         raise SpecError(f"{config_path}: `submit` ships the project directory {PROJECT_ROOT} to the cluster, and "
                         f"the config must be inside it; copy it there (e.g. to configs/)") from None
-    excludes = list(EXCLUDES)
+    # never what holds the config: the job runs it on the head node
+    excludes = list(EXCLUDES) + [p for p in git_ignored(PROJECT_ROOT)
+                                 if not ("/" + config_rel + "/").startswith(p + "/")]
     out = spec.output.path
     if "://" not in out:
         try:  # never upload a previous run's output

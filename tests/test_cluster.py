@@ -6,6 +6,7 @@ The jobs are tiny (demo model, a few prompts, max_tokens 4) so the module stays 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -446,6 +447,42 @@ def test_run_job_one_and_two_workers_resume_and_fingerprint(ray_local, tmp_path,
 
 
 # ------------------------------------------------------------------ submit (mocked job server)
+
+def test_submit_leaves_out_what_git_ignores(tmp_path, monkeypatch):
+    """`submit` ships the project directory as Ray's working_dir, and Ray leaves out what
+    .gitignore files name but not .git/info/exclude (nor the user's global excludes): a large
+    folder ignored there once pushed the upload past the job server's 100 MB. `git_ignored`
+    lists all of git's ignored paths, anchored at the root (directories whole, untracked but
+    unignored files kept); nothing outside a git checkout or with Ray's switch to ship them;
+    submit_job adds them to the excludes, except a path that holds the config itself."""
+    from jobs import submit
+    from jobs.submit import git_ignored, submit_job
+
+    repo = tmp_path / "repo"
+    (repo / "big" / "sub").mkdir(parents=True)
+    (repo / "big" / "sub" / "weights.bin").write_bytes(b"x")
+    (repo / "notes.tmp").write_text("x")
+    (repo / "keep.py").write_text("x")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / ".gitignore").write_text("*.tmp\n")
+    (repo / ".git" / "info" / "exclude").write_text("/big/\n")
+    assert sorted(git_ignored(repo)) == ["/big", "/notes.tmp"]
+    monkeypatch.setenv("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "1")
+    assert git_ignored(repo) == []
+    monkeypatch.delenv("RAY_RUNTIME_ENV_IGNORE_GITIGNORE")
+    assert git_ignored(tmp_path) == []  # not a checkout
+
+    class FakeClient:
+        def submit_job(self, **kw):
+            self.kw = kw
+            return "raysubmit_1"
+
+    monkeypatch.setattr(submit, "git_ignored", lambda root: ["/.dev", "/configs", "/configs-old"])
+    client = FakeClient()
+    assert submit_job(str(ROOT / "configs/demo.yaml"), "http://head:8265", [], client=client) == 0
+    excludes = client.kw["runtime_env"]["excludes"]
+    assert "/.dev" in excludes and "/configs-old" in excludes and "/configs" not in excludes
+
 
 def test_submit_job_with_a_mocked_client(tmp_path, monkeypatch, capsys):
     import ray.job_submission
