@@ -75,7 +75,8 @@ def _config(path: Path, inp: Path, out: Path, unit_rows: int, **extra) -> Path:
 def _measure(argv: list[str]) -> dict:
     """Run `bench_scale.py --child ARGV` in a fresh process; its JSON report."""
     r = subprocess.run([sys.executable, __file__, "--child", *argv], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       env={**os.environ,
+                            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     if r.returncode != 0:
         raise SystemExit(f"child {argv} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])

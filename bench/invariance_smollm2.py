@@ -39,7 +39,7 @@ RUNS = [(seqs, sharing, True) for seqs in (64, 3, 1) for sharing in (True, False
 
 
 def run_all(threads: int, model: str = "smollm2", dtypes: tuple = ("float32", "bfloat16"),
-            log=None) -> dict:
+            log=None, runs: tuple = tuple(range(len(RUNS)))) -> dict:
     """{dtype: [(max_num_seqs, prefix_sharing, prefix_caching, sha256, seconds, cached prompt
     tokens), ...]} in this process."""
     import torch
@@ -52,7 +52,7 @@ def run_all(threads: int, model: str = "smollm2", dtypes: tuple = ("float32", "b
     out: dict = {}
     for dtype in dtypes:
         out[dtype] = []
-        for seqs, sharing, caching in RUNS:
+        for seqs, sharing, caching in (RUNS[i] for i in runs):
             eng = load_engine(model, device="cpu", dtype=dtype, max_seq_len=1024, max_num_seqs=seqs,
                               prefix_sharing=sharing, prefix_caching=caching)
             prompts = [eng.tokenizer.render_chat([{"role": "user", "content": q}], date="2026-01-01")
@@ -78,10 +78,13 @@ def main() -> int:
     ap.add_argument("--limited", action="store_true", help="also run limited to AVX2 in a subprocess")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
+    ap.add_argument("--runs", default=",".join(map(str, range(len(RUNS)))),
+                    help="comma-separated indices into RUNS, to spread one check over processes (compare their hashes)")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # the subprocess's output
     args = ap.parse_args()
+    runs = tuple(int(i) for i in args.runs.split(","))
     if args.json:
-        print(json.dumps(run_all(args.threads, args.model, tuple(args.dtypes.split(",")))))
+        print(json.dumps(run_all(args.threads, args.model, tuple(args.dtypes.split(",")), runs=runs)))
         return 0
     import torch
     from machine import describe
@@ -90,11 +93,12 @@ def main() -> int:
     print(describe())
     print(f"model: {args.model}")
     results = {"native": run_all(args.threads, args.model, tuple(args.dtypes.split(",")),
-                                 log=lambda line: print(line, flush=True))}
+                                 log=lambda line: print(line, flush=True), runs=runs)}
     if args.limited:
-        env = {**os.environ, **LIMITED, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, **LIMITED,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         r = subprocess.run([sys.executable, __file__, "--json", "--threads", str(args.threads), "--model", args.model,
-                            "--dtypes", args.dtypes], env=env,
+                            "--dtypes", args.dtypes, "--runs", args.runs], env=env,
                            capture_output=True, text=True, cwd=ROOT)
         if r.returncode != 0:
             print(r.stderr[-3000:])

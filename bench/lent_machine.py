@@ -5,19 +5,24 @@ most 64 MiB: no SmolLM2 GGUF (98 MB), no ../shared, none of the packages its ima
 `prepare` gathers here what the checks need into one git-ignored folder (SmolLM2's stand-in:
 its config, tokenizer and each tensor's statistics, bench/standin.py; the GSM8K files of the
 RL workload; wheels of the packages the image lacked last time), about 9 MB, and `run`, there,
-in the repository's root, does everything in one pass and writes its logs to $OUT:
+in the repository's root, does everything in one pass:
 
 - what the machine is (CPU model, flags, cores, torch), every ISA's kernel library built at
   once, the AMX probe's verdict, the native ISA and what `dtype: auto` picks (`prep.log`);
-- side by side, each process on 2 CPUs of its own physical cores (`taskset`): bench_dtypes on
-  the smollm2 workload (float32, bfloat16, auto) and on the RL shape (float32 in one
-  process, bfloat16 and auto in another), invariance_smollm2 in bfloat16 and float32,
-  natively and limited to AVX2, bench_attention (one thread), and the kernel and engine
-  tests on the remaining cores (pytest -n);
-- where the probe refused AMX on a CPU that has it, the bfloat16 benches again with the
-  tiles forced on (a measurement only, as on 2026-11-26);
-- `summary.txt`: the lines that answer the issue (rates, bf16 / float32 ratios, hashes, test
-  counts).
+- a queue of processes, 6 at a time, each on 2 CPUs of its own physical cores (`taskset`),
+  beside the kernel and engine tests on the remaining cores (pytest -n): where the probe
+  refused AMX on a CPU that has it, first the bfloat16 benches with the tiles forced on (a
+  measurement only, as on 2026-11-26), where it verified them, first bench_dtypes in
+  bfloat16 and bench_attention with decode attention's prompt blocks kept on vdpbf16ps (the
+  GEMMs on tiles: which attention path is faster there); bench_dtypes on the RL shape (float32 in one process,
+  bfloat16 and auto in another) and on the smollm2 workload (float32, bfloat16, auto);
+  invariance_smollm2 in both dtypes natively and limited to AVX2 on two of its runs, and in
+  bfloat16 natively on all eight, spread over processes (`--runs`; a run of one sequence
+  takes 75-95 s there); profile_step in bfloat16 on both workloads and in float32 on
+  smollm2's (where the step's time goes); bench_attention (one thread);
+- `$OUT/summary.txt`: the lines that answer the issue (rates, bf16 / float32 ratios, each
+  dtype's invariance hashes over every process, the profiles, test counts), and every log
+  in `$OUT/logs.tar.gz` (a call brings back 8 files).
 
 Rates measured side by side are below what the CPU gives one process alone (shared memory
 bandwidth); read the ratios taken within one process. A stand-in never stops early, so
@@ -25,9 +30,9 @@ compare it with itself only.
 
     python bench/lent_machine.py prepare [--dir .dev/lent]          # here
     device run, carry [".dev/lent"], timeout_s 560:
-        python3 bench/lent_machine.py run [--dir .dev/lent]         # there; logs in $OUT
+        python3 bench/lent_machine.py run [--dir .dev/lent]         # there; summary and logs in $OUT
 
-`run` takes about 6 minutes on 16 cores (each part has its own timeout; the whole stays
+`run` takes about 8 minutes on 16 cores (each part has its own timeout; the whole stays
 under `--budget` seconds, 480 by default) and needs no network.
 """
 from __future__ import annotations
@@ -122,8 +127,12 @@ def cpu_sets(n: int) -> tuple[list[list[int]], list[int]]:
 
 
 def run(folder: Path, out: Path, budget: float) -> None:
-    """Everything, in the repository's root, logs into `out`."""
+    """Everything, in the repository's root: `out`/summary.txt, and every log in
+    `out`/logs.tar.gz."""
     start = time.time()
+    logs = Path("/tmp/lent_logs")
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir()
     env = dict(os.environ, PYTHONUNBUFFERED="1", BATCHGEN_CACHE_DIR="/tmp/bgcache")
     wheels = [w for w in sorted((folder / "whl").glob("*.whl")) if not _installed(w.name.split("-")[0])]
     site = Path("/tmp/site")
@@ -144,7 +153,7 @@ def run(folder: Path, out: Path, budget: float) -> None:
                              capture_output=True, text=True).stdout
     torch_line = subprocess.run(py + ["-c", "import torch, sys; print(sys.version.split()[0], torch.__version__)"],
                                 capture_output=True, text=True, env=env).stdout
-    (out / "machine.txt").write_text(machine + torch_line)
+    (logs / "machine.txt").write_text(machine + torch_line)
     flags = set(re.findall(r"\b(avx2|avx512f|avx512_bf16|amx_bf16|amx_tile)\b", machine))
     has_amx = {"amx_bf16", "amx_tile"} <= flags
     model_name = next((ln.split(":", 1)[1].strip() for ln in machine.splitlines() if ln.startswith("Model name")), "?")
@@ -153,45 +162,89 @@ def run(folder: Path, out: Path, budget: float) -> None:
     weights = subprocess.Popen(py + [str(ROOT / "bench" / "standin.py"), "weights", model], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     prep = subprocess.run(py + ["-c", _PREP], capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
-    (out / "prep.log").write_text(prep.stdout + prep.stderr)
+    (logs / "prep.log").write_text(prep.stdout + prep.stderr)
     print(prep.stdout + prep.stderr[-2000:], flush=True)
     if weights.wait() != 0:
         sys.exit("the stand-in's weights failed: " + weights.stdout.read()[-2000:])
     refused = has_amx and "amx_verdict: (None" in prep.stdout
 
-    left = budget - (time.time() - start)
-    jobs = [("dtypes_smollm2", ["bench/bench_dtypes.py", "--workload", "smollm2", "--dtypes", "float32,bfloat16,auto",
-                                "--model", model]),
-            ("dtypes_rl_f32", ["bench/bench_dtypes.py", "--workload", "rl", "--dtypes", "float32", "--model", model,
-                               "--data", data]),
-            ("dtypes_rl_bf16", ["bench/bench_dtypes.py", "--workload", "rl", "--dtypes", "bfloat16,auto",
-                                "--model", model, "--data", data]),
-            ("invariance", ["bench/invariance_smollm2.py", "--limited", "--model", model]),
-            ("attention", ["bench/bench_attention.py", "--reps", "10"])]
+    jobs = []
+    me = [str(ROOT / "bench" / "lent_machine.py")]
     if refused:  # the tiles forced on, for the measurement the issue asks for
-        force = [str(ROOT / "bench" / "lent_machine.py"), "forced"]
-        jobs += [("forced_smollm2", force + ["bench/bench_dtypes.py", "--workload", "smollm2", "--dtypes",
-                                             "float32,bfloat16", "--model", model]),
-                 ("forced_rl", force + ["bench/bench_dtypes.py", "--workload", "rl", "--dtypes", "bfloat16",
-                                        "--model", model, "--data", data])]
-    sets, rest = cpu_sets(len(jobs))
-    procs = []
-    for (name, argv), cpus in zip(jobs, sets):
-        cmd = ["taskset", "-c", ",".join(map(str, cpus)), "timeout", str(int(left - 20))] + py + argv
-        procs.append((name, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=(out / f"{name}.log").open("w"),
-                                             stderr=subprocess.STDOUT)))
+        jobs += [("forced_smollm2", me + ["forced", "bench/bench_dtypes.py", "--workload", "smollm2", "--dtypes",
+                                          "float32,bfloat16", "--model", model]),
+                 ("forced_rl", me + ["forced", "bench/bench_dtypes.py", "--workload", "rl", "--dtypes", "bfloat16",
+                                     "--model", model, "--data", data])]
+    elif has_amx:  # decode attention's prompt blocks on vdpbf16ps instead of tiles, the GEMMs on tiles
+        jobs += [("vector_smollm2", me + ["vector", "bench/bench_dtypes.py", "--workload", "smollm2", "--dtypes",
+                                          "bfloat16", "--model", model]),
+                 ("vector_rl", me + ["vector", "bench/bench_dtypes.py", "--workload", "rl", "--dtypes", "bfloat16",
+                                     "--model", model, "--data", data]),
+                 ("vector_attention", me + ["vector", "bench/bench_attention.py", "--reps", "10"])]
+    names = _schedule(jobs + _jobs(model, data), logs, env, start + budget, start)
+    summary = _summarise(logs, names)
+    (logs / "summary.txt").write_text(summary)
+    (out / "summary.txt").write_text(summary)
+    # a call brings back 8 files: the logs travel as one archive
+    subprocess.run(["tar", "-czf", str(out / "logs.tar.gz"), "-C", str(logs.parent), logs.name], check=True)
+    print(summary)
+
+
+VARIANTS = ("forced", "vector")  # `variant`'s kinds
+SLOTS = 6  # processes of 2 threads side by side; the kernel and engine tests get the cores left
+
+
+def _jobs(model: str, data: str) -> list[tuple[str, list[str]]]:
+    """(log name, argv) of each bench, longest first, so that the queue ends together."""
+    dtypes = ["bench/bench_dtypes.py", "--model", model, "--data", data, "--workload"]
+    profile = ["bench/profile_step.py", "--model", model, "--data", data, "--warmup", "30", "--workload"]
+    invariance = ["bench/invariance_smollm2.py", "--model", model, "--runs"]
+    jobs = [("dtypes_rl_bf16", dtypes + ["rl", "--dtypes", "bfloat16,auto"]),
+            ("dtypes_rl_f32", dtypes + ["rl", "--dtypes", "float32"]),
+            ("dtypes_smollm2", dtypes + ["smollm2", "--dtypes", "float32,bfloat16,auto"]),
+            # both dtypes natively and limited to AVX2, on one sequence count and on 3 (the AVX2 runs are slow)
+            ("inv_limited", invariance + ["0,2", "--limited"])]
+    # bfloat16 natively on every run, one process per slow run (max_num_seqs 1 takes 75-95 s on an Emerald Rapids)
+    jobs += [(f"inv_bf16_{i}", invariance + [runs, "--dtypes", "bfloat16"])
+             for i, runs in enumerate(("4", "5", "7", "2", "3", "0,1,6"))]
+    jobs += [("profile_rl_bf16", profile + ["rl", "--dtype", "bfloat16"]),
+             ("profile_smollm2_bf16", profile + ["gsm8k", "--dtype", "bfloat16"]),
+             ("profile_smollm2_f32", profile + ["gsm8k", "--dtype", "float32"]),
+             ("attention", ["bench/bench_attention.py", "--reps", "10"])]
+    return jobs
+
+
+def _schedule(jobs: list, out: Path, env: dict, deadline: float, start: float) -> list[str]:
+    """Run `jobs` SLOTS at a time, each pinned to 2 CPUs of physical cores of its own and
+    stopped at `deadline`, beside the kernel and engine tests on the other cores; each
+    process's output goes to `out`/NAME.log. Returns the names, in the order they ran."""
+    sets, rest = cpu_sets(SLOTS)
     test_env = dict(env, OMP_NUM_THREADS="2")
     spread = ["-n", str(max(1, len(rest) // 2))] if importlib.util.find_spec("xdist") else []
-    cmd = (["taskset", "-c", ",".join(map(str, rest)), "timeout", str(int(left - 30))] + py +
-           ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *spread, *TESTS])
-    procs.append(("pytest", subprocess.Popen(cmd, cwd=ROOT, env=test_env, stdout=(out / "pytest.log").open("w"),
-                                             stderr=subprocess.STDOUT)))
-    for name, p in procs:
-        rc = p.wait()
-        print(f"{name}: exit {rc} at {time.time() - start:.0f} s", flush=True)
-    summary = _summarise(out, [name for name, _ in procs])
-    (out / "summary.txt").write_text(summary)
-    print(summary)
+    cmd = (["taskset", "-c", ",".join(map(str, rest)), "timeout", str(int(deadline - time.time() - 30))] +
+           [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *spread, *TESTS])
+    running = {subprocess.Popen(cmd, cwd=ROOT, env=test_env, stdout=(out / "pytest.log").open("w"),
+                                stderr=subprocess.STDOUT).pid: ("pytest", None)}
+    queue, free, names = list(jobs), list(sets), ["pytest"]
+    while running:
+        while queue and free and deadline - time.time() > 40:
+            (name, argv), cpus = queue.pop(0), free.pop(0)
+            cmd = ["taskset", "-c", ",".join(map(str, cpus)), "timeout", str(int(deadline - time.time() - 20)),
+                   sys.executable, *argv]
+            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=(out / f"{name}.log").open("w"),
+                                 stderr=subprocess.STDOUT)
+            running[p.pid] = (name, cpus)
+            names.append(name)
+        pid, status = os.wait()
+        if pid not in running:
+            continue
+        name, cpus = running.pop(pid)
+        print(f"{name}: exit {os.waitstatus_to_exitcode(status)} at {time.time() - start:.0f} s", flush=True)
+        if cpus is not None:
+            free.append(cpus)
+    for name, _ in queue:
+        print(f"{name}: not started (no time left)", flush=True)
+    return names
 
 
 _PREP = """
@@ -214,50 +267,69 @@ print("bfloat16_is_faster:", bfloat16_is_faster(), flush=True)
 """
 
 _KEEP = re.compile(r"tokens/s|machine:|hash|runs|identical|differ|passed|failed|skipped|error|Error|ms per layer|"
-                   r"ratio|auto")
+                   r"ratio|auto|per step|prefill:")
+# invariance_smollm2's table: dtype, where (native or avx2), max_num_seqs ... hash
+_RUN = re.compile(r"^(float32|bfloat16)\s+(native|avx2)\s+max_num_seqs\s+(\d+).*?\b([0-9a-f]{16})\s", re.M)
 
 
 def _summarise(out: Path, names: list[str]) -> str:
-    """The lines of each log that answer the issue, and bfloat16 / float32 (and auto / float32)
+    """The lines of each log that answer the issue, bfloat16 / float32 (and auto / float32)
     per workload from bench_dtypes' rates (`NAME.log` files in `out`; the RL shape's two
-    dtypes run in two processes side by side)."""
+    dtypes run in two processes side by side), and per dtype the hashes of every invariance
+    run across the processes they were spread over."""
     lines, rates = [], collections.defaultdict(dict)
+    hashes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for name in ["prep"] + names:
         log = out / f"{name}.log"
         text = log.read_text(errors="replace") if log.exists() else ""
         keep = [ln for ln in text.splitlines() if _KEEP.search(ln) and not ln.startswith(("PASSED", "."))]
         lines.append(f"== {name}")
         lines += keep[-24:] or text.splitlines()[-8:]
-        if name.startswith(("dtypes_", "forced_")):
-            group = ("forced " if name.startswith("forced_") else "") + name.split("_")[1]
+        kind, _, rest = name.partition("_")
+        if kind in ("dtypes", *VARIANTS):
+            group = ("" if kind == "dtypes" else kind + " ") + rest.split("_")[0]
             for dtype, rate in re.findall(r"^\s*(\w+)\s+\(\w+\): .*= ([\d.]+) tokens/s", text, re.M):
                 rates[group][dtype] = float(rate)
+        for dtype, where, _, digest in _RUN.findall(text):
+            hashes[dtype][digest] += 1
+    lines.append("== invariance (every run of every process)")
+    for dtype, counts in hashes.items():
+        verdict = "bit-identical" if len(counts) == 1 else f"{len(counts)} different results"
+        lines.append(f"{dtype}: {sum(counts.values())} runs {verdict}: " +
+                     ", ".join(f"{h} x{n}" for h, n in counts.most_common()))
     lines.append("== ratios")
     for group, r in list(rates.items()):
-        f32 = r.get("float32") or rates[group.removeprefix("forced ")].get("float32")
+        f32 = r.get("float32") or rates[group.split(" ")[-1]].get("float32")
         for dtype in ("bfloat16", "auto"):
             if dtype in r and f32:
                 lines.append(f"{group}: {dtype} / float32 = {r[dtype] / f32:.2f}x ({r[dtype]:.1f} / {f32:.1f} tokens/s)")
     return "\n".join(lines) + "\n"
 
 
-def forced(argv: list[str]) -> None:
-    """Run the bench `argv` with the AMX tiles used whatever the probe says (a measurement only:
-    the probe's verdict set to the "swapped" pair order)."""
+def variant(kind: str, argv: list[str]) -> None:
+    """Run the bench `argv` in a variant of the engine, a measurement only: `forced`, the AMX
+    tiles used whatever the probe says (its verdict set to the "swapped" pair order);
+    `vector`, decode attention's bfloat16 prompt blocks kept on vdpbf16ps in the `amx` build
+    (`NativeKernels.attention_tiles`; the GEMMs stay on tiles, the bits are the same)."""
     sys.path.insert(0, str(ROOT))
     import runpy
 
-    import engine.kernels.amx_probe as probe
+    if kind == "forced":
+        import engine.kernels.amx_probe as probe
 
-    probe._AMX_VERDICT = ("swapped", "forced for a measurement (bench/lent_machine.py)")
+        probe._AMX_VERDICT = ("swapped", "forced for a measurement (bench/lent_machine.py)")
+    else:
+        from engine.kernels.library import NativeKernels
+
+        NativeKernels.attention_tiles = False
     sys.argv = argv
     sys.path.insert(0, str(ROOT / "bench"))
     runpy.run_path(argv[0], run_name="__main__")
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "forced":
-        forced(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] in VARIANTS:
+        variant(sys.argv[1], sys.argv[2:])
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("verb", choices=("prepare", "run"))

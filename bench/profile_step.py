@@ -2,7 +2,8 @@
 
 The bench_engine.py workload (a GPT-2-small-shaped model, random weights, fp32, 32 GSM8K
 prompts x 4 samples, top_k 50), or with --model smollm2 bench_smollm2.py's (SmolLM2-135M,
-the same questions as chat prompts), or with --model smollm2 --workload rl bench_rl.py's (8
+the same questions as chat prompts; --model PATH: another checkpoint with a chat template,
+such as bench/standin.py's), or with --model smollm2 --workload rl bench_rl.py's (8
 GSM8K questions behind the 8-shot prefix, about 1.2k tokens each, x 16 samples, the full
 vocabulary) is admitted and stepped until every sample runs (the prefill's seconds are
 printed), decoded for the rest of `--warmup` steps, then `--steps` decode steps are profiled
@@ -10,7 +11,7 @@ with torch.profiler. Prints the step time, its operators grouped as GEMM (oneDNN
 matmuls), attention (the compiled kernel, or torch's flash kernel), sampling and the rest,
 and the top operators outside GEMMs. Samples ignore stop tokens, so all 128 keep running.
 
-    python bench/profile_step.py [--threads 2] [--steps 10] [--batch-invariant 1] [--prefix-sharing 1] [--model gpt2|smollm2]
+    python bench/profile_step.py [--threads 2] [--steps 10] [--batch-invariant 1] [--prefix-sharing 1] [--model gpt2|smollm2|PATH]
                                  [--workload gsm8k|rl] [--dtype float32|bfloat16]
 """
 from __future__ import annotations
@@ -48,14 +49,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=20, help="operators to list")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     ap.add_argument("--data", type=Path, default=SHARED)
-    ap.add_argument("--model", choices=("gpt2", "smollm2"), default="gpt2",
-                    help="gpt2: GPT-2 small shape, random weights, plain prompts; smollm2: the real model, chat prompts")
+    ap.add_argument("--model", default="gpt2",
+                    help="gpt2: GPT-2 small shape, random weights, plain prompts; smollm2: the real model, chat "
+                         "prompts; or a checkpoint with a chat template (bench/standin.py's SmolLM2, say)")
     ap.add_argument("--workload", choices=("gsm8k", "rl"), default="gsm8k",
                     help="gsm8k: 32 questions x 4 samples, top_k 50; rl: bench_rl.py's prompts x 16, full vocabulary "
                          "(--model smollm2)")
     args = ap.parse_args()
-    if args.workload == "rl" and args.model != "smollm2":
-        ap.error("--workload rl runs SmolLM2's chat prompts: add --model smollm2")
+    if args.workload == "rl" and args.model == "gpt2":
+        ap.error("--workload rl runs chat prompts: add --model smollm2 (or a checkpoint with a chat template)")
     torch.set_num_threads(args.threads)
     print(describe())
 
@@ -67,8 +69,8 @@ def main() -> None:
     questions = [json.loads(line)["question"] for line in (args.data / "gsm8k" / "test.jsonl").open()][:32]
     opts = dict(device="cpu", dtype=args.dtype, batch_invariant=bool(args.batch_invariant),
                 prefix_sharing=bool(args.prefix_sharing))
-    if args.model == "smollm2":
-        eng = load_engine("smollm2", **opts)
+    if args.model != "gpt2":
+        eng = load_engine(args.model, **opts)
         prompts = [eng.tokenizer.render_chat([{"role": "user", "content": q}]) for q in questions]
     else:
         ranks = args.data / "tokenizers" / "gpt2.tiktoken"

@@ -105,6 +105,14 @@ def same_rows(table) -> list[dict]:
     return rows
 
 
+def child_env(*paths: Path, **extra: str) -> dict:
+    """os.environ for a child python that imports this checkout (and `paths`) first: the
+    parent's PYTHONPATH kept after them (packages installed with pip --target, say), and
+    `extra` set."""
+    parts = [str(ROOT), *map(str, paths), os.environ.get("PYTHONPATH")]
+    return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join(p for p in parts if p)}
+
+
 def bench_module(name: str):
     """bench/NAME.py imported as a module (bench/ is scripts, not a package), registered in
     sys.modules as `_bench_NAME` (dataclasses and pickling look their module up there)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import child_env
 from jobs.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,9 +19,8 @@ GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
 def cli(*args, cwd=None):
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([sys.executable, "-m", "jobs.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=120)
+                          cwd=cwd, env=child_env(), timeout=120)
 
 
 def write_jsonl(path, rows):

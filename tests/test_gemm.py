@@ -179,6 +179,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import engine.kernels.build as B  # noqa: E402
 import engine.kernels.native as N  # noqa: E402
+from conftest import child_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_AMX = {"amx_tile", "amx_bf16"} <= B.cpu_flags()
@@ -435,7 +436,7 @@ def test_engine_on_emulated_amx_tiles_is_the_same_bits(emulated_amx):
     for name, code, isa in [("amx", EMULATED_AMX_ENGINE + ENGINE_RUN, "avx512_bf16"),
                             ("avx512_bf16", ENGINE_RUN, "avx512_bf16")]:
         r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "BATCHGEN_ISA": isa, "PYTHONPATH": str(ROOT)})
+                           env=child_env(BATCHGEN_ISA=isa))
         assert r.returncode == 0, r.stderr[-3000:]
         out[name] = json.loads(r.stdout.strip().splitlines()[-1])
     assert (out["amx"]["isa"], out["amx"]["amx_order"]) == ("amx", "swapped")
@@ -513,7 +514,7 @@ def test_engine_in_bfloat16_is_the_same_bits_on_amx():
     out = {}
     for isa in ("amx", "avx512_bf16"):
         r = subprocess.run([sys.executable, "-c", ENGINE_RUN], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "BATCHGEN_ISA": isa, "PYTHONPATH": str(ROOT)})
+                           env=child_env(BATCHGEN_ISA=isa))
         assert r.returncode == 0, r.stderr[-3000:]
         out[isa] = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["amx"]["isa"] == "amx" and out["amx"]["amx_order"] is not None

@@ -10,13 +10,13 @@ On an AVX2-only CPU there is nothing wider to limit: the tests skip, saying so.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import child_env
 from engine.kernels.native import native_isa, supported_isas
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ print(json.dumps(out))
 
 
 def run_limited(args: list[str], timeout: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, **LIMITED, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env = child_env(ROOT / "tests", **LIMITED)
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -75,7 +75,7 @@ def test_smollm2_samples_are_the_same_bits_limited_to_avx2():
     limited = json.loads(r.stdout.strip().splitlines()[-1])
     assert (limited["isa"], limited["capability"]) == ("avx2", "AVX2")
     native = subprocess.run([sys.executable, "-c", SAMPLES], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env=child_env())
     assert native.returncode == 0, native.stderr[-3000:]
     here = json.loads(native.stdout.strip().splitlines()[-1])
     assert here["isa"] == native_isa()

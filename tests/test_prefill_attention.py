@@ -184,7 +184,7 @@ def test_prompt_blocks_on_emulated_amx_tiles_give_the_same_bits():
     BATCHGEN_AMX_EMULATE build: tile instructions computed as the hardware computes them)
     gives the avx512_bf16 build's bits: whole and short blocks, head sizes with and without
     a partial block of 32, groups of 1 to 20 rows (query tiles full and partial), 1 or 2
-    threads. On an AMX machine the tiles themselves run in
+    threads; and with `attention_tiles` off, the same. On an AMX machine the tiles run in
     tests/test_gemm.py::test_engine_in_bfloat16_is_the_same_bits_on_amx."""
     import ctypes
 
@@ -207,3 +207,5 @@ def test_prompt_blocks_on_emulated_amx_tiles_give_the_same_bits():
         args = (q, kc, vc, torch.tensor(seg), torch.tensor(ptr), torch.tensor(order))
         for threads in (1, 2):
             assert torch.equal(tiles.decode_attention(*args, threads), ref.decode_attention(*args, threads)), (D, sizes)
+    tiles.attention_tiles = False  # the amx build's prompt blocks on vdpbf16ps (bench/lent_machine.py's "vector")
+    assert torch.equal(tiles.decode_attention(*args, 2), ref.decode_attention(*args, 2))

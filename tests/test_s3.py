@@ -25,7 +25,7 @@ import pyarrow.fs as pafs  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from test_cluster import ROOT  # noqa: E402
-from conftest import free_port, kill_driver_once  # noqa: E402
+from conftest import child_env, free_port, kill_driver_once  # noqa: E402
 
 pytestmark = pytest.mark.slow
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "batchgen-test", "AWS_SECRET_ACCESS_KEY": "batchgen-test-secret",
@@ -99,7 +99,7 @@ def test_demo_job_on_s3_killed_and_resumed_equals_a_local_run(s3, tmp_path):
     from jobs.uri import filesystem_for
 
     options, env = s3
-    env = {**env, "PYTHONPATH": str(ROOT)}
+    env = {**env, "PYTHONPATH": child_env()["PYTHONPATH"]}
     inp, outp = f"s3://bkt/prompts/?{options}", f"s3://bkt/runs/demo?{options}"
     fs, _ = filesystem_for(outp)
     with open(ROOT / "jobs" / "data" / "gsm8k_demo.parquet", "rb") as src, \

@@ -66,7 +66,14 @@ class NativeKernels:
     `isa`: the instruction set the library was built for (`ISAS`); `path`: its file;
     `amx_order`: in the `amx` build, the verified pair order (`AMX_ORDERS`) with which
     bfloat16 weights are packed for and multiplied on AMX tiles (gemm_amx.cpp), None to keep
-    them on vdpbf16ps (gemm.cpp) as the avx512_bf16 build does."""
+    them on vdpbf16ps (gemm.cpp) as the avx512_bf16 build does.
+
+    `attention_tiles` (class attribute, True): with `amx_order` set, decode attention runs a
+    bfloat16 cache's prompt blocks on the tiles too (csrc/attention_tiles.h); False keeps
+    them on vdpbf16ps (csrc/attention_bf16.h). The same bits either way (tested); which is
+    faster on an AMX CPU is not yet known per shape (bench/lent_machine.py times both)."""
+
+    attention_tiles = True
 
     def __init__(self, lib: ctypes.CDLL, isa: str, path: Path, amx_order: str | None = None):
         self.isa, self.path = isa, path
@@ -222,7 +229,7 @@ class NativeKernels:
                    vc.data_ptr(), int(kc.dtype == torch.bfloat16), out.data_ptr(), seg.data_ptr(),
                    group_ptr.data_ptr(), order.data_ptr(),
                    group_ptr.numel() - 1, Hq, kc.shape[1], D, D ** -0.5, threads, _ptr(k), _ptr(v), kv_ld,
-                   _ptr(write), B, int(self.amx_order is not None))
+                   _ptr(write), B, int(self.amx_order is not None and self.attention_tiles))
         if rc != 0:
             raise ValueError(f"decode attention kernel: head_dim {D} is not supported")
         return out
