@@ -443,6 +443,47 @@ def test_engine_on_emulated_amx_tiles_is_the_same_bits(emulated_amx):
     assert out["amx"]["hash"] == out["avx512_bf16"]["hash"]
 
 
+def _rounding_cases() -> tuple[torch.Tensor, torch.Tensor]:
+    """x (15, 70) float32 whose row m holds a value that is hard to round to bfloat16 at k =
+    m (ties to even both ways, the largest float rounding to inf, denormals rounding to a
+    normal and to a denormal, -0, NaN with payloads, infinities; random elsewhere, K 70: two
+    whole blocks of 32 and a tail), and a one-hot w (70, 70): y[m, n] is x's bfloat16 at (m,
+    n) (times 1, plus products of 0), or NaN where the row holds an infinity or NaN."""
+    bits = [0x3F808000, 0x3F818000, 0xBF808000, 0x7F7FFFFF, 0xFF7FFFFF, 0x007FFFFF, 0x00400000, 0x80000001,
+            0x80000000, 0x7F800001, 0xFFC00001, 0x7F800000, 0xFF800000, 0x0080FFFF, 0x3F7FFFFF]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(len(bits), 70, generator=g)
+    for m, b in enumerate(bits):
+        x[m, m] = torch.tensor([b], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    return x, torch.eye(70).to(torch.bfloat16)
+
+
+def test_float32_activations_are_rounded_as_torch_rounds():
+    """A bfloat16 weight's float32 activations are rounded to bfloat16 inside the call (whole
+    blocks of 32 in vector registers, the tail masked) exactly as `.to(torch.bfloat16)`
+    rounds them: the call on float32 rows gives the bits of the call on torch's rounding of
+    them, in every build this CPU runs, on the emulated AMX tiles (both pair orders) and on
+    real ones where verified."""
+    x, w = _rounding_cases()
+    kernels = [native_kernels(isa) for isa in ISAS if isa != "amx"]
+    if BF16_NATIVE:
+        path = B.build_library("avx512_bf16", extra_flags=("-DBATCHGEN_AMX_EMULATE",))
+        lib = ctypes.CDLL(str(path))
+        kernels += [N.NativeKernels(lib, "amx", path, order) for order in A.AMX_ORDERS]
+    if HAS_AMX and N.amx_verdict()[0] is not None:
+        kernels.append(native_kernels("amx"))
+    finite = x.to(torch.bfloat16).isfinite().all(dim=1)  # 0x7f7fffff is finite, its bfloat16 is not
+    for kern in kernels:
+        p = kern.pack(w)
+        for threads in (1, 2):
+            got = kern.gemm(x, p, torch.float32, threads)
+            assert A._bits_equal(got, kern.gemm(x.to(torch.bfloat16), p, torch.float32, threads)), kern.isa
+            # a finite row: each output is its element's bfloat16, flushed to zero where that is a denormal
+            want = x.to(torch.bfloat16).float()
+            want[want.abs() < torch.finfo(torch.float32).tiny] = 0.0
+            assert torch.equal(got[finite].abs(), want[finite].abs()), (kern.isa, kern.amx_order)
+
+
 # ---- on AMX hardware
 amx_hardware = pytest.mark.skipif(not HAS_AMX, reason=NO_AMX)
 

@@ -84,39 +84,6 @@ inline void arrange32(const uint16_t* in, uint16_t* out) {
     }
 }
 
-#if defined(__AVX512BF16__)
-// `arrange32` in one vpermw: lane 2s of the result takes element pair_k(s, 0), lane 2s + 1
-// element pair_k(s, 1).
-struct ArrangeTable {
-    alignas(64) uint16_t idx[32];
-    constexpr ArrangeTable() : idx() {
-        for (int s = 0; s < 16; s++) {
-            idx[2 * s] = (uint16_t)pair_k(s, 0);
-            idx[2 * s + 1] = (uint16_t)pair_k(s, 1);
-        }
-    }
-};
-inline constexpr ArrangeTable kArrange{};
-inline __m512i arrange_index() { return _mm512_load_si512(kArrange.idx); }
-
-// 32 float32 (two vectors) rounded to bfloat16 as f32_to_bf16 rounds (nearest even; NaN to
-// 0x7fc0), then arranged by `pair_k`.
-inline __m256i round16(__m512 x) {  // 16 float32 to bfloat16, as f32_to_bf16
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
-}
-
-inline __m512i round_arranged(__m512 lo, __m512 hi, __m512i idx) {
-    const __m512i packed = _mm512_inserti64x4(_mm512_castsi256_si512(round16(lo)), round16(hi), 1);
-    return _mm512_permutexvar_epi16(idx, packed);
-}
-
-#endif
-
 // One query's D float32 elements as the products read them: rounded to bfloat16, padded with
 // +0 to whole blocks of 32, each block arranged for vdpbf16ps (`arrange32`).
 inline void prepare_query(const float* q, int64_t D, uint16_t* out) {

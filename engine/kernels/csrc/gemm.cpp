@@ -58,6 +58,11 @@ using batchgen::bf16_to_f32;
 using batchgen::BF16_NEG_ZERO;
 using batchgen::MXCSR_FTZ_DAZ;
 using batchgen::pair_k;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+using batchgen::arrange_index;
+using batchgen::first_lanes32;
+using batchgen::round32;
+#endif
 
 // ---------------------------------------------------------------- vectors of one ISA
 using namespace batchgen::vec;
@@ -247,6 +252,25 @@ template <int R, int NV> struct Bf16K { static constexpr Kernel<uint16_t> fn = k
 enum Prep : int { AS_IS = 0, FROM_BF16 = 1, FROM_F32 = 2 };
 inline void prepare_rows(const void* x, int prep, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int64_t Kp,
                          uint16_t* out) {
+#if defined(__AVX512BF16__)
+    // vdpbf16ps: a block of 32 at a time, rounded (round32: f32_to_bf16's bits) and arranged
+    // (one vpermw), its tail past K loaded as +0 (which rounds to +0).
+    const __m512i idx = arrange_index();
+    for (int64_t m = m0; m < m1; m++) {
+        const float* xf = (const float*)x + m * ldx;
+        const uint16_t* xb = (const uint16_t*)x + m * ldx;
+        uint16_t* o = out + m * Kp;
+        for (int64_t k0 = 0; k0 < Kp; k0 += KB) {
+            const __mmask32 in = first_lanes32(K - k0);
+            const __m512i v = prep == FROM_F32
+                                  ? round32(_mm512_maskz_loadu_ps((__mmask16)in, xf + k0),
+                                            _mm512_maskz_loadu_ps((__mmask16)(in >> 16), xf + k0 + 16))
+                                  : _mm512_maskz_loadu_epi16(in, xb + k0);
+            _mm512_storeu_si512(o + k0, _mm512_permutexvar_epi16(idx, v));
+        }
+    }
+    return;
+#endif
     for (int64_t m = m0; m < m1; m++) {
         const float* xf = (const float*)x + m * ldx;
         const uint16_t* xb = (const uint16_t*)x + m * ldx;

@@ -65,7 +65,6 @@
 
 namespace {
 
-using batchgen::f32_to_bf16;
 using namespace batchgen::amx;
 using batchgen::BF16_NEG_ZERO;
 
@@ -141,45 +140,39 @@ void tile_block(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16
 void store_c(const float (*c)[TN], int rows, int cols, const float* bias, void* y, int64_t ldy, int out_dtype) {
     const __mmask16 mask = cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
     const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-    alignas(64) float t[TN];
     for (int r = 0; r < rows; r++) {
         __m512 v = _mm512_load_ps(c[r]);
         if (bias != nullptr) v = _mm512_add_ps(v, bv);
         if (out_dtype == F32) {
             _mm512_mask_storeu_ps((float*)y + r * ldy, mask, v);
         } else {
-            _mm512_store_ps(t, v);
-            uint16_t* yr = (uint16_t*)y + r * ldy;
-            for (int j = 0; j < cols; j++) yr[j] = f32_to_bf16(t[j]);
+            _mm256_mask_storeu_epi16((uint16_t*)y + r * ldy, mask, batchgen::round16(v));
         }
     }
 }
 
 // Rows [r0, r1) of the activation buffer: row m < M from x (bfloat16, or float32 rounded),
-// pairs swapped when `swap`, +0 from K to Kp; rows past M all +0.
+// pairs swapped when `swap`, +0 from K to Kp; rows past M all +0. A block of 32 at a time
+// (round32: f32_to_bf16's bits; a pair swapped by rotating its 32 bits), the tail past K
+// loaded as +0.
 void fill_rows(const void* x, int x_dtype, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int swap, int64_t r0,
                int64_t r1, uint16_t* a) {
-    const int s = swap ? 1 : 0;
     for (int64_t m = r0; m < r1; m++) {
         uint16_t* row = a + m * Kp;
         if (m >= M) {
             std::memset(row, 0, Kp * 2);
             continue;
         }
-        if (x_dtype == F32) {
-            const float* src = (const float*)x + m * ldx;
-            for (int64_t k = 0; k < K; k += 2) {
-                row[k] = f32_to_bf16(src[k + s]);
-                row[k + 1] = f32_to_bf16(src[k + 1 - s]);
-            }
-        } else {
-            const uint16_t* src = (const uint16_t*)x + m * ldx;
-            for (int64_t k = 0; k < K; k += 2) {
-                row[k] = src[k + s];
-                row[k + 1] = src[k + 1 - s];
-            }
+        const float* xf = (const float*)x + m * ldx;
+        const uint16_t* xb = (const uint16_t*)x + m * ldx;
+        for (int64_t k0 = 0; k0 < Kp; k0 += 2 * TP) {
+            const __mmask32 in = batchgen::first_lanes32(K - k0);
+            __m512i v = x_dtype == F32 ? batchgen::round32(_mm512_maskz_loadu_ps((__mmask16)in, xf + k0),
+                                                           _mm512_maskz_loadu_ps((__mmask16)(in >> 16), xf + k0 + 16))
+                                       : _mm512_maskz_loadu_epi16(in, xb + k0);
+            if (swap) v = _mm512_rol_epi32(v, 16);
+            _mm512_storeu_si512(row + k0, v);
         }
-        std::memset(row + K, 0, (Kp - K) * 2);
     }
 }
 

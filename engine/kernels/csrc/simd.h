@@ -41,6 +41,49 @@ constexpr unsigned MXCSR_FTZ_DAZ = 0x8040u;  // flush-to-zero (bit 15), denormal
 // and pair 8 + i does the same for the odd one.
 constexpr int pair_k(int s, int half) { return 4 * (s % 8) + s / 8 + (half == 0 ? 2 : 0); }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 float32 to bfloat16 in one vector, bit for bit as f32_to_bf16 rounds (nearest even;
+// NaN to 0x7fc0).
+inline __m256i round16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
+}
+
+// 32 float32 (two vectors) rounded as round16, in order: lo's 16, then hi's.
+inline __m512i round32(__m512 lo, __m512 hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(round16(lo)), round16(hi), 1);
+}
+
+// A block of 32 bfloat16 into the order of `pair_k` in one vpermw: lane 2s of the result
+// takes element pair_k(s, 0), lane 2s + 1 element pair_k(s, 1).
+struct ArrangeTable {
+    alignas(64) uint16_t idx[32];
+    constexpr ArrangeTable() : idx() {
+        for (int s = 0; s < 16; s++) {
+            idx[2 * s] = (uint16_t)pair_k(s, 0);
+            idx[2 * s + 1] = (uint16_t)pair_k(s, 1);
+        }
+    }
+};
+inline constexpr ArrangeTable kArrange{};
+inline __m512i arrange_index() { return _mm512_load_si512(kArrange.idx); }
+
+// 32 float32 rounded (round32), then arranged by `pair_k`.
+inline __m512i round_arranged(__m512 lo, __m512 hi, __m512i idx) {
+    return _mm512_permutexvar_epi16(idx, round32(lo, hi));
+}
+
+// The lanes [0, n) of a block of 32 (n may be <= 0 or past 32): masked loads read nothing
+// outside them (and never fault there), so a row's tail needs no copy.
+inline __mmask32 first_lanes32(int64_t n) {
+    return n >= 32 ? (__mmask32)0xffffffffu : n <= 0 ? (__mmask32)0 : (__mmask32)((1u << n) - 1);
+}
+#endif
+
 // exp(x) for 8 floats: Cephes' expf (range reduction by ln 2 split in two constants, a
 // degree-6 polynomial; about 1 ulp on the inputs softmax gives it, x <= 0).
 inline __m256 exp8(__m256 x) {
