@@ -50,6 +50,7 @@ greedy generation (`Llama.generate`) on the same ids, for both GGUF files, and e
     python bench/bench_peers.py [--workload smollm2|rl|both] [--systems llama-f32,llama-q4_1,ct2-f32,ct2-int8,batchgen]
                                 [--threads 2] [--prompts N] [--max-tokens N] [--dtype auto] [--cache-dir DIR]
                                 [--llama-kv split|unified] [--llama-no-prefix-reuse] [--ct2-batch N] [--check]
+                                [--model smollm2|FILE.gguf]
 """
 from __future__ import annotations
 
@@ -132,34 +133,45 @@ def free_memory() -> None:
 def f32_gguf(src: Path, cache: Path) -> Path:
     """An F32 copy of the GGUF file `src`: every key/value copied, every tensor dequantized to
     float32 under its own name and in llama.cpp's layout (the q/k rows stay permuted as
-    llama.cpp's converter wrote them: llama.cpp reads this file, not transformers)."""
+    llama.cpp's converter wrote them: llama.cpp reads this file, not transformers). `src`
+    itself where every tensor is F32 already (bench/standin.py's GGUF)."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    if all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in reader.tensors):
+        return src
     out = cache / (src.stem.replace("Q4_1", "") + "F32.gguf").replace("..", ".")
     if out.exists():
         return out
-    import gguf
+    from standin import write_f32_gguf  # bench/ is the script's directory
 
     print(f"writing {out} (dequantizing {src.name})", flush=True)
+    write_f32_gguf(out, reader, ((t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype("float32", copy=False))
+                                 for t in reader.tensors))
+    return out
+
+
+def q4_1_gguf(src: Path, cache: Path, threads: int) -> Path:
+    """`src` where it is a Q4_1 file (the installed SmolLM2), else its Q4_1 quantization by
+    llama.cpp's own quantizer (`llama_model_quantize`, its default choices per tensor)."""
+    import gguf
+
     reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
+    if any(t.tensor_type == gguf.GGMLQuantizationType.Q4_1 for t in reader.tensors):
+        return src
+    out = cache / f"{src.stem}-Q4_1.gguf"
+    if out.exists():
+        return out
+    import ctypes
+
+    import llama_cpp
+
+    print(f"writing {out} (llama.cpp's quantizer)", flush=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1, threads
     tmp = out.with_suffix(".tmp")
-    writer = gguf.GGUFWriter(tmp, arch)
-    for name, field in reader.fields.items():
-        # the header counts are the writer's to fill; it writes the architecture itself
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        if name == "general.file_type":  # it said "mostly Q4_1"; now every tensor is F32
-            writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
-    for t in reader.tensors:
-        # numpy's shape is GGUF's reversed; the writer reverses it back
-        writer.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype("float32", copy=False))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+        sys.exit(f"llama.cpp could not quantize {src}")
     tmp.rename(out)
     return out
 
@@ -479,7 +491,7 @@ def run_batchgen(wl: Workload, args) -> tuple[int, float, list]:
     """(generated tokens, seconds, tokens) for batchgen on wl, as bench_smollm2 / bench_rl run it."""
     from engine import SamplingParams, load_engine
 
-    eng = load_engine("smollm2", device="cpu", dtype=args.dtype)
+    eng = load_engine(args.model, device="cpu", dtype=args.dtype)
     params = SamplingParams(num_samples=wl.num_samples, max_tokens=wl.max_tokens, temperature=1.0, top_k=wl.top_k,
                             seed=0)
     eng.generate([wl.prompts[0][:16]], SamplingParams(max_tokens=4))  # warm-up (weights packed)
@@ -513,6 +525,9 @@ def main() -> None:
     ap.add_argument("--ct2-batch", type=int, default=0,
                     help="CTranslate2's max_batch_size in prompts (0: all prompts in one batch)")
     ap.add_argument("--check", action="store_true", help="check llama.cpp's batched driver against greedy, and exit")
+    ap.add_argument("--model", default="smollm2",
+                    help="smollm2 (the installed Q4_1 GGUF), or another SmolLM2-shaped GGUF file every system "
+                         "reads: bench/standin.py's F32 one (llama-q4_1 then runs llama.cpp's Q4_1 quantization of it)")
     args = ap.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if unknown := set(systems) - set(SYSTEMS):
@@ -524,12 +539,12 @@ def main() -> None:
     from engine.loading.builtin import smollm2_path
 
     # batchgen's tokenizer makes every system's token ids, and its engine names the stop ids
-    eng = load_engine("smollm2", device="cpu", dtype="float32")
+    eng = load_engine(args.model, device="cpu", dtype="float32")
     stop = sorted(eng.default_stop_ids)
     workloads = build_workloads(args, eng.tokenizer, stop)
     (newline,) = eng.tokenizer.encode("\n")  # --check's second stop token
     del eng
-    src = smollm2_path()
+    src = smollm2_path() if args.model == "smollm2" else Path(args.model)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
 
     have_llama = have_ct2 = False
@@ -554,7 +569,8 @@ def main() -> None:
     # the peers' files, made before anything is timed
     files: dict[str, Path] = {}
     if have_llama:
-        files["llama-q4_1"] = src
+        if "llama-q4_1" in systems or args.check:
+            files["llama-q4_1"] = q4_1_gguf(src, args.cache_dir, args.threads)
         if "llama-f32" in systems or args.check:
             files["llama-f32"] = f32_gguf(src, args.cache_dir)
     tokens_of = None

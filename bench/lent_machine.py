@@ -19,7 +19,10 @@ in the repository's root, does everything in one pass:
   invariance_smollm2 in both dtypes natively and limited to AVX2 on two of its runs, and in
   bfloat16 natively on all eight, spread over processes (`--runs`; a run of one sequence
   takes 75-95 s there); profile_step in bfloat16 on both workloads and in float32 on
-  smollm2's (where the step's time goes); bench_attention (one thread);
+  smollm2's (where the step's time goes); bench_attention (one thread); where `prepare
+  --llama` built llama-cpp-python for AVX-512 and AMX, bench_peers on the stand-in's F32 GGUF
+  (llama.cpp F32 and its Q4_1 quantization against batchgen, shortened: smollm2's workload at
+  64 tokens, the RL shape's 2 prompts at 128);
 - `$OUT/summary.txt`: the lines that answer the issue (rates, bf16 / float32 ratios, each
   dtype's invariance hashes over every process, the profiles, test counts), and every log
   in `$OUT/logs.tar.gz` (a call brings back 8 files).
@@ -28,7 +31,7 @@ Rates measured side by side are below what the CPU gives one process alone (shar
 bandwidth); read the ratios taken within one process. A stand-in never stops early, so
 compare it with itself only.
 
-    python bench/lent_machine.py prepare [--dir .dev/lent]          # here
+    python bench/lent_machine.py prepare [--dir .dev/lent] [--llama]   # here
     device run, carry [".dev/lent"], timeout_s 560:
         python3 bench/lent_machine.py run [--dir .dev/lent]         # there; summary and logs in $OUT
 
@@ -46,6 +49,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
@@ -59,8 +63,9 @@ TESTS = ("tests/test_gemm.py", "tests/test_prefill_attention.py", "tests/test_at
 LIMIT_BYTES = 60 << 20  # the call carries 64 MiB, the repository included
 
 
-def prepare(folder: Path) -> None:
-    """Fill `folder` (inside the checkout, git-ignored) with the stand-in, the data and wheels."""
+def prepare(folder: Path, llama: bool = False) -> None:
+    """Fill `folder` (inside the checkout, git-ignored) with the stand-in, the data and wheels;
+    with `llama`, a llama-cpp-python wheel built for AVX-512 and AMX (`_llama_wheel`)."""
     sys.path.insert(0, str(ROOT / "bench"))
     from standin import prepare as prepare_standin
 
@@ -82,10 +87,33 @@ def prepare(folder: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(wheels), *pins],
                    check=True)
+    if llama:
+        _llama_wheel(folder / "llama")
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     print(f"prepared {folder}: {size / 2**20:.1f} MiB ({', '.join(pins)})")
     if size > LIMIT_BYTES:
         sys.exit(f"prepare: {folder} holds {size / 2**20:.1f} MiB, over the {LIMIT_BYTES >> 20} MiB a call carries")
+
+
+# llama.cpp for an AMX Xeon, built here (no CPU check at build time): AVX-512 with its BF16,
+# VNNI and VBMI, and AMX's tiles for its int8 and bfloat16 products
+LLAMA_VERSION = "0.3.36"
+LLAMA_CMAKE = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+               "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=ON "
+               "-DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
+               "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF")
+
+
+def _llama_wheel(out: Path) -> None:
+    """A llama-cpp-python wheel built from its source with LLAMA_CMAKE into `out` (once: about
+    25 minutes on 2 cores), for bench_peers on the lent machine (`run` unpacks it: the package
+    loads its library through ctypes, so the wheel's Python tag does not matter)."""
+    if list(out.glob("llama_cpp_python-*.whl")):
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-binary", "llama-cpp-python",
+                    "-w", str(out), f"llama-cpp-python=={LLAMA_VERSION}"], check=True, env=env)
 
 
 def _ignore(folder: Path) -> None:
@@ -139,6 +167,9 @@ def run(folder: Path, out: Path, budget: float) -> None:
     if wheels:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)], check=True)
+    for wheel in sorted((folder / "llama").glob("llama_cpp_python-*.whl")):
+        with zipfile.ZipFile(wheel) as z:  # built here for another Python: a ctypes package all the same
+            z.extractall(site)
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)])
     py = [sys.executable]
     # the weights (540 MB) go outside the carried folder, which must stay small and unchanged
@@ -159,8 +190,9 @@ def run(folder: Path, out: Path, budget: float) -> None:
     model_name = next((ln.split(":", 1)[1].strip() for ln in machine.splitlines() if ln.startswith("Model name")), "?")
     print(f"machine: {model_name}; {' '.join(sorted(flags))}; python/torch {torch_line.strip()}", flush=True)
 
-    weights = subprocess.Popen(py + [str(ROOT / "bench" / "standin.py"), "weights", model], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    standin = str(ROOT / "bench" / "standin.py")
+    weights = subprocess.Popen(["bash", "-c", f'"$0" {standin} weights {model} && "$0" {standin} gguf {model}',
+                                sys.executable], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     prep = subprocess.run(py + ["-c", _PREP], capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
     (logs / "prep.log").write_text(prep.stdout + prep.stderr)
     print(prep.stdout + prep.stderr[-2000:], flush=True)
@@ -181,6 +213,11 @@ def run(folder: Path, out: Path, budget: float) -> None:
                  ("vector_rl", me + ["vector", "bench/bench_dtypes.py", "--workload", "rl", "--dtypes", "bfloat16",
                                      "--model", model, "--data", data]),
                  ("vector_attention", me + ["vector", "bench/bench_attention.py", "--reps", "10"])]
+    if list((folder / "llama").glob("llama_cpp_python-*.whl")):  # the peers on the stand-in's GGUF, shortened
+        peers = ["bench/bench_peers.py", "--model", str(model_dir / "model.gguf"), "--data", data,
+                 "--systems", "batchgen,llama-f32,llama-q4_1", "--workload"]
+        jobs += [("peers_rl", peers + ["rl", "--prompts", "2", "--max-tokens", "128", "--cache-dir", "/tmp/peers_rl"]),
+                 ("peers_smollm2", peers + ["smollm2", "--max-tokens", "64", "--cache-dir", "/tmp/peers_smollm2"])]
     names = _schedule(jobs + _jobs(model, data), logs, env, start + budget, start)
     summary = _summarise(logs, names)
     (logs / "summary.txt").write_text(summary)
@@ -267,7 +304,7 @@ print("bfloat16_is_faster:", bfloat16_is_faster(), flush=True)
 """
 
 _KEEP = re.compile(r"tokens/s|machine:|hash|runs|identical|differ|passed|failed|skipped|error|Error|ms per layer|"
-                   r"ratio|auto|per step|prefill:")
+                   r"ratio|auto|per step|prefill:|peer|llama.cpp:")
 # invariance_smollm2's table: dtype, where (native or avx2), max_num_seqs ... hash
 _RUN = re.compile(r"^(float32|bfloat16)\s+(native|avx2)\s+max_num_seqs\s+(\d+).*?\b([0-9a-f]{16})\s", re.M)
 
@@ -336,10 +373,13 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=ROOT / ".dev" / "lent")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/lent_out")))
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run")
+    ap.add_argument("--llama", action="store_true",
+                    help="prepare: also build llama-cpp-python for AVX-512 and AMX (once, about 25 minutes), "
+                         "so that run measures the peers")
     args = ap.parse_args()
     folder = args.dir if args.dir.is_absolute() else (Path.cwd() / args.dir)
     if args.verb == "prepare":
-        prepare(folder)
+        prepare(folder, args.llama)
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         run(folder, args.out, args.budget)

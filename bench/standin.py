@@ -12,9 +12,15 @@ compare a stand-in only with itself).
 
     python bench/standin.py prepare OUT [--model smollm2]   # here: config, tokenizer, stats
     python bench/standin.py weights OUT                     # there: model.safetensors (float32)
+    python bench/standin.py gguf OUT                        # there: model.gguf (F32)
 
 Then `--model OUT` in bench/bench_dtypes.py and bench/invariance_smollm2.py. Llama-family
 checkpoints only (what engine/loading/hf_weights.py reads back); raises ValueError for others.
+From a GGUF checkpoint `prepare` also keeps its header (every key and value: the tokenizer, the
+chat template, the hyperparameters; header.gguf, no tensors) and each tensor's statistics under
+its GGUF name (gguf_stats.json), and `gguf` writes an F32 GGUF stand-in from them that
+llama.cpp and batchgen both read (bench/bench_peers.py --model): other draws than
+model.safetensors', so compare it with itself only.
 """
 from __future__ import annotations
 
@@ -76,6 +82,53 @@ def prepare(out: Path, model: str) -> None:
         put(p + "mlp.up_proj.weight", up)
         put(p + "mlp.down_proj.weight", params[q + "down"])
     (out / "stats.json").write_text(json.dumps(stats))
+    if fmt == "gguf":
+        _prepare_gguf(source, out)
+
+
+def copy_gguf_fields(reader, writer, file_type) -> None:
+    """Every key and value of a GGUF file (a gguf.GGUFReader) into a gguf.GGUFWriter, but the
+    header's counts and the architecture (the writer writes those) and general.file_type,
+    which becomes `file_type` (a gguf.LlamaFileType: the tensors written may differ)."""
+    import gguf
+
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    writer.add_file_type(file_type)
+
+
+def write_f32_gguf(path: Path, reader, tensors) -> None:
+    """An F32 GGUF file at path: reader's keys and values, then (name, numpy array) tensors."""
+    import gguf
+
+    tmp = path.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(tmp, reader.fields["general.architecture"].contents())
+    copy_gguf_fields(reader, writer, gguf.LlamaFileType.ALL_F32)
+    for name, data in tensors:
+        writer.add_tensor(name, data)  # numpy's shape is GGUF's reversed; the writer reverses it back
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(path)
+
+
+def _prepare_gguf(source: Path, out: Path) -> None:
+    """header.gguf (source's keys and values, no tensors) and gguf_stats.json (each tensor's
+    numpy shape, mean and std, dequantized) in out."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    write_f32_gguf(out / "header.gguf", reader, [])
+    stats = {}
+    for t in reader.tensors:
+        data = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32"))  # a writable copy
+        stats[t.name] = [list(data.shape), float(data.mean()), float(data.std())]
+    (out / "gguf_stats.json").write_text(json.dumps(stats))
 
 
 def weights(out: Path, seed: int = 0) -> None:
@@ -88,13 +141,34 @@ def weights(out: Path, seed: int = 0) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
+def write_gguf(out: Path, seed: int = 0) -> Path:
+    """out/model.gguf (F32): header.gguf's keys and values, each tensor normal(mean, std) of
+    gguf_stats.json, seeded. Returns its path. Raises FileNotFoundError where `prepare` had
+    no GGUF to read."""
+    import gguf
+
+    if not (out / "header.gguf").exists():
+        raise FileNotFoundError(f"{out / 'header.gguf'}: prepare the stand-in from a GGUF checkpoint")
+    g = torch.Generator().manual_seed(seed)
+    stats = json.loads((out / "gguf_stats.json").read_text())
+    tensors = ((name, (torch.randn(shape, generator=g) * std + mean).numpy())
+               for name, (shape, mean, std) in stats.items())
+    write_f32_gguf(out / "model.gguf", gguf.GGUFReader(out / "header.gguf"), tensors)
+    return out / "model.gguf"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("step", choices=("prepare", "weights"))
+    ap.add_argument("step", choices=("prepare", "weights", "gguf"))
     ap.add_argument("out", type=Path)
     ap.add_argument("--model", default="smollm2", help="prepare: the checkpoint to copy the shapes of")
     args = ap.parse_args()
-    prepare(args.out, args.model) if args.step == "prepare" else weights(args.out)
+    if args.step == "prepare":
+        prepare(args.out, args.model)
+    elif args.step == "weights":
+        weights(args.out)
+    else:
+        write_gguf(args.out)
 
 
 if __name__ == "__main__":

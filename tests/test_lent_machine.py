@@ -41,7 +41,7 @@ def test_cpu_sets_use_distinct_physical_cores(monkeypatch):
 def test_summary_reports_ratios_per_workload(tmp_path):
     """Rates in bench_dtypes' format give bfloat16 / float32 and auto / float32 per workload,
     the RL shape's from two logs, the forced and vector-attention runs' against the plain
-    float32."""
+    float32; bench_peers' verdict kept."""
     lent = _lent()
     line = "  {:8s} ({}): 1000 tokens in 1.0 s = {} tokens/s (prefill 10 prompt tokens, 0 cached)\n"
     (tmp_path / "dtypes_smollm2.log").write_text(
@@ -51,12 +51,15 @@ def test_summary_reports_ratios_per_workload(tmp_path):
     (tmp_path / "dtypes_rl_bf16.log").write_text(line.format("bfloat16", "bfloat16", "300.0"))
     (tmp_path / "forced_rl.log").write_text(line.format("bfloat16", "bfloat16", "500.0"))
     (tmp_path / "vector_smollm2.log").write_text(line.format("bfloat16", "bfloat16", "800.0"))
+    (tmp_path / "peers_rl.log").write_text("  rl: llama-f32 50.0, batchgen 300.0; best peer llama-f32 50.0; "
+                                           "batchgen / best peer = 6.00x\n")
     (tmp_path / "prep.log").write_text("amx_verdict: (None, 'refused')\n")
     text = lent._summarise(tmp_path, ["dtypes_smollm2", "dtypes_rl_f32", "dtypes_rl_bf16", "forced_rl", "vector_smollm2",
-                                     "pytest"])
+                                     "peers_rl", "pytest"])
     assert "smollm2: bfloat16 / float32 = 2.50x (1000.0 / 400.0 tokens/s)" in text
     assert "smollm2: auto / float32 = 2.45x" in text
     assert "rl: bfloat16 / float32 = 1.50x" in text
     assert "forced rl: bfloat16 / float32 = 2.50x" in text
     assert "vector smollm2: bfloat16 / float32 = 2.00x (800.0 / 400.0 tokens/s)" in text
+    assert "batchgen / best peer = 6.00x" in text
     assert "amx_verdict: (None, 'refused')" in text

@@ -3,7 +3,8 @@
 What this proves: the stand-in of SmolLM2 (written from the GGUF, weights drawn afterwards)
 loads as a Hugging Face checkpoint with the GGUF's shapes, renders chat prompts to the same
 token ids with the same stop token, draws the same weights each time (a lent machine and this
-one get the same model), and keeps each weight tensor's scale.
+one get the same model), and keeps each weight tensor's scale; and its F32 GGUF form (what
+llama.cpp and batchgen both read in bench/bench_peers.py) the same, from the GGUF's own header.
 """
 from __future__ import annotations
 
@@ -48,3 +49,30 @@ def test_the_standin_has_the_models_shapes_tokens_and_weight_scales(tmp_path):
         assert f.shape == r.shape, name
         assert abs(float(f.mean()) - float(r.mean())) < 0.05 * float(r.std()) + 0.05 * abs(float(r.mean())), name
         assert abs(float(f.std()) - float(r.std())) < 0.25 * float(r.std()), name  # qkv mixes three tensors
+
+
+def test_the_gguf_standin_is_the_models_header_with_drawn_tensors(tmp_path):
+    import gguf
+
+    standin = _standin()
+    out = tmp_path / "standin"
+    standin.prepare(out, "smollm2")
+    path = standin.write_gguf(out)
+    real_reader, fake_reader = gguf.GGUFReader(smollm2_path()), gguf.GGUFReader(path)
+    assert [t.name for t in fake_reader.tensors] == [t.name for t in real_reader.tensors]
+    assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in fake_reader.tensors)
+    assert fake_reader.fields["tokenizer.chat_template"].contents() == \
+        real_reader.fields["tokenizer.chat_template"].contents()
+    first = bytes(fake_reader.tensors[5].data[:64].tobytes())
+    del fake_reader
+    assert bytes(gguf.GGUFReader(standin.write_gguf(out)).tensors[5].data[:64].tobytes()) == first  # seeded
+
+    real = load_engine("smollm2", device="cpu", dtype="float32")
+    fake = load_engine(path, device="cpu", dtype="float32")
+    assert fake.model.cfg == real.model.cfg
+    messages = [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April."}]
+    assert fake.tokenizer.render_chat(messages, date="2026-01-01") == real.tokenizer.render_chat(messages,
+                                                                                                 date="2026-01-01")
+    assert fake.default_stop_ids == real.default_stop_ids
+    r, f = dict(real.model.named_parameters())["layers.3.down"], dict(fake.model.named_parameters())["layers.3.down"]
+    assert abs(float(f.std()) - float(r.std())) < 0.1 * float(r.std())
