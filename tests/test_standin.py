@@ -26,6 +26,19 @@ def _standin():
     return bench_module("standin")
 
 
+def _same_model_and_tokens(standin_path):
+    """SmolLM2's engine and the stand-in's (float32), after checking that the stand-in has its
+    config, renders a chat prompt to the same ids and stops on the same tokens."""
+    real = load_engine("smollm2", device="cpu", dtype="float32")
+    fake = load_engine(standin_path, device="cpu", dtype="float32")
+    assert fake.model.cfg == real.model.cfg
+    messages = [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April."}]
+    assert fake.tokenizer.render_chat(messages, date="2026-01-01") == real.tokenizer.render_chat(messages,
+                                                                                                 date="2026-01-01")
+    assert fake.default_stop_ids == real.default_stop_ids
+    return real, fake
+
+
 def test_the_standin_has_the_models_shapes_tokens_and_weight_scales(tmp_path):
     standin = _standin()
     out = tmp_path / "standin"
@@ -36,13 +49,7 @@ def test_the_standin_has_the_models_shapes_tokens_and_weight_scales(tmp_path):
     standin.weights(out)
     assert hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest() == first
 
-    real = load_engine("smollm2", device="cpu", dtype="float32")
-    fake = load_engine(out, device="cpu", dtype="float32")
-    assert fake.model.cfg == real.model.cfg
-    messages = [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April."}]
-    assert fake.tokenizer.render_chat(messages, date="2026-01-01") == real.tokenizer.render_chat(messages,
-                                                                                                 date="2026-01-01")
-    assert fake.default_stop_ids == real.default_stop_ids
+    real, fake = _same_model_and_tokens(out)
     real_w, fake_w = dict(real.model.named_parameters()), dict(fake.model.named_parameters())
     for name in ("embed", "norm", "layers.3.qkv", "layers.3.down", "layers.29.post_norm"):
         r, f = real_w[name].float(), fake_w[name].float()
@@ -67,12 +74,6 @@ def test_the_gguf_standin_is_the_models_header_with_drawn_tensors(tmp_path):
     del fake_reader
     assert bytes(gguf.GGUFReader(standin.write_gguf(out)).tensors[5].data[:64].tobytes()) == first  # seeded
 
-    real = load_engine("smollm2", device="cpu", dtype="float32")
-    fake = load_engine(path, device="cpu", dtype="float32")
-    assert fake.model.cfg == real.model.cfg
-    messages = [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April."}]
-    assert fake.tokenizer.render_chat(messages, date="2026-01-01") == real.tokenizer.render_chat(messages,
-                                                                                                 date="2026-01-01")
-    assert fake.default_stop_ids == real.default_stop_ids
+    real, fake = _same_model_and_tokens(path)
     r, f = dict(real.model.named_parameters())["layers.3.down"], dict(fake.model.named_parameters())["layers.3.down"]
     assert abs(float(f.std()) - float(r.std())) < 0.1 * float(r.std())
