@@ -4,8 +4,8 @@ A lent machine comes bare, for minutes, through a call that carries the reposito
 most 64 MiB: no SmolLM2 GGUF (98 MB), no ../shared, none of the packages its image lacks. So
 `prepare` gathers here what the checks need into one git-ignored folder (SmolLM2's stand-in:
 its config, tokenizer and each tensor's statistics, bench/standin.py; the GSM8K files of the
-RL workload; wheels of the packages the image lacked last time), about 9 MB, and `run`, there,
-in the repository's root, does everything in one pass:
+RL workload; wheels of the packages the image lacked last time), about 11 MB (36 with
+`--llama`), and `run`, there, in the repository's root, does everything in one pass:
 
 - what the machine is (CPU model, flags, cores, torch), every ISA's kernel library built at
   once, the AMX probe's verdict, the native ISA and what `dtype: auto` picks (`prep.log`);
@@ -90,7 +90,8 @@ def prepare(folder: Path, llama: bool = False) -> None:
     if llama:
         _llama_wheel(folder / "llama")
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-    print(f"prepared {folder}: {size / 2**20:.1f} MiB ({', '.join(pins)})")
+    peers = "with" if list((folder / "llama").glob("llama_cpp_python-*.whl")) else "without (prepare --llama)"
+    print(f"prepared {folder}: {size / 2**20:.1f} MiB ({', '.join(pins)}), {peers} llama-cpp-python")
     if size > LIMIT_BYTES:
         sys.exit(f"prepare: {folder} holds {size / 2**20:.1f} MiB, over the {LIMIT_BYTES >> 20} MiB a call carries")
 
@@ -191,8 +192,10 @@ def run(folder: Path, out: Path, budget: float) -> None:
     print(f"machine: {model_name}; {' '.join(sorted(flags))}; python/torch {torch_line.strip()}", flush=True)
 
     standin = str(ROOT / "bench" / "standin.py")
-    weights = subprocess.Popen(["bash", "-c", f'"$0" {standin} weights {model} && "$0" {standin} gguf {model}',
-                                sys.executable], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    llama = bool(list((folder / "llama").glob("llama_cpp_python-*.whl"))) and (model_dir / "header.gguf").exists()
+    draw = f'"$0" {standin} weights {model}' + (f' && "$0" {standin} gguf {model}' if llama else "")
+    weights = subprocess.Popen(["bash", "-c", draw, sys.executable], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
     prep = subprocess.run(py + ["-c", _PREP], capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
     (logs / "prep.log").write_text(prep.stdout + prep.stderr)
     print(prep.stdout + prep.stderr[-2000:], flush=True)
@@ -213,7 +216,7 @@ def run(folder: Path, out: Path, budget: float) -> None:
                  ("vector_rl", me + ["vector", "bench/bench_dtypes.py", "--workload", "rl", "--dtypes", "bfloat16",
                                      "--model", model, "--data", data]),
                  ("vector_attention", me + ["vector", "bench/bench_attention.py", "--reps", "10"])]
-    if list((folder / "llama").glob("llama_cpp_python-*.whl")):  # the peers on the stand-in's GGUF, shortened
+    if llama:  # the peers on the stand-in's GGUF, shortened
         peers = ["bench/bench_peers.py", "--model", str(model_dir / "model.gguf"), "--data", data,
                  "--systems", "batchgen,llama-f32,llama-q4_1", "--workload"]
         jobs += [("peers_rl", peers + ["rl", "--prompts", "2", "--max-tokens", "128", "--cache-dir", "/tmp/peers_rl"]),
