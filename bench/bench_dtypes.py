@@ -14,6 +14,7 @@ ratio bfloat16 / float32, and auto against the faster of the two, with the reaso
 
     python bench/bench_dtypes.py [--workload smollm2|rl|both] [--threads 2] [--data ../shared/data]
                                  [--model smollm2] [--dtypes float32,bfloat16,auto] [--no-prefix-caching]
+                                 [--device cpu|cuda]
 
 --model: another checkpoint of the same tokenizer (a directory or file `load_engine` reads), for
 example SmolLM2's architecture with random weights where the GGUF cannot be installed;
@@ -54,11 +55,11 @@ def workload(name: str, data: Path) -> tuple[list[str], dict]:
 
 
 def run(dtype: str, messages: list[str], params: dict, model: str = "smollm2",
-        prefix_caching: bool = True) -> tuple[float, list, str]:
+        prefix_caching: bool = True, device: str = "cpu") -> tuple[float, list, str]:
     """(tokens/s, every sample's tokens, the engine's resolved dtype) of one engine run."""
     from engine import SamplingParams, load_engine
 
-    eng = load_engine(model, device="cpu", dtype=dtype, prefix_caching=prefix_caching)
+    eng = load_engine(model, device=device, dtype=dtype, prefix_caching=prefix_caching)
     prompts = [eng.tokenizer.render_chat([{"role": "user", "content": m}]) for m in messages]
     eng.generate([prompts[0][:16]], SamplingParams(max_tokens=2))  # warm-up (weights packed)
     computed0 = eng.num_prefill_tokens
@@ -83,10 +84,12 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtypes", default=None, help="comma-separated; each once")
     ap.add_argument("--no-prefix-caching", action="store_true", help="every prompt prefilled whole (for comparison)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU path (its rates are not the CPU's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(describe())
-    print(f"model: {args.model}")
+    print(f"model: {args.model}; device: {args.device}"
+          + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))
     from engine.kernels.native import bfloat16_is_faster
 
     faster, why = bfloat16_is_faster()
@@ -100,7 +103,8 @@ def main() -> None:
         order = (args.dtypes.split(",") if args.dtypes else
                  ("float32", "bfloat16", "auto", "bfloat16", "float32"))
         for dtype in order:
-            rate, toks, resolved[dtype] = run(dtype, messages, params, args.model, not args.no_prefix_caching)
+            rate, toks, resolved[dtype] = run(dtype, messages, params, args.model, not args.no_prefix_caching,
+                                              args.device)
             rates.setdefault(dtype, []).append(rate)
             if dtype in tokens:
                 assert toks == tokens[dtype], f"{dtype}: the two runs gave different tokens"

@@ -22,7 +22,8 @@ RL workload; wheels of the packages the image lacked last time), about 11 MB (36
   smollm2's (where the step's time goes); bench_attention (one thread); where `prepare
   --llama` built llama-cpp-python for AVX-512 and AMX, bench_peers on the stand-in's F32 GGUF
   (llama.cpp F32 and its Q4_1 quantization against batchgen, shortened: smollm2's workload at
-  64 tokens, the RL shape's 2 prompts at 128);
+  64 tokens, the RL shape's 2 prompts at 128); with a GPU, bench_dtypes on it (`--device
+  cuda`, the stand-in on smollm2's workload);
 - `$OUT/summary.txt`: the lines that answer the issue (rates, bf16 / float32 ratios, each
   dtype's invariance hashes over every process, the profiles, test counts), and every log
   in `$OUT/logs.tar.gz` (a call brings back 8 files).
@@ -221,6 +222,9 @@ def run(folder: Path, out: Path, budget: float) -> None:
                  "--systems", "batchgen,llama-f32,llama-q4_1", "--workload"]
         jobs += [("peers_rl", peers + ["rl", "--prompts", "2", "--max-tokens", "128", "--cache-dir", "/tmp/peers_rl"]),
                  ("peers_smollm2", peers + ["smollm2", "--max-tokens", "64", "--cache-dir", "/tmp/peers_smollm2"])]
+    if "GPU" in machine:  # nvidia-smi -L: the GPU path on the stand-in (host-bound at this size: one run each)
+        jobs.append(("gpu_smollm2", ["bench/bench_dtypes.py", "--device", "cuda", "--model", model, "--workload",
+                                     "smollm2", "--dtypes", "float32,bfloat16"]))
     names = _schedule(jobs + _jobs(model, data), logs, env, start + budget, start)
     summary = _summarise(logs, names)
     (logs / "summary.txt").write_text(summary)
