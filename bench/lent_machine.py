@@ -108,7 +108,7 @@ LLAMA_CMAKE = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DG
 
 def _llama_wheel(out: Path) -> None:
     """A llama-cpp-python wheel built from its source with LLAMA_CMAKE into `out` (once: about
-    25 minutes on 2 cores), for bench_peers on the lent machine (`run` unpacks it: the package
+    10 minutes on 2 cores), for bench_peers on the lent machine (`run` unpacks it: the package
     loads its library through ctypes, so the wheel's Python tag does not matter)."""
     if list(out.glob("llama_cpp_python-*.whl")):
         return
@@ -381,7 +381,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/lent_out")))
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run")
     ap.add_argument("--llama", action="store_true",
-                    help="prepare: also build llama-cpp-python for AVX-512 and AMX (once, about 25 minutes), "
+                    help="prepare: also build llama-cpp-python for AVX-512 and AMX (once, about 10 minutes), "
                          "so that run measures the peers")
     args = ap.parse_args()
     folder = args.dir if args.dir.is_absolute() else (Path.cwd() / args.dir)
