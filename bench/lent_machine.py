@@ -114,7 +114,8 @@ def _llama_wheel(out: Path) -> None:
         return
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-binary", "llama-cpp-python",
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-cache-dir", "--no-binary",
+                    "llama-cpp-python",
                     "-w", str(out), f"llama-cpp-python=={LLAMA_VERSION}"], check=True, env=env)
 
 
