@@ -269,23 +269,15 @@ inline void prepare_rows(const void* x, int prep, int64_t ldx, int64_t m0, int64
             _mm512_storeu_si512(o + k0, _mm512_permutexvar_epi16(idx, v));
         }
     }
-    return;
-#endif
+#else
+    // the fused multiply-add emulation reads the rows as they are: rounded, not arranged
     for (int64_t m = m0; m < m1; m++) {
         const float* xf = (const float*)x + m * ldx;
         const uint16_t* xb = (const uint16_t*)x + m * ldx;
-        auto at = [&](int64_t k) -> uint16_t { return k >= K ? 0 : prep == FROM_F32 ? f32_to_bf16(xf[k]) : xb[k]; };
         uint16_t* o = out + m * Kp;
-        if (!kNativeBf16) {
-            for (int64_t k = 0; k < K; k++) o[k] = at(k);
-            continue;
-        }
-        for (int64_t k0 = 0; k0 < Kp; k0 += KB)
-            for (int s = 0; s < 16; s++) {
-                o[k0 + 2 * s] = at(k0 + pair_k(s, 0));
-                o[k0 + 2 * s + 1] = at(k0 + pair_k(s, 1));
-            }
+        for (int64_t k = 0; k < K; k++) o[k] = prep == FROM_F32 ? f32_to_bf16(xf[k]) : xb[k];
     }
+#endif
 }
 
 // The prepared activations of a call, once per call: every thread reads them all.
