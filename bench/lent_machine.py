@@ -170,7 +170,8 @@ def run(folder: Path, out: Path, budget: float) -> None:
     if wheels:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)], check=True)
-    for wheel in sorted((folder / "llama").glob("llama_cpp_python-*.whl")):
+    llama_wheels = sorted((folder / "llama").glob("llama_cpp_python-*.whl"))
+    for wheel in llama_wheels:
         with zipfile.ZipFile(wheel) as z:  # built here for another Python: a ctypes package all the same
             z.extractall(site)
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)])
@@ -194,7 +195,7 @@ def run(folder: Path, out: Path, budget: float) -> None:
     print(f"machine: {model_name}; {' '.join(sorted(flags))}; python/torch {torch_line.strip()}", flush=True)
 
     standin = str(ROOT / "bench" / "standin.py")
-    llama = bool(list((folder / "llama").glob("llama_cpp_python-*.whl"))) and (model_dir / "header.gguf").exists()
+    llama = bool(llama_wheels) and (model_dir / "header.gguf").exists()
     draw = f'"$0" {standin} weights {model}' + (f' && "$0" {standin} gguf {model}' if llama else "")
     weights = subprocess.Popen(["bash", "-c", draw, sys.executable], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)

@@ -86,28 +86,21 @@ def prepare(out: Path, model: str) -> None:
         _prepare_gguf(source, out)
 
 
-def copy_gguf_fields(reader, writer, file_type) -> None:
-    """Every key and value of a GGUF file (a gguf.GGUFReader) into a gguf.GGUFWriter, but the
-    header's counts and the architecture (the writer writes those) and general.file_type,
-    which becomes `file_type` (a gguf.LlamaFileType: the tensors written may differ)."""
+def write_f32_gguf(path: Path, reader, tensors) -> None:
+    """An F32 GGUF file at path: every key and value of `reader` (a gguf.GGUFReader) but the
+    header's counts and the architecture (the writer writes those) and general.file_type (now
+    ALL_F32), then the (name, numpy array) `tensors`."""
     import gguf
 
+    tmp = path.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(tmp, reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
-    writer.add_file_type(file_type)
-
-
-def write_f32_gguf(path: Path, reader, tensors) -> None:
-    """An F32 GGUF file at path: reader's keys and values, then (name, numpy array) tensors."""
-    import gguf
-
-    tmp = path.with_suffix(".tmp")
-    writer = gguf.GGUFWriter(tmp, reader.fields["general.architecture"].contents())
-    copy_gguf_fields(reader, writer, gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     for name, data in tensors:
         writer.add_tensor(name, data)  # numpy's shape is GGUF's reversed; the writer reverses it back
     writer.write_header_to_file()
