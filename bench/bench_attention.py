@@ -4,15 +4,26 @@ layer of SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64), float32 and b
 Shapes: `rl`, bench_rl.py's step: 8 prompts of 1,200 tokens x 16 samples, each sample 128
 tokens into its own run (the prompt's keys shared by its 16 samples); `smollm2`,
 bench_smollm2.py's: 32 prompts of 100 tokens x 4 samples, 64 generated tokens each. Random
-keys, values and queries. Prints the best of --reps calls per shape and dtype. Compare
-versions by running this for each in alternation (the machines are noisy): a change of the
-kernel's source builds a new library, so `git stash` switches between them.
+keys, values and queries. Prints, per shape and dtype, the best of --reps passes, each pass
+one call per layer over --layers layers' arenas (1: the layer stays in cache between calls;
+30, SmolLM2's depth: each call reads its arena from memory, as in the engine's step), in ms
+per layer.
 
-    python bench/bench_attention.py [--threads 1] [--reps 15]
+--base DIR: another checkout of batchgen (a `git worktree` of the commit before, say). Its
+kernel library is built there and loaded beside this one, and the two are timed in
+alternation within this process (--rounds times, the median of each one's bests), with the
+ratio this / base: the machines are noisy, and rates from separate processes minutes apart
+differ by more than a kernel change moves them.
+
+    python bench/bench_attention.py [--threads 1] [--reps 15] [--layers 1] [--shapes rl,smollm2]
+                                    [--base DIR [--rounds 7]]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,47 +31,89 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.kernels.library import NativeKernels  # noqa: E402
 from engine.kernels.native import native_kernels  # noqa: E402
 from machine import describe  # noqa: E402  (bench/ is the script's directory)
 
 SHAPES = {"rl": (8, 16, 1200, 128), "smollm2": (32, 4, 100, 64)}  # prompts, samples, prompt tokens, own tokens
+HQ, HKV, D = 9, 3, 64
+
+
+def base_kernels(base: Path, like: NativeKernels) -> NativeKernels:
+    """The kernel library of the checkout at `base`, for the same ISA (built there, in a
+    subprocess, from that checkout's sources), loaded into this process."""
+    code = (f"import sys; sys.path.insert(0, {str(base)!r}); from engine.kernels.build import build_library; "
+            f"print(build_library({like.isa!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"--base {base}: its library did not build:\n{done.stderr[-2000:]}")
+    path = Path(done.stdout.strip().splitlines()[-1])
+    return NativeKernels(ctypes.CDLL(str(path)), like.isa, path, like.amx_order)
+
+
+def calls(shape: tuple[int, int, int, int], dtype: torch.dtype, layers: int, threads: int, g: torch.Generator):
+    """The arguments of one decode_attention call per layer: (q, kc, vc, seg, group_ptr, order, threads)."""
+    groups, rows, plen, own = shape
+    B = groups * rows
+    P = groups * plen + B * own
+    seg, order, ptr = [], [], [0]
+    pos = groups * plen
+    for gi in range(groups):
+        for _ in range(rows):
+            seg.append([gi * plen, plen, pos, own])
+            pos += own
+            order.append(len(seg) - 1)
+        ptr.append(len(order))
+    q = torch.randn(B, HQ, D, generator=g)
+    runs = (torch.tensor(seg), torch.tensor(ptr), torch.tensor(order))
+    return [(q, torch.randn(P, HKV, D, generator=g).to(dtype), torch.randn(P, HKV, D, generator=g).to(dtype), *runs,
+             threads) for _ in range(layers)]
+
+
+def best_pass(kernels: NativeKernels, layer_calls: list, reps: int) -> float:
+    """The fastest of `reps` passes over every layer, in seconds per layer."""
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for call in layer_calls:
+            kernels.decode_attention(*call)
+        best = min(best, (time.perf_counter() - t) / len(layer_calls))
+    return best
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--base", type=Path, default=None, help="another checkout, timed in alternation with this one")
+    ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(describe())
     kernels = native_kernels()
     if kernels is None:
         sys.exit("the compiled kernels are unavailable here")
+    base = base_kernels(args.base.resolve(), kernels) if args.base else None
+    if base is not None:
+        print(f"this: {kernels.path.name}; base ({args.base}): {base.path.name}")
     g = torch.Generator().manual_seed(0)
-    Hq, Hkv, D = 9, 3, 64
-    for name, (groups, rows, plen, own) in SHAPES.items():
+    for name in args.shapes.split(","):
         for dt in (torch.float32, torch.bfloat16):
-            B = groups * rows
-            P = groups * plen + B * own
-            kc = torch.randn(P, Hkv, D, generator=g).to(dt)
-            vc = torch.randn(P, Hkv, D, generator=g).to(dt)
-            seg, order, ptr = [], [], [0]
-            pos = groups * plen
-            for gi in range(groups):
-                for _ in range(rows):
-                    seg.append([gi * plen, plen, pos, own])
-                    pos += own
-                    order.append(len(seg) - 1)
-                ptr.append(len(order))
-            q = torch.randn(B, Hq, D, generator=g)
-            call = (q, kc, vc, torch.tensor(seg), torch.tensor(ptr), torch.tensor(order), args.threads)
-            kernels.decode_attention(*call)
-            best = float("inf")
-            for _ in range(args.reps):
-                t = time.perf_counter()
-                kernels.decode_attention(*call)
-                best = min(best, time.perf_counter() - t)
-            print(f"{name:8s} {str(dt).removeprefix('torch.'):9s} {best * 1e3:7.3f} ms per layer")
+            layer_calls = calls(SHAPES[name], dt, args.layers, args.threads, g)
+            label = f"{name:8s} {str(dt).removeprefix('torch.'):9s}"
+            kernels.decode_attention(*layer_calls[0])
+            if base is None:
+                print(f"{label} {best_pass(kernels, layer_calls, args.reps) * 1e3:7.3f} ms per layer")
+                continue
+            base.decode_attention(*layer_calls[0])
+            this_t, base_t = [], []
+            for _ in range(args.rounds):
+                this_t.append(best_pass(kernels, layer_calls, args.reps))
+                base_t.append(best_pass(base, layer_calls, args.reps))
+            a, b = statistics.median(this_t), statistics.median(base_t)
+            print(f"{label} this {a * 1e3:7.3f}  base {b * 1e3:7.3f} ms per layer  this / base {a / b:.3f}")
 
 
 if __name__ == "__main__":

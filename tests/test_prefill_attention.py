@@ -169,12 +169,16 @@ def test_decode_rows_depend_on_their_own_runs_only(D, dtype):
 @pytest.mark.parametrize("D", [8, 24, 64, 80])
 def test_every_isa_gives_the_same_bits(dtype, D):
     """Prefill and decode attention of the avx2 build (16-lane partial sums in two 8-lane
-    registers) and the AVX-512 builds (in one), head sizes with and without a half chunk."""
+    registers, the softmax step on 8-lane vectors) and the AVX-512 builds (16 lanes), head
+    sizes with and without a half chunk; decode's prompt blocks whole and short (28, 13 and
+    16 keys: more and fewer valid keys than a 16-lane vector holds)."""
     q, kc, vc, starts, lens = batch([77, 3, 40], 9, 3, D, seed=9, dtype=dtype)
     outs = [run(native_kernels(isa), q, kc, vc, starts, lens, 30) for isa in supported_isas()]
     assert all(torch.equal(o, outs[0]) for o in outs)
-    seg = torch.tensor([[int(starts[0]), 60, int(starts[2]), 40], [int(starts[0]), 60, int(starts[1]), 3]])
-    decodes = [native_kernels(isa).decode_attention(q[:2, 0], kc, vc, seg, torch.tensor([0, 2]), torch.arange(2), 2)
+    s0, s1, s2 = (int(x) for x in starts)
+    seg = torch.tensor([[s0, 60, s2, 40], [s0, 60, s1, 3], [s0 + 2, 45, s2, 17], [s0 + 1, 16, s1, 2]])
+    qd = torch.cat([q[:, 0], q[:1, 1]])
+    decodes = [native_kernels(isa).decode_attention(qd, kc, vc, seg, torch.tensor([0, 2, 3, 4]), torch.arange(4), 2)
                for isa in supported_isas()]
     assert all(torch.equal(o, decodes[0]) for o in decodes)
 

@@ -43,9 +43,7 @@
 
 namespace {
 
-using batchgen::exp8;
 using batchgen::f32_to_bf16;
-using batchgen::hsum8;
 using batchgen::hsum8x8;
 namespace attn = batchgen::attn;
 namespace bf16attn = batchgen::bf16attn;
@@ -156,45 +154,6 @@ inline void partials8(const float* q, int64_t D, const T* const* k, __m256 (*r)[
 }
 #endif
 
-// The online-softmax step of one query over a block's n <= KB scores s (KB floats, 32-byte
-// aligned): s becomes exp(s - m_new) (0 past n), *l and *m are updated, and the factor
-// exp(m_old - m_new) that rescales the query's output so far is returned (0 before its
-// first key, when the output and l are 0).
-inline float softmax_step(float* __restrict s, int n, float* __restrict m, float* __restrict l) {
-    const int nv = (n + 7) / 8;
-    __m256 mxv = _mm256_set1_ps(*m);
-    const int tail = n - 8 * (nv - 1);  // valid lanes of the last vector
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(tail), lanes));
-    const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    for (int j = 0; j < nv; j++) {
-        __m256 x = _mm256_load_ps(s + 8 * j);
-        if (j == nv - 1) x = _mm256_blendv_ps(ninf, x, valid);
-        mxv = _mm256_max_ps(mxv, x);
-    }
-    alignas(32) float t8[8];
-    _mm256_store_ps(t8, mxv);
-    float mx = t8[0];
-    for (int u = 1; u < 8; u++) mx = std::max(mx, t8[u]);
-    const __m256 mv = _mm256_set1_ps(mx);
-    __m256 sum = _mm256_setzero_ps();
-    for (int j = 0; j < nv; j++) {
-        __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(s + 8 * j), mv));
-        if (j == nv - 1) p = _mm256_and_ps(p, valid);
-        _mm256_store_ps(s + 8 * j, p);
-        sum = _mm256_add_ps(sum, p);
-    }
-    float corr = 0.f;
-    if (*m != -INFINITY) {
-        alignas(32) float c[8] = {*m - mx, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        _mm256_store_ps(c, exp8(_mm256_load_ps(c)));
-        corr = c[0];
-    }
-    *l = *l * corr + hsum8(sum);
-    *m = mx;
-    return corr;
-}
-
 // acc[0, D) = acc * corr + sum_i s[i] v_i for the n values V + i * ld, for NQ query heads
 // (query qi's acc at acc + qi * D, its weights at s + qi * KB, its factor corr[qi]): one
 // fused multiply-add chain per element in order of i, so neither the vector width nor the
@@ -264,7 +223,7 @@ template <int NC, bool HALF, int NQ, class T>
 __attribute__((noinline)) void update(const float* __restrict q, int64_t D, const T* __restrict K,
                                          const T* __restrict V, int64_t ld, int n, float scale, float* __restrict m,
                                          float* __restrict l, float* __restrict acc) {
-    alignas(32) float s[NQ * KB];
+    alignas(64) float s[NQ * KB];
     const __m256 sv = _mm256_set1_ps(scale);
     for (int i = 0; i < n; i += 8) {
         const T* k[8];
@@ -273,8 +232,9 @@ __attribute__((noinline)) void update(const float* __restrict q, int64_t D, cons
         partials8<NC, HALF, NQ>(q, D, k, r);
         for (int qi = 0; qi < NQ; qi++) _mm256_store_ps(s + qi * KB + i, _mm256_mul_ps(hsum8x8(r[qi]), sv));
     }
-    float corr[NQ];
-    for (int qi = 0; qi < NQ; qi++) corr[qi] = softmax_step(s + qi * KB, n, m + qi, l + qi);
+    float corr[NQ], *ms[NQ], *ls[NQ];
+    for (int qi = 0; qi < NQ; qi++) ms[qi] = m + qi, ls[qi] = l + qi;
+    attn::softmax_steps<NQ, /*Chain=*/true>(s, n, ms, ls, corr);
     accumulate<NC, HALF, NQ>(acc, D, corr, s, V, ld, n);
 }
 

@@ -1,7 +1,7 @@
-// The online-softmax step of decode attention's prompt blocks (attention_bf16.h,
-// attention_f32.h, attention_tiles.h): one function, so a query's softmax bits are the same
-// whatever arithmetic produced its scores' inputs and whatever build runs it. Online
-// softmax: Milakov & Gimelshein 2018, "Online normalizer calculation for softmax";
+// The online-softmax step of decode attention (decode_attention.cpp's own runs,
+// attention_bf16.h, attention_f32.h, attention_tiles.h): one function, so a query's softmax
+// bits are the same whatever arithmetic produced its scores and whatever build runs it.
+// Online softmax: Milakov & Gimelshein 2018, "Online normalizer calculation for softmax";
 // FlashAttention's block update (Dao et al. 2022).
 #pragma once
 
@@ -17,12 +17,53 @@ namespace batchgen::attn {
 constexpr int KB = 32;  // keys per block: decode_attention.cpp's
 
 // The online-softmax step of NQ queries over a block's n <= KB scores (s + qi * KB, 64-byte
-// aligned), in 8-lane float32 vectors in every build: m' = max(m, the block's scores), s
-// becomes p = exp(s - m') (+0 past n), corr = exp(m - m') (0 before the first key, when l
-// and the output are 0), l' = l corr + hsum8((p[0:8] + p[8:16]) + (p[16:24] + p[24:32])).
-// The queries' steps are interleaved (each a chain of dependent operations) and their
-// factors computed in one exp8; each query's arithmetic is the same whatever NQ.
-template <int NQ>
+// aligned; whatever lanes past n hold is ignored): m' = max(m, the block's scores), s becomes
+// p = exp(s - m') (+0 past n), corr = exp(m - m') (0 before the first key, when l and the
+// output are 0), and l' = l corr + hsum8 of the block's p summed as 8-lane vectors, in a
+// tree, (p[0:8] + p[8:16]) + (p[16:24] + p[24:32]) (a prompt run's blocks), or with Chain
+// in order, ((p[0:8] + p[8:16]) + p[16:24]) + p[24:32] (a row's own run). The queries' steps
+// are interleaved (each a chain of dependent operations) and their factors computed in one
+// exp8; each query's arithmetic is the same whatever NQ.
+//
+// AVX-512 builds run it on 16-lane vectors: each lane's exponential is exp8's (exp16), the
+// maximum is exact in any order (a zero's sign aside, which no exp(x - m') or exp(m - m')
+// sees), and the sums take the same 8-lane halves in the same order, so every build gives
+// the same bits. Half the instructions of the 8-lane version: on a CPU whose AVX-512 is
+// full width (an AMX Xeon) the exponentials, which the tiles leave as much of a prompt
+// block's cost as the products, take half the time; on the Zen 4 (two 256-bit halves) a
+// prompt block's attention took 9% less time (bench/bench_attention.py's RL shape).
+#if defined(__AVX512F__)
+template <int NQ, bool Chain = false>
+inline void softmax_steps(float* s, int n, float* const* m, float* const* l, float* corr) {
+    const __mmask16 valid0 = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    const __mmask16 valid1 = n >= 32 ? (__mmask16)0xffff : n <= 16 ? (__mmask16)0 : (__mmask16)((1u << (n - 16)) - 1);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    alignas(32) float mold[8] = {}, mnew[8] = {};
+    __m512 x[NQ][2];
+    for (int qi = 0; qi < NQ; qi++) {
+        x[qi][0] = _mm512_mask_blend_ps(valid0, ninf, _mm512_load_ps(s + qi * KB));
+        x[qi][1] = _mm512_mask_blend_ps(valid1, ninf, _mm512_load_ps(s + qi * KB + 16));
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(x[qi][0], x[qi][1]));
+        mold[qi] = *m[qi];
+        mnew[qi] = std::max(mold[qi], mx);
+    }
+    alignas(32) float c[8];
+    _mm256_store_ps(c, exp8(_mm256_sub_ps(_mm256_load_ps(mold), _mm256_load_ps(mnew))));
+    for (int qi = 0; qi < NQ; qi++) {
+        const __m512 mv = _mm512_set1_ps(mnew[qi]);
+        const __m512 p0 = _mm512_maskz_mov_ps(valid0, exp16(_mm512_sub_ps(x[qi][0], mv)));
+        const __m512 p1 = _mm512_maskz_mov_ps(valid1, exp16(_mm512_sub_ps(x[qi][1], mv)));
+        _mm512_store_ps(s + qi * KB, p0);
+        _mm512_store_ps(s + qi * KB + 16, p1);
+        const float sum = Chain ? hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(lo8(p0), hi8(p0)), lo8(p1)), hi8(p1)))
+                                : hsum8(_mm256_add_ps(_mm256_add_ps(lo8(p0), hi8(p0)), _mm256_add_ps(lo8(p1), hi8(p1))));
+        corr[qi] = mold[qi] == -INFINITY ? 0.f : c[qi];
+        *l[qi] = *l[qi] * corr[qi] + sum;
+        *m[qi] = mnew[qi];
+    }
+}
+#else
+template <int NQ, bool Chain = false>
 inline void softmax_steps(float* s, int n, float* const* m, float* const* l, float* corr) {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 valid[4];
@@ -47,11 +88,13 @@ inline void softmax_steps(float* s, int n, float* const* m, float* const* l, flo
             p[j] = _mm256_and_ps(exp8(_mm256_sub_ps(x[qi][j], mv)), valid[j]);
             _mm256_store_ps(s + qi * KB + 8 * j, p[j]);
         }
-        const float sum = hsum8(_mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3])));
+        const float sum = Chain ? hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(p[0], p[1]), p[2]), p[3]))
+                                : hsum8(_mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3])));
         corr[qi] = mold[qi] == -INFINITY ? 0.f : c[qi];
         *l[qi] = *l[qi] * corr[qi] + sum;
         *m[qi] = mnew[qi];
     }
 }
+#endif
 
 }  // namespace batchgen::attn

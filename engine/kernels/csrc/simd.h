@@ -122,6 +122,10 @@ inline __m512 exp16(__m512 x) {
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
+// A 16-lane vector's lanes 0-7 and 8-15 (AVX-512F only: no DQ extract).
+inline __m256 lo8(__m512 v) { return _mm512_castps512_ps256(v); }
+inline __m256 hi8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
 // In place: r[i] lane j becomes r[j] lane i (a 16 x 16 matrix of 32-bit elements).
 inline void transpose16(__m512i (&r)[16]) {
     __m512i a[16], b[16];
