@@ -230,6 +230,7 @@ inline vf vset(float x) { return _mm512_set1_ps(x); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vi viload(const void* p) { return _mm512_loadu_si512(p); }
 inline vf vlo16(vi p) { return _mm512_castsi512_ps(_mm512_slli_epi32(p, 16)); }  // bf16 in the low half
 inline vf vhi16(vi p) { return _mm512_castsi512_ps(_mm512_and_si512(p, _mm512_set1_epi32((int)0xffff0000u))); }
@@ -244,6 +245,7 @@ inline vf vset(float x) { return _mm256_set1_ps(x); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vi viload(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 inline vf vlo16(vi p) { return _mm256_castsi256_ps(_mm256_slli_epi32(p, 16)); }
 inline vf vhi16(vi p) { return _mm256_castsi256_ps(_mm256_and_si256(p, _mm256_set1_epi32((int)0xffff0000u))); }
