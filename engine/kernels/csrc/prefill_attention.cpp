@@ -18,9 +18,10 @@
 // - out = acc / l.
 // A lane holds one key (scores) or one output element (p v), so the AVX-512 builds run 16
 // lanes where the AVX2 build runs 8 and give the same bits; each (prompt, KV head) has its
-// keys transposed and its values widened to float32 once, for all its query rows (on the
-// Zen 4, 4 prompts of 1,200 tokens, 2 threads: 0.70x the time of widening each value row
-// for each query row in bfloat16, 0.87x in float32, where the 16 lanes are the gain).
+// keys transposed and its values widened to float32 once, for all its query rows, and the
+// rows that see a whole block take its p v four at a time, each value vector loaded once for
+// them (on the Zen 4, 4 prompts of 1,200 tokens, 2 threads: 0.65-0.70x the time of widening
+// each value row for each query row in bfloat16, 0.76-0.83x in float32).
 // So a row's bits depend only on its position, window and keys: not on the batch, the prompt
 // length, the other rows of its tile, the thread count (threads split (prompt, KV head,
 // query tile) items, never a row), the ISA, or where the call's rows start: a prefill may
@@ -52,9 +53,11 @@ constexpr int KB = 32;       // keys per block: 4 vectors of 8 lanes, or 2 of 16
 constexpr int NK = KB / L;   // vectors per block of keys
 constexpr int QT = 16;       // query positions per work item
 #if defined(__AVX512F__)
-constexpr int MR = 8;   // query rows whose scores are formed together (16 of 32 registers)
+constexpr int MR = 8;       // query rows whose scores are formed together (16 of 32 registers)
+constexpr int PV_ROWS = 4;  // rows whose p v share each value vector's load (16 accumulators)
 #else
-constexpr int MR = 2;   // (8 of 16 registers)
+constexpr int MR = 2;       // (8 of 16 registers)
+constexpr int PV_ROWS = 1;  // (AVX2: a row's 8 column vectors fill the registers)
 #endif
 
 inline float widen(float x) { return x; }
@@ -112,16 +115,16 @@ inline void scores(Row* const* rows, const float* kt, int64_t ldk, int64_t D, fl
         for (int c = 0; c < NK; c++) vstore(s[r] + L * c, vmul(acc[r][c], sv));
 }
 
-// The online-softmax update of one row with its scores s over the block of keys [a, a + KB)
-// (values vt + j * D, j < KB, float32; D = 8 * ND): keys outside [row.lo, row.t] do not count.
-template <int ND>
-inline void update(Row& row, float* s, int64_t a, const float* vt, float* acc) {
-    constexpr int D = 8 * ND, NV = D / L;  // whole vectors of the head; AVX-512: a half vector past them when D % 16 = 8
-    const int64_t first = std::max<int64_t>(row.lo - a, 0), last = std::min<int64_t>(row.t - a, KB - 1);
-    if (first > last) return;  // nothing visible in this block: the state is unchanged
-    if (first > 0 || last < KB - 1)  // a block at the window's start or the row's diagonal
+// The online-softmax step of one row with its scores s over the block of keys [a, a + KB):
+// keys outside [row.lo, row.t] do not count. s becomes the weights p (0 for unseen keys),
+// row.m and row.l are updated, and the factor e^(m - m') for the row's output so far is
+// returned; *first and *last: the visible keys (first > last: none, and nothing changed).
+inline float softmax_step(Row& row, float* s, int64_t a, int64_t* first, int64_t* last) {
+    *first = std::max<int64_t>(row.lo - a, 0), *last = std::min<int64_t>(row.t - a, KB - 1);
+    if (*first > *last) return 1.f;  // nothing visible in this block: the state is unchanged
+    if (*first > 0 || *last < KB - 1)  // a block at the window's start or the row's diagonal
         for (int64_t j = 0; j < KB; j++)
-            if (j < first || j > last) s[j] = -INFINITY;
+            if (j < *first || j > *last) s[j] = -INFINITY;
     vf x[NK];
     for (int c = 0; c < NK; c++) x[c] = vload(s + L * c);
     vf mx = x[0];
@@ -140,24 +143,44 @@ inline void update(Row& row, float* s, int64_t a, const float* vt, float* acc) {
     }
     row.l = row.l * corr + block_sum(x);
     row.m = mnew;
-    const vf cv = vset(corr);
-    vf o[NV > 0 ? NV : 1];
-    for (int c = 0; c < NV; c++) o[c] = vmul(vload(acc + L * c), cv);
-#if defined(__AVX512F__)
-    constexpr bool HALF = D % 16 != 0;
-    __m256 oh = HALF ? _mm256_mul_ps(_mm256_loadu_ps(acc + 16 * NV), _mm256_set1_ps(corr)) : _mm256_setzero_ps();
-#endif
-    for (int64_t j = first; j <= last; j++) {
-        const vf p = vset(s[j]);
-        const float* v = vt + j * D;
-        for (int c = 0; c < NV; c++) o[c] = vfma(p, vload(v + L * c), o[c]);
-#if defined(__AVX512F__)
-        if (HALF) oh = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), _mm256_loadu_ps(v + 16 * NV), oh);
-#endif
+    return corr;
+}
+
+// acc_r = acc_r * corr[r] + sum_j s_r[j] v_j over keys j = first .. last (values vt + j * D,
+// float32; D = 8 * ND) for R rows: one chain of fused multiply-adds per output element, in
+// key order; each value vector is loaded once for the R rows (a row's bits are the same
+// whatever R).
+template <int ND, int R>
+inline void accumulate(float* const* acc, const float* const* s, const float* corr, const float* vt, int64_t first,
+                       int64_t last) {
+    constexpr int D = 8 * ND, NV = D / L;  // whole vectors of the head; AVX-512: a half vector past them when D % 16 = 8
+    // column vectors per pass: R x CB accumulators (one row: up to 8, AVX2's D = 64 in one pass)
+    constexpr int CB = NV < 1 ? 1 : R == 1 ? (NV < 8 ? NV : 8) : NV < 4 ? NV : 4;
+    for (int c0 = 0; c0 < NV; c0 += CB) {
+        const int nc = std::min(CB, NV - c0);
+        vf o[R][CB];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < nc; c++) o[r][c] = vmul(vload(acc[r] + L * (c0 + c)), vset(corr[r]));
+        for (int64_t j = first; j <= last; j++) {
+            const float* v = vt + j * D + L * c0;
+            vf p[R];
+            for (int r = 0; r < R; r++) p[r] = vset(s[r][j]);
+            for (int c = 0; c < nc; c++) {
+                const vf vv = vload(v + L * c);
+                for (int r = 0; r < R; r++) o[r][c] = vfma(p[r], vv, o[r][c]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < nc; c++) vstore(acc[r] + L * (c0 + c), o[r][c]);
     }
-    for (int c = 0; c < NV; c++) vstore(acc + L * c, o[c]);
 #if defined(__AVX512F__)
-    if (HALF) _mm256_storeu_ps(acc + 16 * NV, oh);
+    if (D % 16 != 0)
+        for (int r = 0; r < R; r++) {
+            __m256 oh = _mm256_mul_ps(_mm256_loadu_ps(acc[r] + 16 * NV), _mm256_set1_ps(corr[r]));
+            for (int64_t j = first; j <= last; j++)
+                oh = _mm256_fmadd_ps(_mm256_set1_ps(s[r][j]), _mm256_loadu_ps(vt + j * D + 16 * NV), oh);
+            _mm256_storeu_ps(acc[r] + 16 * NV, oh);
+        }
 #endif
 }
 
@@ -216,8 +239,27 @@ void prefill(const float* q, int64_t q_tok_ld, int64_t q_batch_ld, const T* kc, 
                     const int R = (int)std::min<int64_t>(MR, n - r0);
                     for (int r = 0; r < MR; r++) rows[r] = &rowbuf[r0 + std::min(r, R - 1)];
                     scores<MR>(rows, kt.data() + a, ldk, D, scale, s);
-                    for (int r = 0; r < R; r++)
-                        update<ND>(rowbuf[r0 + r], s[r], a, vt.data() + a * D, acc.data() + (r0 + r) * D);
+                    // Each row's softmax step; then p v for the rows that see the whole block
+                    // PV_ROWS at a time, the others (the diagonal, a window's start) alone.
+                    float corr[MR];
+                    float* accs[MR];
+                    const float* ss[MR];
+                    int whole = 0;
+                    for (int r = 0; r < R; r++) {
+                        int64_t first, last;
+                        const float cr = softmax_step(rowbuf[r0 + r], s[r], a, &first, &last);
+                        float* ar = acc.data() + (r0 + r) * D;
+                        if (first == 0 && last == KB - 1) {
+                            corr[whole] = cr, accs[whole] = ar, ss[whole++] = s[r];
+                        } else if (first <= last) {
+                            const float* sr = s[r];
+                            accumulate<ND, 1>(&ar, &sr, &cr, vt.data() + a * D, first, last);
+                        }
+                    }
+                    int w = 0;
+                    for (; w + PV_ROWS <= whole; w += PV_ROWS)
+                        accumulate<ND, PV_ROWS>(accs + w, ss + w, corr + w, vt.data() + a * D, 0, KB - 1);
+                    for (; w < whole; w++) accumulate<ND, 1>(accs + w, ss + w, corr + w, vt.data() + a * D, 0, KB - 1);
                 }
             }
             for (int64_t r = 0; r < n; r++) {
