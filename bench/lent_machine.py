@@ -218,7 +218,8 @@ def run(folder: Path, out: Path, budget: float) -> None:
                                           "bfloat16", "--model", model]),
                  ("vector_rl", me + ["vector", "bench/bench_dtypes.py", "--workload", "rl", "--dtypes", "bfloat16",
                                      "--model", model, "--data", data]),
-                 ("vector_attention", me + ["vector", "bench/bench_attention.py", "--reps", "10"])]
+                 ("vector_attention", me + ["vector", "bench/bench_attention.py", "--reps", "10", "--shapes",
+                                             "rl,smollm2"])]
     if llama:  # the peers on the stand-in's GGUF, shortened
         peers = ["bench/bench_peers.py", "--model", str(model_dir / "model.gguf"), "--data", data,
                  "--systems", "batchgen,llama-f32,llama-q4_1", "--workload"]
