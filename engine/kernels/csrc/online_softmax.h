@@ -1,5 +1,6 @@
 // The online-softmax step of decode attention (decode_attention.cpp's own runs,
-// attention_bf16.h, attention_f32.h, attention_tiles.h): one function, so a query's softmax
+// attention_bf16.h, attention_f32.h, attention_tiles.h) and of prefill attention (a row at a
+// time, in order like an own run: prefill_attention.cpp): one function, so a query's softmax
 // bits are the same whatever arithmetic produced its scores and whatever build runs it.
 // Online softmax: Milakov & Gimelshein 2018, "Online normalizer calculation for softmax";
 // FlashAttention's block update (Dao et al. 2022).

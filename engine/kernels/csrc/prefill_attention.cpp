@@ -31,6 +31,7 @@
 // as read), so a prompt attends to what its samples' decode steps will read.
 //
 // Built and loaded by engine/kernels/native.py, called from engine/kernels/attention.py (prefill_native).
+#include "online_softmax.h"
 #include "simd.h"
 
 #include <immintrin.h>
@@ -44,12 +45,10 @@
 
 namespace {
 
-using batchgen::exp8;
-using batchgen::hmax8;
-using batchgen::hsum8;
+namespace attn = batchgen::attn;
 using namespace batchgen::vec;  // vf: 8 lanes (AVX2) or 16 (AVX-512); a lane's arithmetic is the same in both
 
-constexpr int KB = 32;       // keys per block: 4 vectors of 8 lanes, or 2 of 16
+constexpr int KB = attn::KB;  // keys per block: 4 vectors of 8 lanes, or 2 of 16
 constexpr int NK = KB / L;   // vectors per block of keys
 constexpr int QT = 16;       // query positions per work item
 #if defined(__AVX512F__)
@@ -67,23 +66,6 @@ inline float widen(uint16_t h) {
     std::memcpy(&f, &u, 4);
     return f;
 }
-
-#if defined(__AVX512F__)
-inline vf vexp(vf x) { return batchgen::exp16(x); }
-inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
-inline float vhmax(vf v) { return hmax8(_mm256_max_ps(batchgen::lo8(v), batchgen::hi8(v))); }
-// The block's weights summed as 8-lane vectors in order, ((p[0:8] + p[8:16]) + p[16:24]) + p[24:32].
-inline float block_sum(const vf* p) {
-    using batchgen::hi8;
-    using batchgen::lo8;
-    return hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(lo8(p[0]), hi8(p[0])), lo8(p[1])), hi8(p[1])));
-}
-#else
-inline vf vexp(vf x) { return exp8(x); }
-inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
-inline float vhmax(vf v) { return hmax8(v); }
-inline float block_sum(const vf* p) { return hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(p[0], p[1]), p[2]), p[3])); }
-#endif
 
 // One query row's running state.
 struct Row {
@@ -125,24 +107,8 @@ inline float softmax_step(Row& row, float* s, int64_t a, int64_t* first, int64_t
     if (*first > 0 || *last < KB - 1)  // a block at the window's start or the row's diagonal
         for (int64_t j = 0; j < KB; j++)
             if (j < *first || j > *last) s[j] = -INFINITY;
-    vf x[NK];
-    for (int c = 0; c < NK; c++) x[c] = vload(s + L * c);
-    vf mx = x[0];
-    for (int c = 1; c < NK; c++) mx = vmax(mx, x[c]);
-    const float mnew = std::max(row.m, vhmax(mx));
-    const vf mv = vset(mnew);
-    for (int c = 0; c < NK; c++) {  // e^(-inf - m) is exactly 0: unseen keys add nothing
-        x[c] = vexp(vsub(x[c], mv));
-        vstore(s + L * c, x[c]);
-    }
-    float corr = 0.f;  // e^(m - m'); acc and l are 0 before the first visible key
-    if (row.m != -INFINITY) {
-        alignas(32) float c8[8] = {row.m - mnew, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        _mm256_store_ps(c8, exp8(_mm256_load_ps(c8)));
-        corr = c8[0];
-    }
-    row.l = row.l * corr + block_sum(x);
-    row.m = mnew;
+    float corr, *m = &row.m, *l = &row.l;
+    attn::softmax_steps<1, /*Chain=*/true>(s, KB, &m, &l, &corr);  // decode's own runs' step: e^(-inf - m') is 0
     return corr;
 }
 
