@@ -97,19 +97,38 @@ inline void scores(Row* const* rows, const float* kt, int64_t ldk, int64_t D, fl
         for (int c = 0; c < NK; c++) vstore(s[r] + L * c, vmul(acc[r][c], sv));
 }
 
-// The online-softmax step of one row with its scores s over the block of keys [a, a + KB):
-// keys outside [row.lo, row.t] do not count. s becomes the weights p (0 for unseen keys),
-// row.m and row.l are updated, and the factor e^(m - m') for the row's output so far is
-// returned; *first and *last: the visible keys (first > last: none, and nothing changed).
-inline float softmax_step(Row& row, float* s, int64_t a, int64_t* first, int64_t* last) {
-    *first = std::max<int64_t>(row.lo - a, 0), *last = std::min<int64_t>(row.t - a, KB - 1);
-    if (*first > *last) return 1.f;  // nothing visible in this block: the state is unchanged
-    if (*first > 0 || *last < KB - 1)  // a block at the window's start or the row's diagonal
-        for (int64_t j = 0; j < KB; j++)
-            if (j < *first || j > *last) s[j] = -INFINITY;
-    float corr, *m = &row.m, *l = &row.l;
-    attn::softmax_steps<1, /*Chain=*/true>(s, KB, &m, &l, &corr);  // decode's own runs' step: e^(-inf - m') is 0
-    return corr;
+// The online-softmax steps of R rows with their scores s[r] over the block of keys [a, a +
+// KB): keys outside [row.lo, row.t] do not count (their scores become -inf). A row that sees
+// a key of the block gets online_softmax.h's step (in order, as decode's own runs; e^(-inf -
+// m') is 0): s[r] becomes its weights p, its m and l are updated, corr[r] is the factor
+// e^(m - m') for its output so far. Rows are stepped up to 4 at a time (their chains
+// interleaved; a row's bits are the same whatever the count); a row that sees none is left
+// as it was. first[r] > last[r]: none visible.
+inline void softmax_steps(Row* const* rows, int R, float (*s)[KB], int64_t a, int64_t* first, int64_t* last,
+                          float* corr) {
+    for (int r = 0; r < R; r++) {
+        first[r] = std::max<int64_t>(rows[r]->lo - a, 0), last[r] = std::min<int64_t>(rows[r]->t - a, KB - 1);
+        if (first[r] <= last[r] && (first[r] > 0 || last[r] < KB - 1))  // the window's start or the diagonal
+            for (int64_t j = 0; j < KB; j++)
+                if (j < first[r] || j > last[r]) s[r][j] = -INFINITY;
+    }
+    for (int r = 0; r < R;) {
+        if (first[r] > last[r]) {
+            r++;
+            continue;
+        }
+        int e = r + 1;  // a run of rows that see keys, at most 4
+        while (e < R && e - r < 4 && first[e] <= last[e]) e++;
+        float *m[4], *l[4];
+        for (int u = r; u < e; u++) m[u - r] = &rows[u]->m, l[u - r] = &rows[u]->l;
+        switch (e - r) {
+            case 1: attn::softmax_steps<1, true>(s[r], KB, m, l, corr + r); break;
+            case 2: attn::softmax_steps<2, true>(s[r], KB, m, l, corr + r); break;
+            case 3: attn::softmax_steps<3, true>(s[r], KB, m, l, corr + r); break;
+            default: attn::softmax_steps<4, true>(s[r], KB, m, l, corr + r); break;
+        }
+        r = e;
+    }
 }
 
 // acc_r = acc_r * corr[r] + sum_j s_r[j] v_j over keys j = first .. last (values vt + j * D,
@@ -205,27 +224,28 @@ void prefill(const float* q, int64_t q_tok_ld, int64_t q_batch_ld, const T* kc, 
                     const int R = (int)std::min<int64_t>(MR, n - r0);
                     for (int r = 0; r < MR; r++) rows[r] = &rowbuf[r0 + std::min(r, R - 1)];
                     scores<MR>(rows, kt.data() + a, ldk, D, scale, s);
-                    // Each row's softmax step; then p v for the rows that see the whole block
+                    // The rows' softmax steps; then p v for the rows that see the whole block
                     // PV_ROWS at a time, the others (the diagonal, a window's start) alone.
-                    float corr[MR];
+                    int64_t first[MR], last[MR];
+                    float corr[MR], corr_whole[MR];
                     float* accs[MR];
                     const float* ss[MR];
+                    softmax_steps(rows, R, s, a, first, last, corr);
                     int whole = 0;
                     for (int r = 0; r < R; r++) {
-                        int64_t first, last;
-                        const float cr = softmax_step(rowbuf[r0 + r], s[r], a, &first, &last);
                         float* ar = acc.data() + (r0 + r) * D;
-                        if (first == 0 && last == KB - 1) {
-                            corr[whole] = cr, accs[whole] = ar, ss[whole++] = s[r];
-                        } else if (first <= last) {
+                        if (first[r] == 0 && last[r] == KB - 1) {
+                            corr_whole[whole] = corr[r], accs[whole] = ar, ss[whole++] = s[r];
+                        } else if (first[r] <= last[r]) {
                             const float* sr = s[r];
-                            accumulate<ND, 1>(&ar, &sr, &cr, vt.data() + a * D, first, last);
+                            accumulate<ND, 1>(&ar, &sr, corr + r, vt.data() + a * D, first[r], last[r]);
                         }
                     }
                     int w = 0;
                     for (; w + PV_ROWS <= whole; w += PV_ROWS)
-                        accumulate<ND, PV_ROWS>(accs + w, ss + w, corr + w, vt.data() + a * D, 0, KB - 1);
-                    for (; w < whole; w++) accumulate<ND, 1>(accs + w, ss + w, corr + w, vt.data() + a * D, 0, KB - 1);
+                        accumulate<ND, PV_ROWS>(accs + w, ss + w, corr_whole + w, vt.data() + a * D, 0, KB - 1);
+                    for (; w < whole; w++)
+                        accumulate<ND, 1>(accs + w, ss + w, corr_whole + w, vt.data() + a * D, 0, KB - 1);
                 }
             }
             for (int64_t r = 0; r < n; r++) {
