@@ -18,10 +18,11 @@
 // - out = acc / l.
 // A lane holds one key (scores) or one output element (p v), so the AVX-512 builds run 16
 // lanes where the AVX2 build runs 8 and give the same bits; each (prompt, KV head) has its
-// keys transposed and its values widened to float32 once, for all its query rows, and the
-// rows that see a whole block take its p v four at a time, each value vector loaded once for
-// them (on the Zen 4, 4 prompts of 1,200 tokens, 2 threads: 0.65-0.70x the time of widening
-// each value row for each query row in bfloat16, 0.76-0.83x in float32).
+// keys transposed and its values widened to float32 once, for all its query rows, the rows'
+// softmax steps run up to 4 at a time, and the rows that see a whole block take its p v four
+// at a time, each value vector loaded once for them (on the Zen 4, 4 prompts of 1,200
+// tokens: 0.64x the time of the 8-lane kernel that widened each value row for each query
+// row in bfloat16, 0.76x in float32; docs/performance.md).
 // So a row's bits depend only on its position, window and keys: not on the batch, the prompt
 // length, the other rows of its tile, the thread count (threads split (prompt, KV head,
 // query tile) items, never a row), the ISA, or where the call's rows start: a prefill may
