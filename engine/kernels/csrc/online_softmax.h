@@ -33,6 +33,28 @@ constexpr int KB = 32;  // keys per block: decode_attention.cpp's
 // full width (an AMX Xeon) the exponentials, which the tiles leave as much of a prompt
 // block's cost as the products, take half the time; on the Zen 4 (two 256-bit halves) a
 // prompt block's attention took 9% less time (bench/bench_attention.py's RL shape).
+// The two parts of the step every build shares. The block's weights p, as four 8-lane
+// vectors, summed in a tree or (Chain) in order:
+template <bool Chain>
+inline float block_sum(__m256 p0, __m256 p1, __m256 p2, __m256 p3) {
+    return hsum8(Chain ? _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(p0, p1), p2), p3)
+                       : _mm256_add_ps(_mm256_add_ps(p0, p1), _mm256_add_ps(p2, p3)));
+}
+
+// And each query's state past the block, its factors exp(m - m') computed in one exp8 (-inf
+// - m' clamped like any score, and replaced by 0: no output yet to rescale):
+template <int NQ>
+inline void advance(const float* mold, const float* mnew, const float* sum, float* const* m, float* const* l,
+                    float* corr) {
+    alignas(32) float c[8];
+    _mm256_store_ps(c, exp8(_mm256_sub_ps(_mm256_loadu_ps(mold), _mm256_loadu_ps(mnew))));
+    for (int qi = 0; qi < NQ; qi++) {
+        corr[qi] = mold[qi] == -INFINITY ? 0.f : c[qi];
+        *l[qi] = *l[qi] * corr[qi] + sum[qi];
+        *m[qi] = mnew[qi];
+    }
+}
+
 #if defined(__AVX512F__)
 template <int NQ, bool Chain = false>
 inline void softmax_steps(float* s, int n, float* const* m, float* const* l, float* corr) {
@@ -48,20 +70,16 @@ inline void softmax_steps(float* s, int n, float* const* m, float* const* l, flo
         mold[qi] = *m[qi];
         mnew[qi] = std::max(mold[qi], mx);
     }
-    alignas(32) float c[8];
-    _mm256_store_ps(c, exp8(_mm256_sub_ps(_mm256_load_ps(mold), _mm256_load_ps(mnew))));
+    float sum[NQ];
     for (int qi = 0; qi < NQ; qi++) {
         const __m512 mv = _mm512_set1_ps(mnew[qi]);
         const __m512 p0 = _mm512_maskz_mov_ps(valid0, exp16(_mm512_sub_ps(x[qi][0], mv)));
         const __m512 p1 = _mm512_maskz_mov_ps(valid1, exp16(_mm512_sub_ps(x[qi][1], mv)));
         _mm512_store_ps(s + qi * KB, p0);
         _mm512_store_ps(s + qi * KB + 16, p1);
-        const float sum = Chain ? hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(lo8(p0), hi8(p0)), lo8(p1)), hi8(p1)))
-                                : hsum8(_mm256_add_ps(_mm256_add_ps(lo8(p0), hi8(p0)), _mm256_add_ps(lo8(p1), hi8(p1))));
-        corr[qi] = mold[qi] == -INFINITY ? 0.f : c[qi];
-        *l[qi] = *l[qi] * corr[qi] + sum;
-        *m[qi] = mnew[qi];
+        sum[qi] = block_sum<Chain>(lo8(p0), hi8(p0), lo8(p1), hi8(p1));
     }
+    advance<NQ>(mold, mnew, sum, m, l, corr);
 }
 #else
 template <int NQ, bool Chain = false>
@@ -79,9 +97,7 @@ inline void softmax_steps(float* s, int n, float* const* m, float* const* l, flo
         mold[qi] = *m[qi];
         mnew[qi] = std::max(mold[qi], mx);
     }
-    // exp(m - m') per query, -inf - m' clamped like any score (and replaced by 0 below)
-    alignas(32) float c[8];
-    _mm256_store_ps(c, exp8(_mm256_sub_ps(_mm256_load_ps(mold), _mm256_load_ps(mnew))));
+    float sum[NQ];
     for (int qi = 0; qi < NQ; qi++) {
         const __m256 mv = _mm256_set1_ps(mnew[qi]);
         __m256 p[4];
@@ -89,12 +105,9 @@ inline void softmax_steps(float* s, int n, float* const* m, float* const* l, flo
             p[j] = _mm256_and_ps(exp8(_mm256_sub_ps(x[qi][j], mv)), valid[j]);
             _mm256_store_ps(s + qi * KB + 8 * j, p[j]);
         }
-        const float sum = Chain ? hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(p[0], p[1]), p[2]), p[3]))
-                                : hsum8(_mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3])));
-        corr[qi] = mold[qi] == -INFINITY ? 0.f : c[qi];
-        *l[qi] = *l[qi] * corr[qi] + sum;
-        *m[qi] = mnew[qi];
+        sum[qi] = block_sum<Chain>(p[0], p[1], p[2], p[3]);
     }
+    advance<NQ>(mold, mnew, sum, m, l, corr);
 }
 #endif
 
