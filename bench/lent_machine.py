@@ -9,21 +9,23 @@ RL workload; wheels of the packages the image lacked last time), about 11 MB (36
 
 - what the machine is (CPU model, flags, cores, torch), every ISA's kernel library built at
   once, the AMX probe's verdict, the native ISA and what `dtype: auto` picks (`prep.log`);
-- a queue of processes, 6 at a time, each on 2 CPUs of its own physical cores (`taskset`),
-  beside the kernel and engine tests on the remaining cores (pytest -n): where the probe
-  refused AMX on a CPU that has it, first the bfloat16 benches with the tiles forced on (a
-  measurement only, as on 2026-11-26), where it verified them, first bench_dtypes in
-  bfloat16 and bench_attention with decode attention's prompt blocks kept on vdpbf16ps (the
-  GEMMs on tiles: which attention path is faster there); bench_dtypes on the RL shape (float32 in one process,
-  bfloat16 and auto in another) and on the smollm2 workload (float32, bfloat16, auto);
-  invariance_smollm2 in both dtypes natively and limited to AVX2 on two of its runs, and in
-  bfloat16 natively on all eight, spread over processes (`--runs`; a run of one sequence
-  takes 75-95 s there); profile_step in bfloat16 on both workloads and in float32 on
-  smollm2's (where the step's time goes); bench_attention (one thread); where `prepare
-  --llama` built llama-cpp-python for AVX-512 and AMX, bench_peers on the stand-in's F32 GGUF
-  (llama.cpp F32 and its Q4_1 quantization against batchgen, shortened: smollm2's workload at
-  64 tokens, the RL shape's 2 prompts at 128); with a GPU, bench_dtypes on it (`--device
-  cuda`, the stand-in on smollm2's workload);
+- a queue of processes, each on 2 CPUs of its own physical cores (`taskset`), beside the
+  kernel and engine tests on the remaining cores (pytest -n). First, 4 side by side (the
+  machine lightly loaded, nearer the issue's 2-core machine): bench_dtypes on the RL shape
+  (float32 in one process, bfloat16 and auto in another) and on the smollm2 workload
+  (float32, bfloat16, auto), and profile_step in bfloat16 on smollm2's (where an AMX step's
+  time goes). Then 6 at a time: where the probe refused AMX on a CPU that has it, the
+  bfloat16 benches with the tiles forced on (a measurement only, as on 2026-11-26), where it
+  verified them, bench_dtypes in bfloat16 and bench_attention with decode attention's prompt
+  blocks kept on vdpbf16ps (the GEMMs on tiles: which attention path is faster there); where
+  `prepare --llama` built llama-cpp-python for AVX-512 and AMX, bench_peers on the
+  stand-in's F32 GGUF (llama.cpp F32 and its Q4_1 quantization against batchgen, shortened:
+  smollm2's workload at 64 tokens, the RL shape's 2 prompts at 128); with a GPU,
+  bench_dtypes on it (`--device cuda`, the stand-in on smollm2's workload); profile_step in
+  bfloat16 on the RL shape and in float32 on smollm2's; invariance_smollm2 in both dtypes
+  natively and limited to AVX2 on two of its runs, and in bfloat16 natively on all eight,
+  spread over processes (`--runs`; a run of one sequence takes 75-95 s there);
+  bench_attention (one thread);
 - `$OUT/summary.txt`: the lines that answer the issue (rates, bf16 / float32 ratios, each
   dtype's invariance hashes over every process, the profiles, test counts), and every log
   in `$OUT/logs.tar.gz` (a call brings back 8 files).
@@ -33,11 +35,11 @@ bandwidth); read the ratios taken within one process. A stand-in never stops ear
 compare it with itself only.
 
     python bench/lent_machine.py prepare [--dir .dev/lent] [--llama]   # here
-    device run, carry [".dev/lent"], timeout_s 560:
+    device run, carry [".dev/lent"], timeout_s 600:
         python3 bench/lent_machine.py run [--dir .dev/lent]         # there; summary and logs in $OUT
 
-`run` takes about 8 minutes on 16 cores (each part has its own timeout; the whole stays
-under `--budget` seconds, 480 by default) and needs no network.
+`run` takes about 9 minutes on 16 cores (each part has its own timeout; the whole stays
+under `--budget` seconds, 530 by default) and needs no network.
 """
 from __future__ import annotations
 
@@ -228,7 +230,8 @@ def run(folder: Path, out: Path, budget: float) -> None:
     if "GPU" in machine:  # nvidia-smi -L: the GPU path on the stand-in (host-bound at this size: one run each)
         jobs.append(("gpu_smollm2", ["bench/bench_dtypes.py", "--device", "cuda", "--model", model, "--workload",
                                      "smollm2", "--dtypes", "float32,bfloat16"]))
-    names = _schedule(jobs + _jobs(model, data), logs, env, start + budget, start)
+    quiet, rest = _jobs(model, data)
+    names = _schedule(quiet, jobs + rest, logs, env, start + budget, start)
     summary = _summarise(logs, names)
     (logs / "summary.txt").write_text(summary)
     (out / "summary.txt").write_text(summary)
@@ -239,32 +242,36 @@ def run(folder: Path, out: Path, budget: float) -> None:
 
 VARIANTS = ("forced", "vector")  # `variant`'s kinds
 SLOTS = 6  # processes of 2 threads side by side; the kernel and engine tests get the cores left
+QUIET = 4  # slots the first phase fills (the issue's rates and the bfloat16 step's profile)
 
 
-def _jobs(model: str, data: str) -> list[tuple[str, list[str]]]:
-    """(log name, argv) of each bench, longest first, so that the queue ends together."""
+def _jobs(model: str, data: str) -> tuple[list, list]:
+    """(log name, argv) of each bench in two lists: the first phase's (the issue's rates and
+    where a bfloat16 step's time goes, at most QUIET side by side so that they share the
+    machine with fewer, as on the issue's 2-core machine), then the rest, longest first."""
     dtypes = ["bench/bench_dtypes.py", "--model", model, "--data", data, "--workload"]
     profile = ["bench/profile_step.py", "--model", model, "--data", data, "--warmup", "30", "--workload"]
     invariance = ["bench/invariance_smollm2.py", "--model", model, "--runs"]
-    jobs = [("dtypes_rl_bf16", dtypes + ["rl", "--dtypes", "bfloat16,auto"]),
-            ("dtypes_rl_f32", dtypes + ["rl", "--dtypes", "float32"]),
-            ("dtypes_smollm2", dtypes + ["smollm2", "--dtypes", "float32,bfloat16,auto"]),
+    quiet = [("dtypes_rl_bf16", dtypes + ["rl", "--dtypes", "bfloat16,auto"]),
+             ("dtypes_rl_f32", dtypes + ["rl", "--dtypes", "float32"]),
+             ("dtypes_smollm2", dtypes + ["smollm2", "--dtypes", "float32,bfloat16,auto"]),
+             ("profile_smollm2_bf16", profile + ["gsm8k", "--dtype", "bfloat16"])]
+    rest = [("profile_rl_bf16", profile + ["rl", "--dtype", "bfloat16"]),
+            ("profile_smollm2_f32", profile + ["gsm8k", "--dtype", "float32"]),
             # both dtypes natively and limited to AVX2, on one sequence count and on 3 (the AVX2 runs are slow)
             ("inv_limited", invariance + ["0,2", "--limited"])]
     # bfloat16 natively on every run, one process per slow run (max_num_seqs 1 takes 75-95 s on an Emerald Rapids)
-    jobs += [(f"inv_bf16_{i}", invariance + [runs, "--dtypes", "bfloat16"])
+    rest += [(f"inv_bf16_{i}", invariance + [runs, "--dtypes", "bfloat16"])
              for i, runs in enumerate(("4", "5", "7", "2", "3", "0,1,6"))]
-    jobs += [("profile_rl_bf16", profile + ["rl", "--dtype", "bfloat16"]),
-             ("profile_smollm2_bf16", profile + ["gsm8k", "--dtype", "bfloat16"]),
-             ("profile_smollm2_f32", profile + ["gsm8k", "--dtype", "float32"]),
-             ("attention", ["bench/bench_attention.py", "--reps", "10"])]
-    return jobs
+    rest.append(("attention", ["bench/bench_attention.py", "--reps", "10"]))
+    return quiet, rest
 
 
-def _schedule(jobs: list, out: Path, env: dict, deadline: float, start: float) -> list[str]:
-    """Run `jobs` SLOTS at a time, each pinned to 2 CPUs of physical cores of its own and
-    stopped at `deadline`, beside the kernel and engine tests on the other cores; each
-    process's output goes to `out`/NAME.log. Returns the names, in the order they ran."""
+def _schedule(quiet: list, jobs: list, out: Path, env: dict, deadline: float, start: float) -> list[str]:
+    """Run `quiet` QUIET at a time, then `jobs` SLOTS at a time (once every quiet one has
+    ended), each pinned to 2 CPUs of physical cores of its own and stopped at `deadline`,
+    beside the kernel and engine tests on the other cores; each process's output goes to
+    `out`/NAME.log. Returns the names, in the order they ran."""
     sets, rest = cpu_sets(SLOTS)
     test_env = dict(env, OMP_NUM_THREADS="2")
     spread = ["-n", str(max(1, len(rest) // 2))] if importlib.util.find_spec("xdist") else []
@@ -272,9 +279,14 @@ def _schedule(jobs: list, out: Path, env: dict, deadline: float, start: float) -
            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *spread, *TESTS])
     running = {subprocess.Popen(cmd, cwd=ROOT, env=test_env, stdout=(out / "pytest.log").open("w"),
                                 stderr=subprocess.STDOUT).pid: ("pytest", None)}
-    queue, free, names = list(jobs), list(sets), ["pytest"]
-    while running:
-        while queue and free and deadline - time.time() > 40:
+    queue, free, names = list(quiet), list(sets), ["pytest"]
+    first = len(quiet)  # quiet jobs still running or queued
+    while True:
+        if first == 0 and jobs:  # the first phase is over
+            queue += jobs
+            jobs = []
+        slots = QUIET if first else SLOTS
+        while queue and len(free) > SLOTS - slots and deadline - time.time() > 40:
             (name, argv), cpus = queue.pop(0), free.pop(0)
             cmd = ["taskset", "-c", ",".join(map(str, cpus)), "timeout", str(int(deadline - time.time() - 20)),
                    sys.executable, *argv]
@@ -282,6 +294,8 @@ def _schedule(jobs: list, out: Path, env: dict, deadline: float, start: float) -
                                  stderr=subprocess.STDOUT)
             running[p.pid] = (name, cpus)
             names.append(name)
+        if not running:
+            break
         pid, status = os.wait()
         if pid not in running:
             continue
@@ -289,7 +303,8 @@ def _schedule(jobs: list, out: Path, env: dict, deadline: float, start: float) -
         print(f"{name}: exit {os.waitstatus_to_exitcode(status)} at {time.time() - start:.0f} s", flush=True)
         if cpus is not None:
             free.append(cpus)
-    for name, _ in queue:
+            first -= name in {n for n, _ in quiet}
+    for name, _ in queue + jobs:
         print(f"{name}: not started (no time left)", flush=True)
     return names
 
@@ -382,7 +397,7 @@ def main() -> None:
     ap.add_argument("verb", choices=("prepare", "run"))
     ap.add_argument("--dir", type=Path, default=ROOT / ".dev" / "lent")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/lent_out")))
-    ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run")
+    ap.add_argument("--budget", type=float, default=530.0, help="seconds for the whole run")
     ap.add_argument("--llama", action="store_true",
                     help="prepare: also build llama-cpp-python for AVX-512 and AMX (once, about 10 minutes), "
                          "so that run measures the peers")
