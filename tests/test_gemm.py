@@ -338,8 +338,12 @@ def test_amx_library_compiles_and_exports_its_kernel(amx_library):
     pack function is plain C++ and runs anywhere: B tiles with either pair order, -0 past K
     (so a padded product adds -0, which leaves every sum, -0 included, as it is), +0 past N.
     Where the CPU has no AMX, Linux refuses the tile state, and the kernel returns that
-    refusal before executing any tile instruction."""
+    refusal before executing any tile instruction. Loading it runs none of its code: it has
+    no static initializers (one compiled for AVX-512 killed every process that loaded an
+    AVX-512 build on an AVX2-only CPU, this test's included)."""
     path, lib = amx_library
+    symbols = subprocess.run(["nm", str(path)], capture_output=True, text=True, check=True).stdout
+    assert "_GLOBAL__sub_I" not in symbols, [ln for ln in symbols.splitlines() if "_GLOBAL__sub_I" in ln]
     for name in ("batchgen_amx_request", "batchgen_gemm_amx", "batchgen_gemm_amx_pack",
                  "batchgen_gemm_amx_packed_bytes", "batchgen_amx_emulated", "batchgen_gemm"):
         assert hasattr(lib, name), name

@@ -271,7 +271,14 @@ struct RaceTable {
         }
     }
 };
-static const RaceTable kRaceTable;
+// Built on first use, not while the library loads: a static initializer runs at dlopen on
+// whatever CPU loads the file, and compiled for AVX-512 its double-to-unsigned conversion is
+// an AVX-512 instruction (vcvttsd2usi), which killed any process that merely loaded an
+// AVX-512 build on an AVX2-only CPU (the AMX build's export test does).
+const uint32_t* race_table() {
+    static const RaceTable table;
+    return table.h;
+}
 
 // d's bucket clamped to [-1, kN] (-1: always kept, kN: never); NaN gives -1 (kept).
 inline double race_bucket(double s, float x) {
@@ -351,7 +358,7 @@ void batchgen_race_uniforms(const int32_t* first, int64_t V, const int64_t* keys
 // scores x[v] - log(-log u[v]) (x = the row's float32 q widened; u as batchgen_race_uniforms),
 // and s0[b] is one token's score: the winner scores at least s0, and -log(-log u) rises with
 // u, so a token at d = s0 - x[v] can reach s0 only if u[v] >= exp(-exp(-d)). The test runs on
-// the integer hash against a table of that bound (kRaceTable: d in steps of 1/16, each
+// the integer hash against a table of that bound (race_table(): d in steps of 1/16, each
 // bucket's bound at its low end, lowered by a relative 1e-9 and one step, d taken 1e-6
 // lower): it keeps every token that can win, and a few that cannot. No token scores above
 // x[v] + 22.87 (u < 1 - 2^-33), so d > 23.5 is never kept. Writes row b's candidates in
@@ -368,6 +375,7 @@ void batchgen_race_candidates(const int32_t* first, int64_t V, const int64_t* ke
         int64_t* ib = idx + b * cap;
         double* ub = u + b * cap;
         const double s = s0[b];
+        const uint32_t* table = race_table();
         int64_t n = 0;
         auto keep = [&](int64_t v, uint32_t h) {  // false once the row overflows
             if (n == cap) {
@@ -396,7 +404,7 @@ void batchgen_race_candidates(const int32_t* first, int64_t V, const int64_t* ke
             const __m256i f = _mm256_loadu_si256((const __m256i*)(first + v));
             const __m256i h = mix32x8(_mm256_xor_si256(
                 mix32x8(_mm256_xor_si256(mix32x8(_mm256_xor_si256(f, pv)), k1v)), k0v));
-            const __m256i thr = _mm256_i32gather_epi32((const int*)kRaceTable.h,
+            const __m256i thr = _mm256_i32gather_epi32((const int*)table,
                                                        _mm256_min_epi32(_mm256_max_epi32(k, zero), top), 4);
             const __m256i above = _mm256_cmpeq_epi32(_mm256_max_epu32(h, thr), h);  // h >= thr, unsigned
             const __m256i kept = _mm256_or_si256(_mm256_cmpgt_epi32(zero, k), _mm256_and_si256(reach, above));
@@ -413,7 +421,7 @@ void batchgen_race_candidates(const int32_t* first, int64_t V, const int64_t* ke
             const double k = race_bucket(s, row[v]);
             if (k >= RaceTable::kN) continue;
             const uint32_t h = mix32(mix32(mix32((uint32_t)first[v] ^ p) ^ k1) ^ k0);
-            if (k >= 0 && h < kRaceTable.h[(int)k]) continue;
+            if (k >= 0 && h < table[(int)k]) continue;
             open = keep(v, h);
         }
         count[b] = n;
