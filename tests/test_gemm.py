@@ -383,16 +383,16 @@ def emulated_amx():
 def test_emulated_amx_kernel_gives_the_chains_bits(emulated_amx):
     """Everything of the AMX path but the instructions: tiles computed as the hardware does
     (the SDM's partial sums) give the avx512_bf16 build's bits with either pair packing at
-    every tail of rows (16, 32, 256-row blocks), columns (16, 32) and K (32), on 1-3
-    threads, from strided, float32 or bfloat16 rows, to float32 or bfloat16, with or
-    without bias."""
+    every tail of rows (16, 32, 256-row blocks), columns (16, 32), K (32) and K's chunks (the
+    C tiles kept in memory between chunks of 256: 520 is 8 + 8 + 1 blocks), on 1-3 threads,
+    from strided, float32 or bfloat16 rows, to float32 or bfloat16, with or without bias."""
     path, lib = emulated_amx
     ref = native_kernels("avx512_bf16")
     amx = {o: N.NativeKernels(lib, "amx", path, o) for o in A.AMX_ORDERS}
     assert amx["swapped"].amx_emulated
     g = torch.Generator().manual_seed(11)
     for i, (M, K_, N_) in enumerate([(1, 2, 1), (16, 32, 16), (17, 34, 33), (33, 64, 32), (40, 576, 47),
-                                     (257, 96, 70), (5, 1000, 3)]):
+                                     (257, 96, 70), (5, 1000, 3), (70, 520, 33)]):
         for kind in A._AMX_KINDS:
             x, w = A._amx_operands(kind, M, K_, N_, g)
             b = torch.randn(N_, generator=g)

@@ -24,14 +24,23 @@
 // acc + (-0) = acc for every acc (+0 + (-0) = +0, -0 + (-0) = -0), so the padding leaves
 // the chain's bits alone (a +0 * +0 padding would turn a flushed -0 output into +0).
 // The activations are rounded to bfloat16 (as gemm.cpp rounds them) into a per-call buffer
-// of rows padded to a multiple of 16, pairs swapped like the weight's, K padded with +0.
+// in A-tile order (16 rows x 32 elements, 1 KiB contiguous, the tiles of a row tile in K
+// order), rows padded to a multiple of 16, pairs swapped like the weight's, K padded with
+// +0. Tile order, not rows: a tile load reads one contiguous KiB, which the prefetchers
+// follow, where 16 rows Kp elements apart (4 KiB apart for K = 2048) fight over a few L1 sets.
 // A unit of work is (a block of up to 256 rows, a panel of 32 columns); threads (OpenMP)
-// take contiguous ranges of units, as gemm.cpp's do. In a unit, 32 rows at a time (16 for
-// the last tile of rows) go through four C tiles (2 x 2: tmm0-3) over all of K in order,
-// with A tiles tmm4-5 and B tiles tmm6-7; the C tiles are stored to the stack and the
-// epilogue adds the bias and stores the rows and columns that exist (float32, or bfloat16
-// rounded as torch rounds), as gemm.cpp's store_tile does. A row's bits depend only on the
-// row: a lane of a C tile is one (row, column) chain, whatever the tile's other rows hold.
+// take contiguous ranges of units, as gemm.cpp's do. In a unit, K goes in chunks of KC
+// blocks (256 elements), and each chunk visits the unit's rows 32 at a time (16 for the last
+// tile of rows) through four C tiles (2 x 2: tmm0-3), with A tiles tmm4-5 and B tiles
+// tmm6-7: the panel's chunk of B (16 KiB) stays in L1 for all the rows instead of coming
+// from L2 again for every 32. Between chunks a row pair's C tiles wait in a per-thread
+// buffer (stored and loaded bit for bit), so each lane is still one chain over all of K in
+// order. The epilogue adds the bias and stores the rows and columns that exist (float32, or
+// bfloat16 rounded as torch rounds), as gemm.cpp's store_tile does. A row's bits depend only
+// on the row: a lane of a C tile is one (row, column) chain, whatever the tile's other rows
+// hold. Measured on an Emerald Rapids Xeon (docs/performance.md, 2026-11-27 fourth
+// session): SmolLM2's decode GEMMs at 128 rows 0.93x the row-order, whole-K kernel's time on
+// 2 threads, 0.64-0.83x on one; the same bits on every shape.
 //
 // Linux hands out the tile state only on request: arch_prctl(ARCH_REQ_XCOMP_PERM,
 // XFEATURE_XTILEDATA) once per process (the permission covers every thread, present and
@@ -73,6 +82,8 @@ constexpr int64_t TN = 16;        // columns per tile
 constexpr int64_t TM = 16;        // rows per tile
 constexpr int64_t NP = 2 * TN;    // columns per panel (two C tiles across)
 constexpr int64_t MC = 256;       // rows per block of work
+constexpr int64_t KC = 8;         // K blocks (of 32 elements) per chunk
+constexpr int64_t A_TILE = TM * 2 * TP;  // bfloat16 per A tile (1 KiB)
 constexpr int64_t TILE_ELEMS = TP * TN * 2;  // bfloat16 per B tile (1 KiB)
 
 enum Dtype : int { F32 = 0, BF16 = 1 };
@@ -101,27 +112,38 @@ int request_tiles() {
 }
 
 // ---------------------------------------------------------------- kernel
-// C tiles for R (1 or 2) tiles of rows: rows [0, 16 R) of a (lda elements apart, K padded to
-// KB blocks of 32) times the B tiles of two column blocks (b0, b1: KB tiles each, in K
-// order), stored to c[2 r + j] (16 x 16 float32).
+// The C tiles of R (1 or 2) tiles of rows after K blocks [k0, k0 + kn): a holds the row
+// tiles' A tiles (the second row tile's a_next elements on, each row tile's in K order, 1 KiB
+// apart), b0 and b1 the B tiles of two column blocks (in K order); c[2 r + j] (16 x 16
+// float32) holds the C tiles so far (read unless k0 == 0, when they start at +0) and
+// receives them after the chunk.
 template <int R>
-void tile_block(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1, int64_t KB,
+void tile_chunk(const uint16_t* a, int64_t a_next, const uint16_t* b0, const uint16_t* b1, int64_t k0, int64_t kn,
                 float (*c)[TM][TN]) {
-    BG_TILE_ZERO(0);
-    BG_TILE_ZERO(1);
-    if (R == 2) {
-        BG_TILE_ZERO(2);
-        BG_TILE_ZERO(3);
+    if (k0 == 0) {
+        BG_TILE_ZERO(0);
+        BG_TILE_ZERO(1);
+        if (R == 2) {
+            BG_TILE_ZERO(2);
+            BG_TILE_ZERO(3);
+        }
+    } else {
+        BG_TILE_LOAD(0, c[0], TN * 4);
+        BG_TILE_LOAD(1, c[1], TN * 4);
+        if (R == 2) {
+            BG_TILE_LOAD(2, c[2], TN * 4);
+            BG_TILE_LOAD(3, c[3], TN * 4);
+        }
     }
     BG_BARRIER();
-    for (int64_t kb = 0; kb < KB; kb++) {
+    for (int64_t kb = k0; kb < k0 + kn; kb++) {
         BG_TILE_LOAD(6, b0 + kb * TILE_ELEMS, 64);
         BG_TILE_LOAD(7, b1 + kb * TILE_ELEMS, 64);
-        BG_TILE_LOAD(4, a + kb * 2 * TP, lda * 2);
+        BG_TILE_LOAD(4, a + kb * A_TILE, 64);
         BG_TILE_DP(0, 4, 6);
         BG_TILE_DP(1, 4, 7);
         if (R == 2) {
-            BG_TILE_LOAD(5, a + TM * lda + kb * 2 * TP, lda * 2);
+            BG_TILE_LOAD(5, a + a_next + kb * A_TILE, 64);
             BG_TILE_DP(2, 5, 6);
             BG_TILE_DP(3, 5, 7);
         }
@@ -141,7 +163,7 @@ void store_c(const float (*c)[TN], int rows, int cols, const float* bias, void* 
     const __mmask16 mask = cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
     const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
-        __m512 v = _mm512_load_ps(c[r]);
+        __m512 v = _mm512_loadu_ps(c[r]);  // c may be thread-local storage: no alignment assumed
         if (bias != nullptr) v = _mm512_add_ps(v, bv);
         if (out_dtype == F32) {
             _mm512_mask_storeu_ps((float*)y + r * ldy, mask, v);
@@ -151,32 +173,35 @@ void store_c(const float (*c)[TN], int rows, int cols, const float* bias, void* 
     }
 }
 
-// Rows [r0, r1) of the activation buffer: row m < M from x (bfloat16, or float32 rounded),
+// Rows [r0, r1) of the activation buffer, in A-tile order (row m's block kb at
+// ((m / 16) KB + kb) A_TILE + (m % 16) 32): row m < M from x (bfloat16, or float32 rounded),
 // pairs swapped when `swap`, +0 from K to Kp; rows past M all +0. A block of 32 at a time
 // (round32: f32_to_bf16's bits; a pair swapped by rotating its 32 bits), the tail past K
 // loaded as +0.
-void fill_rows(const void* x, int x_dtype, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int swap, int64_t r0,
+void fill_rows(const void* x, int x_dtype, int64_t ldx, int64_t M, int64_t K, int64_t KB, int swap, int64_t r0,
                int64_t r1, uint16_t* a) {
     for (int64_t m = r0; m < r1; m++) {
-        uint16_t* row = a + m * Kp;
-        if (m >= M) {
-            std::memset(row, 0, Kp * 2);
-            continue;
-        }
+        uint16_t* row = a + (m / TM) * KB * A_TILE + (m % TM) * 2 * TP;
         const float* xf = (const float*)x + m * ldx;
         const uint16_t* xb = (const uint16_t*)x + m * ldx;
-        for (int64_t k0 = 0; k0 < Kp; k0 += 2 * TP) {
-            const __mmask32 in = batchgen::first_lanes32(K - k0);
-            __m512i v = x_dtype == F32 ? batchgen::round32(_mm512_maskz_loadu_ps((__mmask16)in, xf + k0),
-                                                           _mm512_maskz_loadu_ps((__mmask16)(in >> 16), xf + k0 + 16))
-                                       : _mm512_maskz_loadu_epi16(in, xb + k0);
-            if (swap) v = _mm512_rol_epi32(v, 16);
-            _mm512_storeu_si512(row + k0, v);
+        for (int64_t kb = 0; kb < KB; kb++) {
+            const int64_t k0 = kb * 2 * TP;
+            __m512i v = _mm512_setzero_si512();
+            if (m < M) {
+                const __mmask32 in = batchgen::first_lanes32(K - k0);
+                v = x_dtype == F32 ? batchgen::round32(_mm512_maskz_loadu_ps((__mmask16)in, xf + k0),
+                                                       _mm512_maskz_loadu_ps((__mmask16)(in >> 16), xf + k0 + 16))
+                                   : _mm512_maskz_loadu_epi16(in, xb + k0);
+                if (swap) v = _mm512_rol_epi32(v, 16);
+            }
+            _mm512_storeu_si512(row + kb * A_TILE, v);
         }
     }
 }
 
 thread_local std::vector<uint16_t> abuf;  // the activations of a call, in A-tile order
+// a unit's C tiles between K chunks: 4 per pair of row tiles (32 KiB), one buffer per thread
+alignas(64) thread_local float cbuf[MC / (2 * TM)][4][TM][TN];
 
 inline int64_t k_blocks(int64_t K) { return (K / 2 + TP - 1) / TP; }
 inline int64_t panels(int64_t N) { return (N + NP - 1) / NP; }
@@ -243,25 +268,31 @@ int batchgen_gemm_amx(const void* x, int x_dtype, int64_t ldx, int64_t M, int64_
 #pragma omp parallel num_threads(team)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        fill_rows(x, x_dtype, ldx, M, K, Kp, swap, Mp / TM * t / nt * TM, Mp / TM * (t + 1) / nt * TM, a);
+        fill_rows(x, x_dtype, ldx, M, K, KB, swap, Mp / TM * t / nt * TM, Mp / TM * (t + 1) / nt * TM, a);
 #pragma omp barrier
         const int64_t lo = units * t / nt, hi = units * (t + 1) / nt;
         if (lo < hi) {
             const TileConfig cfg = tile_config();
             BG_BARRIER();
             BG_TILE_CONFIG(&cfg);
-            alignas(64) float c[4][TM][TN];
             for (int64_t u = lo; u < hi; u++) {
                 const int64_t blk = u / P, p = u % P;
                 const int64_t m0 = blk * MC, m1 = std::min(M, m0 + MC), n0 = p * NP;
                 const uint16_t* b0 = b + 2 * p * KB * TILE_ELEMS;
                 const uint16_t* b1 = b0 + KB * TILE_ELEMS;
+                for (int64_t k0 = 0; k0 < KB; k0 += KC) {
+                    const int64_t kn = std::min(KC, KB - k0);
+                    for (int64_t m = m0; m < m1; m += 2 * TM) {
+                        const uint16_t* am = a + m / TM * KB * A_TILE;
+                        if (m1 - m > TM)
+                            tile_chunk<2>(am, KB * A_TILE, b0, b1, k0, kn, cbuf[(m - m0) / (2 * TM)]);
+                        else
+                            tile_chunk<1>(am, KB * A_TILE, b0, b1, k0, kn, cbuf[(m - m0) / (2 * TM)]);
+                    }
+                }
                 for (int64_t m = m0; m < m1; m += 2 * TM) {
                     const int R = m1 - m > TM ? 2 : 1;
-                    if (R == 2)
-                        tile_block<2>(a + m * Kp, Kp, b0, b1, KB, c);
-                    else
-                        tile_block<1>(a + m * Kp, Kp, b0, b1, KB, c);
+                    float (*c)[TM][TN] = cbuf[(m - m0) / (2 * TM)];
                     for (int r = 0; r < R; r++)
                         for (int j = 0; j < 2; j++) {
                             const int rows = (int)std::min<int64_t>(TM, m1 - m - r * TM);
