@@ -19,13 +19,14 @@ RL workload; wheels of the packages the image lacked last time), about 11 MB (36
   verified them, bench_dtypes in bfloat16 and bench_attention with decode attention's prompt
   blocks kept on vdpbf16ps (the GEMMs on tiles: which attention path is faster there); where
   `prepare --llama` built llama-cpp-python for AVX-512 and AMX, bench_peers on the
-  stand-in's F32 GGUF (llama.cpp F32 and its Q4_1 quantization against batchgen, shortened:
-  smollm2's workload at 64 tokens, the RL shape's 2 prompts at 128); with a GPU,
+  stand-in's F32 GGUF (llama.cpp F32 and its Q4_1 quantization against batchgen, each in a
+  process of its own, shortened: smollm2's workload at 64 tokens, the RL shape's 2 prompts
+  at 128); with a GPU,
   bench_dtypes on it (`--device cuda`, the stand-in on smollm2's workload); profile_step in
   bfloat16 on the RL shape and in float32 on smollm2's; invariance_smollm2 in both dtypes
   natively and limited to AVX2 on two of its runs, and in bfloat16 natively on all eight,
   spread over processes (`--runs`; a run of one sequence takes 75-95 s there);
-  bench_attention (one thread);
+  bench_attention (one thread); bench_gemm (a step's GEMMs alone, on 2 threads and on 1);
 - `$OUT/summary.txt`: the lines that answer the issue (rates, bf16 / float32 ratios, each
   dtype's invariance hashes over every process, the profiles, test counts), and every log
   in `$OUT/logs.tar.gz` (a call brings back 8 files).
@@ -92,6 +93,8 @@ def prepare(folder: Path, llama: bool = False) -> None:
                    check=True)
     if llama:
         _llama_wheel(folder / "llama")
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d",
+                        str(wheels), *LLAMA_DEPS], check=True)
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     peers = "with" if list((folder / "llama").glob("llama_cpp_python-*.whl")) else "without (prepare --llama)"
     print(f"prepared {folder}: {size / 2**20:.1f} MiB ({', '.join(pins)}), {peers} llama-cpp-python")
@@ -102,6 +105,7 @@ def prepare(folder: Path, llama: bool = False) -> None:
 # llama.cpp for an AMX Xeon, built here (no CPU check at build time): AVX-512 with its BF16,
 # VNNI and VBMI, and AMX's tiles for its int8 and bfloat16 products
 LLAMA_VERSION = "0.3.36"
+LLAMA_DEPS = ("diskcache==5.6.3",)  # llama_cpp imports it (the lent image lacked it on 2026-11-27)
 LLAMA_CMAKE = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
                "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=ON "
                "-DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
@@ -222,11 +226,15 @@ def run(folder: Path, out: Path, budget: float) -> None:
                                      "--model", model, "--data", data]),
                  ("vector_attention", me + ["vector", "bench/bench_attention.py", "--reps", "10", "--shapes",
                                              "rl,smollm2"])]
-    if llama:  # the peers on the stand-in's GGUF, shortened
-        peers = ["bench/bench_peers.py", "--model", str(model_dir / "model.gguf"), "--data", data,
-                 "--systems", "batchgen,llama-f32,llama-q4_1", "--workload"]
-        jobs += [("peers_rl", peers + ["rl", "--prompts", "2", "--max-tokens", "128", "--cache-dir", "/tmp/peers_rl"]),
-                 ("peers_smollm2", peers + ["smollm2", "--max-tokens", "64", "--cache-dir", "/tmp/peers_smollm2"])]
+    if llama:  # the peers on the stand-in's GGUF, shortened; Q4_1 in processes of its own (on 2026-11-27
+        # llama.cpp's Q4_1 kernels died of SIGILL on an Emerald Rapids, and took the F32 run's results with them)
+        for peer in ("f32", "q4_1"):
+            peers = ["bench/bench_peers.py", "--model", str(model_dir / "model.gguf"), "--data", data,
+                     "--systems", f"batchgen,llama-{peer}", "--workload"]
+            jobs += [(f"peers_rl_{peer}", peers + ["rl", "--prompts", "2", "--max-tokens", "128", "--cache-dir",
+                                                   f"/tmp/peers_rl_{peer}"]),
+                     (f"peers_smollm2_{peer}", peers + ["smollm2", "--max-tokens", "64", "--cache-dir",
+                                                        f"/tmp/peers_smollm2_{peer}"])]
     if "GPU" in machine:  # nvidia-smi -L: the GPU path on the stand-in (host-bound at this size: one run each)
         jobs.append(("gpu_smollm2", ["bench/bench_dtypes.py", "--device", "cuda", "--model", model, "--workload",
                                      "smollm2", "--dtypes", "float32,bfloat16"]))
@@ -263,7 +271,9 @@ def _jobs(model: str, data: str) -> tuple[list, list]:
     # bfloat16 natively on every run, one process per slow run (max_num_seqs 1 takes 75-95 s on an Emerald Rapids)
     rest += [(f"inv_bf16_{i}", invariance + [runs, "--dtypes", "bfloat16"])
              for i, runs in enumerate(("4", "5", "7", "2", "3", "0,1,6"))]
-    rest.append(("attention", ["bench/bench_attention.py", "--reps", "10"]))
+    rest += [("attention", ["bench/bench_attention.py", "--reps", "10"]),
+             ("gemm_t2", ["bench/bench_gemm.py", "--threads", "2"]),
+             ("gemm_t1", ["bench/bench_gemm.py", "--threads", "1"])]
     return quiet, rest
 
 
@@ -329,7 +339,7 @@ print("bfloat16_is_faster:", bfloat16_is_faster(), flush=True)
 """
 
 _KEEP = re.compile(r"tokens/s|machine:|hash|runs|identical|differ|passed|failed|skipped|error|Error|ms per layer|"
-                   r"ratio|auto|per step|prefill:|peer|llama.cpp:")
+                   r"ratio|auto|per step|prefill:|peer|llama.cpp:|GFLOP/s|GEMMs on")
 # invariance_smollm2's table: dtype, where (native or avx2), max_num_seqs ... hash
 _RUN = re.compile(r"^(float32|bfloat16)\s+(native|avx2)\s+max_num_seqs\s+(\d+).*?\b([0-9a-f]{16})\s", re.M)
 
