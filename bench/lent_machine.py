@@ -26,7 +26,8 @@ RL workload; wheels of the packages the image lacked last time), about 11 MB (36
   bfloat16 on the RL shape and in float32 on smollm2's; invariance_smollm2 in both dtypes
   natively and limited to AVX2 on two of its runs, and in bfloat16 natively on all eight,
   spread over processes (`--runs`; a run of one sequence takes 75-95 s there);
-  bench_attention (one thread); bench_gemm (a step's GEMMs alone, on 2 threads and on 1);
+  bench_attention (one thread); bench_gemm (a step's GEMMs alone, on 2 threads and on 1, and with 30 layers' weights read
+  from memory);
 - `$OUT/summary.txt`: the lines that answer the issue (rates, bf16 / float32 ratios, each
   dtype's invariance hashes over every process, the profiles, test counts), and every log
   in `$OUT/logs.tar.gz` (a call brings back 8 files).
@@ -273,6 +274,7 @@ def _jobs(model: str, data: str) -> tuple[list, list]:
              for i, runs in enumerate(("4", "5", "7", "2", "3", "0,1,6"))]
     rest += [("attention", ["bench/bench_attention.py", "--reps", "10"]),
              ("gemm_t2", ["bench/bench_gemm.py", "--threads", "2"]),
+             ("gemm_t2_cold", ["bench/bench_gemm.py", "--threads", "2", "--layers", "30"]),
              ("gemm_t1", ["bench/bench_gemm.py", "--threads", "1"])]
     return quiet, rest
 

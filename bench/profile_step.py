@@ -32,7 +32,7 @@ SHARED = ROOT.parent / "shared" / "data"
 
 from machine import describe  # noqa: E402  (bench/ is the script's directory)
 
-GEMM = ("batchgen::gemm", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+GEMM = ("batchgen::gemm", "batchgen::gemm_amx", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
 ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "batchgen::decode_attention",
              "batchgen::prefill_attention")
 SAMPLING = ("aten::topk", "aten::sort", "aten::argmax", "aten::log_softmax", "aten::_log_softmax", "aten::logsumexp",
