@@ -55,6 +55,18 @@ def base_kernels(base: Path, like: NativeKernels) -> NativeKernels:
     return NativeKernels(ctypes.CDLL(str(path)), like.isa, path, like.amx_order)
 
 
+def this_and_base(threads: int, base: Path | None) -> tuple[NativeKernels, NativeKernels | None]:
+    """torch's thread count set and the machine line printed: this checkout's kernel library
+    and, with `base`, that checkout's for the same ISA (None without); exits where the
+    compiled kernels are unavailable."""
+    torch.set_num_threads(threads)
+    print(describe())
+    kernels = native_kernels()
+    if kernels is None:
+        sys.exit("the compiled kernels are unavailable here")
+    return kernels, (base_kernels(base.resolve(), kernels) if base else None)
+
+
 def calls(name: str, dtype: torch.dtype, layers: int, threads: int, g: torch.Generator) -> list:
     """One call per layer: (method, its arguments), each layer with arenas of its own."""
     if name in PREFILL:
@@ -109,12 +121,7 @@ def main() -> None:
     ap.add_argument("--base", type=Path, default=None, help="another checkout, timed in alternation with this one")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    print(describe())
-    kernels = native_kernels()
-    if kernels is None:
-        sys.exit("the compiled kernels are unavailable here")
-    base = base_kernels(args.base.resolve(), kernels) if args.base else None
+    kernels, base = this_and_base(args.threads, args.base)
     if base is not None:
         print(f"this: {kernels.path.name}; base ({args.base}): {base.path.name}")
     g = torch.Generator().manual_seed(0)

@@ -34,10 +34,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_attention import base_kernels  # noqa: E402  (bench/ is the script's directory)
-from machine import describe  # noqa: E402
-
-from engine.kernels.native import native_kernels  # noqa: E402
+from bench_attention import this_and_base  # noqa: E402  (bench/ is the script's directory)
 
 # (name, N, K, calls per step): SmolLM2-135M (hidden 576, 9 query and 3 KV heads of 64,
 # intermediate 1536, vocabulary 49,152, 30 layers)
@@ -67,12 +64,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=1, help="weights of each shape, called in turn (read from memory)")
     ap.add_argument("--base", type=Path, default=None, help="another checkout, timed in the same rounds")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    print(describe())
-    kernels = native_kernels()
-    if kernels is None:
-        sys.exit("the compiled kernels are unavailable here")
-    base = base_kernels(args.base.resolve(), kernels) if args.base else None
+    kernels, base = this_and_base(args.threads, args.base)
     path = "AMX tiles" if kernels.amx_order else kernels.isa
     print(f"batchgen bfloat16 GEMMs on {path}; {args.rows} rows, {args.threads} threads, {args.layers} weights "
           "of each shape" +
