@@ -21,13 +21,12 @@ RL workload; wheels of the packages the image lacked last time), about 11 MB (36
   `prepare --llama` built llama-cpp-python for AVX-512 and AMX, bench_peers on the
   stand-in's F32 GGUF (llama.cpp F32 and its Q4_1 quantization against batchgen, each in a
   process of its own, shortened: smollm2's workload at 64 tokens, the RL shape's 2 prompts
-  at 128); with a GPU,
-  bench_dtypes on it (`--device cuda`, the stand-in on smollm2's workload); profile_step in
-  bfloat16 on the RL shape and in float32 on smollm2's; invariance_smollm2 in both dtypes
-  natively and limited to AVX2 on two of its runs, and in bfloat16 natively on all eight,
-  spread over processes (`--runs`; a run of one sequence takes 75-95 s there);
-  bench_attention (one thread); bench_gemm (a step's GEMMs alone, on 2 threads and on 1, and with 30 layers' weights read
-  from memory);
+  at 128); with a GPU, bench_dtypes on it (`--device cuda`, the stand-in on smollm2's
+  workload); profile_step in bfloat16 on the RL shape and in float32 on smollm2's;
+  invariance_smollm2 in both dtypes natively and limited to AVX2 on two of its runs, and in
+  bfloat16 natively on all eight, spread over processes (`--runs`; a run of one sequence
+  takes 75-95 s there); bench_attention (one thread); bench_gemm (a step's GEMMs alone, on
+  2 threads and on 1, and on 2 with 30 layers' weights read from memory);
 - `$OUT/summary.txt`: the lines that answer the issue (rates, bf16 / float32 ratios, each
   dtype's invariance hashes over every process, the profiles, test counts), and every log
   in `$OUT/logs.tar.gz` (a call brings back 8 files).
