@@ -7,6 +7,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 if str(Path(__file__).parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parents[1]))
 
+import ctypes  # noqa: E402
+import functools  # noqa: E402
+import hashlib  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
@@ -17,6 +20,79 @@ from typing import Callable  # noqa: E402
 import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+SIMDE_PRELUDE = Path(__file__).parent / "csrc" / "simde_avx512.h"
+
+
+@functools.lru_cache(maxsize=None)
+def software_avx512_missing() -> str | None:
+    """None where the kernels' AVX-512 code can run in software here (`software_avx512`): a
+    CPU without AVX-512, with AVX2, and SIMDe's headers (Debian's libsimde-dev); else why not."""
+    from engine.kernels.build import supported_isas
+
+    isas = supported_isas()
+    if "avx512" in isas:
+        return "this CPU runs the AVX-512 builds natively"
+    if "avx2" not in isas:
+        return f"no AVX2 build here ({isas})"
+    cxx = os.environ.get("CXX") or "c++"
+    try:
+        r = subprocess.run([cxx, "-x", "c++", "-std=c++17", "-mavx2", "-mfma", "-fsyntax-only", "-include",
+                            str(SIMDE_PRELUDE), "-"], input="", capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"no C++ compiler for the software AVX-512 build ({e})"
+    if r.returncode != 0:
+        return "SIMDe's headers are not installed (Debian: apt install libsimde-dev), so the AVX-512 code is " \
+               "not run on this AVX2-only CPU"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def software_avx512():
+    """The kernel library's AVX-512 code on a CPU without AVX-512, as a NativeKernels of isa
+    "avx512" (`amx_order` None; give one an order for the emulated AMX tiles): the avx2
+    build's compiler flags with tests/csrc/simde_avx512.h included first (SIMDe's software
+    intrinsics, then the __AVX512*__ macros, so every source takes its AVX-512 paths) and
+    BATCHGEN_AMX_EMULATE (gemm_amx.cpp and the attention tiles in software). Compiled once
+    per version of the sources into the kernel cache (about 45 s on 2 cores); the prelude is
+    copied there under its hash, so the cache key follows its contents and not the checkout's
+    path. Skips the calling test where `software_avx512_missing()` says why."""
+    from engine.kernels import build as B
+    from engine.kernels.library import NativeKernels
+
+    why = software_avx512_missing()
+    if why is not None:
+        pytest.skip(why)
+    text = SIMDE_PRELUDE.read_bytes()
+    prelude = B.cache_dir() / f"simde_avx512-{hashlib.sha256(text).hexdigest()[:16]}.h"
+    if not prelude.exists():
+        prelude.parent.mkdir(parents=True, exist_ok=True)
+        tmp = prelude.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(text)
+        tmp.replace(prelude)
+    path = B.build_library("avx2", extra_flags=(f"--include={prelude}", "-DBATCHGEN_AMX_EMULATE"))
+    return NativeKernels(ctypes.CDLL(str(path)), "avx512", path)
+
+
+def every_build() -> list:
+    """The kernel library of each ISA this CPU runs (engine.kernels.native.native_kernels), and,
+    where it runs no AVX-512 one, `software_avx512()` when SIMDe is installed: the builds whose
+    outputs must agree bit for bit."""
+    from engine.kernels.native import native_kernels, supported_isas
+
+    builds = [native_kernels(isa) for isa in supported_isas()]
+    if software_avx512_missing() is None:
+        builds.append(software_avx512())
+    return builds
+
+
+def builds_to_compare() -> str | None:
+    """None where `every_build()` holds two builds or more, else why it does not (a skip reason)."""
+    from engine.kernels.native import supported_isas
+
+    isas = supported_isas()
+    if len(isas) >= 2 or software_avx512_missing() is None:
+        return None
+    return f"this CPU runs only {isas}, and {software_avx512_missing()}"
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import engine.kernels.amx_probe as A
+from conftest import builds_to_compare, every_build, software_avx512, software_avx512_missing
 from engine.kernels.native import native_isa, native_kernels, supported_isas
 
 K = native_kernels()
@@ -117,15 +118,15 @@ def test_every_build_gives_the_bits_an_amx_tile_gave(isa):
     assert n == 500
 
 
-@pytest.mark.skipif(len(ISAS) < 2, reason=f"this CPU runs only {ISAS}: the other builds are compared on "
-                                          "AVX-512 machines")
+@pytest.mark.skipif(builds_to_compare() is not None, reason=str(builds_to_compare()))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_isa_gives_the_same_bits(dtype):
-    """The avx2, avx512 and avx512_bf16 builds (whichever this CPU runs) agree bit for bit,
-    on shapes that exercise every tile size and the partial last panel, denormals and
+    """The avx2, avx512 and avx512_bf16 builds (whichever this CPU runs; on a CPU without
+    AVX-512, the AVX-512 code in software: conftest.software_avx512) agree bit for bit, on
+    shapes that exercise every tile size and the partial last panel, denormals and
     infinities included (bfloat16: vdpbf16ps flushes denormals; the emulation must too)."""
     g = torch.Generator().manual_seed(7)
-    kernels = {isa: native_kernels(isa) for isa in ISAS}
+    kernels = {f"{k.isa} {k.path.name}": k for k in every_build()}
     for M, K_, N in SHAPES + [(64, 128, 97), (17, 2048, 33)]:
         x = torch.randn(M, K_, generator=g)
         w = torch.randn(N, K_, generator=g)
@@ -135,7 +136,7 @@ def test_every_isa_gives_the_same_bits(dtype):
         x, w = x.to(dtype), w.to(dtype)
         b = torch.randn(N, generator=g)
         outs = {isa: run(k, x, w, b) for isa, k in kernels.items()}
-        first = outs[ISAS[0]]
+        first = next(iter(outs.values()))
         for isa, y in outs.items():
             assert torch.equal(y.nan_to_num(7.0), first.nan_to_num(7.0)), (isa, M, K_, N)
 
@@ -380,14 +381,23 @@ def emulated_amx():
     return path, ctypes.CDLL(str(path))
 
 
-def test_emulated_amx_kernel_gives_the_chains_bits(emulated_amx):
+def test_emulated_amx_kernel_gives_the_chains_bits():
     """Everything of the AMX path but the instructions: tiles computed as the hardware does
     (the SDM's partial sums) give the avx512_bf16 build's bits with either pair packing at
     every tail of rows (16, 32, 256-row blocks), columns (16, 32), K (32) and K's chunks (the
     C tiles kept in memory between chunks of 256: 520 is 8 + 8 + 1 blocks), on 1-3 threads,
-    from strided, float32 or bfloat16 rows, to float32 or bfloat16, with or without bias."""
-    path, lib = emulated_amx
-    ref = native_kernels("avx512_bf16")
+    from strided, float32 or bfloat16 rows, to float32 or bfloat16, with or without bias.
+    On a CPU without AVX-512 BF16 the same kernel runs in the software AVX-512 build
+    (conftest.software_avx512), against this CPU's native build."""
+    if BF16_NATIVE:
+        path = B.build_library("avx512_bf16", extra_flags=("-DBATCHGEN_AMX_EMULATE",))
+        lib, ref = ctypes.CDLL(str(path)), native_kernels("avx512_bf16")
+    elif software_avx512_missing() is None:
+        soft = software_avx512()
+        path, lib, ref = soft.path, ctypes.CDLL(str(soft.path)), native_kernels()
+    else:
+        pytest.skip(f"the emulated AMX build is an avx512_bf16 one; this CPU runs {ISAS}, and "
+                    f"{software_avx512_missing()}")
     amx = {o: N.NativeKernels(lib, "amx", path, o) for o in A.AMX_ORDERS}
     assert amx["swapped"].amx_emulated
     g = torch.Generator().manual_seed(11)

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import builds_to_compare, every_build
 from engine.kernels.native import native_kernels, supported_isas
 from engine.models.layers import apply_rotary, rms_norm
 
@@ -99,13 +100,13 @@ def test_every_kernel_source_ships_with_the_package():
         assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not in package-data"
 
 
-@pytest.mark.skipif(len(supported_isas()) < 2, reason=f"this CPU runs only {supported_isas()}: the other builds "
-                                                       "are compared on AVX-512 machines")
+@pytest.mark.skipif(builds_to_compare() is not None, reason=str(builds_to_compare()))
 def test_every_isa_gives_the_same_bits():
     """The avx2 build (8 lanes) and the AVX-512 builds (16 lanes elementwise, 8-lane sums of
-    squares) agree bit for bit on every operation, partial last vectors included; so do the
-    sampler's top-k and logsumexp."""
-    builds = [native_kernels(isa) for isa in supported_isas()]
+    squares; on a CPU without AVX-512, in software: conftest.software_avx512) agree bit for
+    bit on every operation, partial last vectors included; so do the sampler's top-k and
+    logsumexp."""
+    builds = every_build()
     for width in (576, 100, 13, 3):
         x, y, w = _rows(20, width, 0), _rows(20, width, 1), _rows(1, width, 2)[0]
         outs = [torch.cat(k.add_rms_norm(x, y, w, 1e-5, 2), 1) for k in builds]

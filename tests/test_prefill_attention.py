@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from conftest import builds_to_compare, every_build, software_avx512, software_avx512_missing
 from engine.kernels.native import native_kernels, supported_isas
 
 K = native_kernels()
@@ -163,41 +164,46 @@ def test_decode_rows_depend_on_their_own_runs_only(D, dtype):
     assert torch.equal(groups, shared)
 
 
-@pytest.mark.skipif(len(supported_isas()) < 2, reason=f"this CPU runs only {supported_isas()}: the other builds "
-                                                       "are compared on AVX-512 machines")
+@pytest.mark.skipif(builds_to_compare() is not None, reason=str(builds_to_compare()))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [8, 24, 64, 80])
 def test_every_isa_gives_the_same_bits(dtype, D):
     """Prefill and decode attention of the avx2 build (16-lane partial sums in two 8-lane
-    registers, the softmax step on 8-lane vectors) and the AVX-512 builds (16 lanes), head
-    sizes with and without a half chunk; decode's prompt blocks whole and short (28, 13 and
-    16 keys: more and fewer valid keys than a 16-lane vector holds)."""
+    registers, the softmax step on 8-lane vectors) and the AVX-512 builds (16 lanes; on a
+    CPU without AVX-512, in software: conftest.software_avx512), head sizes with and without
+    a half chunk; decode's prompt blocks whole and short (28, 13 and 16 keys: more and fewer
+    valid keys than a 16-lane vector holds)."""
     q, kc, vc, starts, lens = batch([77, 3, 40], 9, 3, D, seed=9, dtype=dtype)
-    outs = [run(native_kernels(isa), q, kc, vc, starts, lens, 30) for isa in supported_isas()]
+    builds = every_build()
+    outs = [run(k, q, kc, vc, starts, lens, 30) for k in builds]
     assert all(torch.equal(o, outs[0]) for o in outs)
     s0, s1, s2 = (int(x) for x in starts)
     seg = torch.tensor([[s0, 60, s2, 40], [s0, 60, s1, 3], [s0 + 2, 45, s2, 17], [s0 + 1, 16, s1, 2]])
     qd = torch.cat([q[:, 0], q[:1, 1]])
-    decodes = [native_kernels(isa).decode_attention(qd, kc, vc, seg, torch.tensor([0, 2, 3, 4]), torch.arange(4), 2)
-               for isa in supported_isas()]
+    decodes = [k.decode_attention(qd, kc, vc, seg, torch.tensor([0, 2, 3, 4]), torch.arange(4), 2) for k in builds]
     assert all(torch.equal(o, decodes[0]) for o in decodes)
 
 
 def test_prompt_blocks_on_emulated_amx_tiles_give_the_same_bits():
     """Decode attention over a bfloat16 arena's prompt blocks on AMX tiles (the
     BATCHGEN_AMX_EMULATE build: tile instructions computed as the hardware computes them)
-    gives the avx512_bf16 build's bits: whole and short blocks, head sizes with and without
+    gives the avx512_bf16 build's bits (on a CPU without AVX-512 BF16, the software AVX-512
+    build's tiles give the native build's): whole and short blocks, head sizes with and without
     a partial block of 32, groups of 1 to 20 rows (query tiles full and partial), 1 or 2
     threads; and with `attention_tiles` off, the same. On an AMX machine the tiles run in
     tests/test_gemm.py::test_engine_in_bfloat16_is_the_same_bits_on_amx."""
     import ctypes
 
     from engine.kernels import build as B, native as N
-    if "avx512_bf16" not in supported_isas():
-        pytest.skip(f"the emulated AMX build is an avx512_bf16 one; this CPU runs {supported_isas()}")
-    path = B.build_library("avx512_bf16", extra_flags=("-DBATCHGEN_AMX_EMULATE",))
+    if "avx512_bf16" in supported_isas():
+        path = B.build_library("avx512_bf16", extra_flags=("-DBATCHGEN_AMX_EMULATE",))
+        ref = native_kernels("avx512_bf16")
+    elif software_avx512_missing() is None:  # the AVX-512 code in software (avx2 flags): the tiles' logic all the same
+        path, ref = software_avx512().path, native_kernels()
+    else:
+        pytest.skip(f"the emulated AMX build is an avx512_bf16 one; this CPU runs {supported_isas()}, and "
+                    f"{software_avx512_missing()}")
     tiles = N.NativeKernels(ctypes.CDLL(str(path)), "amx", path, "swapped")
-    ref = native_kernels("avx512_bf16")
     for D, sizes, plen in [(64, [16, 1, 3], 77), (24, [5, 20], 64), (80, [2, 7], 33), (128, [4], 32)]:
         B_ = sum(sizes)
         q, kc, vc = bf16_arena(B_, 9, 3, D, 600 + 40 * B_, seed=D)
