@@ -85,23 +85,22 @@ static inline simde__m256i bg_maskz_loadu_epi16_256(simde__mmask16 k, const void
 }
 // SIMDe 0.7.4 computes these as a * b + c, rounded twice: the kernels' sums are fused
 // multiply-adds (one rounding), so each 256-bit half goes through the real vfmadd (-mfma)
-static inline simde__m512 bg_fmadd_ps(simde__m512 a, simde__m512 b, simde__m512 c) {
+// f on each 256-bit half of a, b and c
+template <class F>
+static inline simde__m512 bg_by_halves(simde__m512 a, simde__m512 b, simde__m512 c, F f) {
     float x[16], y[16], z[16];
     simde_mm512_storeu_ps(x, a);
     simde_mm512_storeu_ps(y, b);
     simde_mm512_storeu_ps(z, c);
     for (int h = 0; h < 16; h += 8)
-        _mm256_storeu_ps(z + h, _mm256_fmadd_ps(_mm256_loadu_ps(x + h), _mm256_loadu_ps(y + h), _mm256_loadu_ps(z + h)));
+        _mm256_storeu_ps(z + h, f(_mm256_loadu_ps(x + h), _mm256_loadu_ps(y + h), _mm256_loadu_ps(z + h)));
     return simde_mm512_loadu_ps(z);
 }
+static inline simde__m512 bg_fmadd_ps(simde__m512 a, simde__m512 b, simde__m512 c) {
+    return bg_by_halves(a, b, c, [](__m256 x, __m256 y, __m256 z) { return _mm256_fmadd_ps(x, y, z); });
+}
 static inline simde__m512 bg_fnmadd_ps(simde__m512 a, simde__m512 b, simde__m512 c) {  // -(a b) + c
-    float x[16], y[16], z[16];
-    simde_mm512_storeu_ps(x, a);
-    simde_mm512_storeu_ps(y, b);
-    simde_mm512_storeu_ps(z, c);
-    for (int h = 0; h < 16; h += 8)
-        _mm256_storeu_ps(z + h, _mm256_fnmadd_ps(_mm256_loadu_ps(x + h), _mm256_loadu_ps(y + h), _mm256_loadu_ps(z + h)));
-    return simde_mm512_loadu_ps(z);
+    return bg_by_halves(a, b, c, [](__m256 x, __m256 y, __m256 z) { return _mm256_fnmadd_ps(x, y, z); });
 }
 // SIMDe 0.7.4 misreads the immediate (_MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC floored to
 // halves): rounding to an integer (scale 0, the only one the kernels use) by the real vroundps
