@@ -291,7 +291,7 @@ def _schedule(quiet: list, jobs: list, out: Path, env: dict, deadline: float, st
     running = {subprocess.Popen(cmd, cwd=ROOT, env=test_env, stdout=(out / "pytest.log").open("w"),
                                 stderr=subprocess.STDOUT).pid: ("pytest", None)}
     queue, free, names = list(quiet), list(sets), ["pytest"]
-    first = len(quiet)  # quiet jobs still running or queued
+    first, quiet_names = len(quiet), {n for n, _ in quiet}  # quiet jobs still running or queued
     while True:
         if first == 0 and jobs:  # the first phase is over
             queue += jobs
@@ -314,7 +314,7 @@ def _schedule(quiet: list, jobs: list, out: Path, env: dict, deadline: float, st
         print(f"{name}: exit {os.waitstatus_to_exitcode(status)} at {time.time() - start:.0f} s", flush=True)
         if cpus is not None:
             free.append(cpus)
-            first -= name in {n for n, _ in quiet}
+            first -= name in quiet_names
     for name, _ in queue + jobs:
         print(f"{name}: not started (no time left)", flush=True)
     return names

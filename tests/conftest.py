@@ -73,6 +73,23 @@ def software_avx512():
     return NativeKernels(ctypes.CDLL(str(path)), "avx512", path)
 
 
+def emulated_amx_build() -> tuple:
+    """(path, ref): a kernel library with the AMX tiles computed in software
+    (BATCHGEN_AMX_EMULATE) and the build whose bits its tiles must give: the avx512_bf16 build
+    with the emulation against avx512_bf16 on a CPU with AVX-512 BF16, else
+    `software_avx512()` against this CPU's native build. Skips the calling test where neither
+    runs here."""
+    from engine.kernels.build import build_library
+    from engine.kernels.native import native_kernels, supported_isas
+
+    if "avx512_bf16" in supported_isas():
+        return build_library("avx512_bf16", extra_flags=("-DBATCHGEN_AMX_EMULATE",)), native_kernels("avx512_bf16")
+    if software_avx512_missing() is None:
+        return software_avx512().path, native_kernels()
+    pytest.skip(f"the emulated AMX build is an avx512_bf16 one; this CPU runs {supported_isas()}, and "
+                f"{software_avx512_missing()}")
+
+
 def every_build() -> list:
     """The kernel library of each ISA this CPU runs (engine.kernels.native.native_kernels), and,
     where it runs no AVX-512 one, `software_avx512()` when SIMDe is installed: the builds whose

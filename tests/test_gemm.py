@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import engine.kernels.amx_probe as A
-from conftest import builds_to_compare, every_build, software_avx512, software_avx512_missing
+from conftest import builds_to_compare, emulated_amx_build, every_build
 from engine.kernels.native import native_isa, native_kernels, supported_isas
 
 K = native_kernels()
@@ -389,15 +389,8 @@ def test_emulated_amx_kernel_gives_the_chains_bits():
     from strided, float32 or bfloat16 rows, to float32 or bfloat16, with or without bias.
     On a CPU without AVX-512 BF16 the same kernel runs in the software AVX-512 build
     (conftest.software_avx512), against this CPU's native build."""
-    if BF16_NATIVE:
-        path = B.build_library("avx512_bf16", extra_flags=("-DBATCHGEN_AMX_EMULATE",))
-        lib, ref = ctypes.CDLL(str(path)), native_kernels("avx512_bf16")
-    elif software_avx512_missing() is None:
-        soft = software_avx512()
-        path, lib, ref = soft.path, ctypes.CDLL(str(soft.path)), native_kernels()
-    else:
-        pytest.skip(f"the emulated AMX build is an avx512_bf16 one; this CPU runs {ISAS}, and "
-                    f"{software_avx512_missing()}")
+    path, ref = emulated_amx_build()
+    lib = ctypes.CDLL(str(path))
     amx = {o: N.NativeKernels(lib, "amx", path, o) for o in A.AMX_ORDERS}
     assert amx["swapped"].amx_emulated
     g = torch.Generator().manual_seed(11)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import builds_to_compare, every_build
-from engine.kernels.native import native_kernels, supported_isas
+from engine.kernels.native import native_kernels
 from engine.models.layers import apply_rotary, rms_norm
 
 K = native_kernels()

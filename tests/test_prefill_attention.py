@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 
-from conftest import builds_to_compare, every_build, software_avx512, software_avx512_missing
-from engine.kernels.native import native_kernels, supported_isas
+from conftest import builds_to_compare, emulated_amx_build, every_build
+from engine.kernels.native import native_kernels
 
 K = native_kernels()
 pytestmark = [pytest.mark.invariance,
@@ -194,15 +194,8 @@ def test_prompt_blocks_on_emulated_amx_tiles_give_the_same_bits():
     tests/test_gemm.py::test_engine_in_bfloat16_is_the_same_bits_on_amx."""
     import ctypes
 
-    from engine.kernels import build as B, native as N
-    if "avx512_bf16" in supported_isas():
-        path = B.build_library("avx512_bf16", extra_flags=("-DBATCHGEN_AMX_EMULATE",))
-        ref = native_kernels("avx512_bf16")
-    elif software_avx512_missing() is None:  # the AVX-512 code in software (avx2 flags): the tiles' logic all the same
-        path, ref = software_avx512().path, native_kernels()
-    else:
-        pytest.skip(f"the emulated AMX build is an avx512_bf16 one; this CPU runs {supported_isas()}, and "
-                    f"{software_avx512_missing()}")
+    from engine.kernels import native as N
+    path, ref = emulated_amx_build()
     tiles = N.NativeKernels(ctypes.CDLL(str(path)), "amx", path, "swapped")
     for D, sizes, plen in [(64, [16, 1, 3], 77), (24, [5, 20], 64), (80, [2, 7], 33), (128, [4], 32)]:
         B_ = sum(sizes)
