@@ -68,5 +68,25 @@ def run_job(config: str | Path | Mapping[str, Any] | Any, overrides: Iterable[st
     od = OutputDir(spec.output.path)
     summary = od.status()["summary"] or {}
     files = [f"{od.base.rstrip('/')}/{part_name(i)}" for i in sorted(od.committed_units())]
-    dataset = pads.dataset(files, filesystem=od.fs, format="parquet")
+    schema = None
+    if not files:
+        # a job of zero prompts has no part file to take the schema from: give the dataset the
+        # one every part file would have (the manifest's output_schema), so that to_table()
+        # has the output's columns, not none
+        schema = _empty_output_schema(spec, od)
+    dataset = pads.dataset(files, schema=schema, filesystem=od.fs, format="parquet")
     return JobResult(output_path=od.path, summary=summary, dataset=dataset)
+
+
+def _empty_output_schema(spec: Any, od: Any) -> Any:
+    """The Arrow schema of the output of a job without part files: the manifest's
+    output_schema. The manifest holds types as text, so the passthrough columns' types come
+    from the input again (a scan reads footers), as the task's schema does."""
+    from jobs.inputs import reader_for
+    from jobs.outputs.schema import output_schema
+
+    plain = output_schema()
+    names = [name for name, _ in (od.manifest_or_none() or {}).get("output_schema", [])]
+    if names == plain.names:  # no passthrough columns: no need to scan the input again
+        return plain
+    return output_schema(reader_for(spec).scan(spec).passthrough_fields)

@@ -97,7 +97,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="fixed KV buffers of N positions written in place (one graph for every position)")
     ex.add_argument("--verify", action="store_true",
                     help="greedy loop in the artifact against the engine before the directory is created")
-    ex.add_argument("--max-tokens", type=int, default=32, metavar="N", help="tokens the verification generates")
+    ex.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                    help="tokens the verification generates per prompt (default 32, fewer where the model's "
+                         "context is shorter than the longest prompt, 21, plus 32; more than it holds: exit 2)")
     return p
 
 
@@ -114,17 +116,18 @@ def batch_spec(input_path: str, output: str, *, model: str | None = None, config
     """The JobSpec `batchgen run-batch` runs: the config's keys (if any), --model, the --set
     overrides, then input.path = the batch file, input.format = openai_batch and output.path =
     `output_dir` (default batch_output_dir(output)). Raises SpecError naming the key."""
-    from jobs.config import apply_override, load_spec
+    import copy
+
+    from jobs.config import apply_override, read_config
     from jobs.spec import JobSpec
 
     source = config or "run-batch"
     data: dict[str, Any] = {}
     if config:
-        import yaml
-
-        load_spec(config)  # the config's own errors first, naming its keys
-        with open(config, encoding="utf-8") as f:  # the keys it sets (unset ones keep openai_batch's defaults)
-            data = {k: dict(v or {}) for k, v in (yaml.safe_load(f) or {}).items()}
+        # the keys it sets, read as `load_spec` reads them (`tools: [...]` included); unset ones
+        # keep openai_batch's defaults
+        data = read_config(config)
+        JobSpec.from_dict(copy.deepcopy(data), source)  # the config's own errors first, naming its keys
     if model is not None:
         data.setdefault("model", {})["path"] = model
     for ov in overrides:

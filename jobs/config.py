@@ -10,6 +10,7 @@ code 2) naming the file and the dotted key.
 from __future__ import annotations
 
 import copy
+import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -39,12 +40,18 @@ def apply_override(data: dict[str, Any], override: str, source: str = "--set") -
     fields = sections[section].model_fields
     if name not in fields:
         raise SpecError(f"--set {override!r}: unknown key {key} (keys of {section}: {', '.join(fields)})")
+    is_str = fields[name].annotation in (str, str | None)
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         raise SpecError(f"--set {override!r}: {key}: value is not valid YAML: {e}") from None
-    if isinstance(value, (int, float, bool)) and fields[name].annotation in (str, str | None):
-        value = raw.strip()  # `--set output.path=2024` means the string
+    except (ValueError, TypeError) as e:
+        # YAML resolved a scalar to a type it then cannot build: an impossible date, 2026-02-30
+        if not is_str:
+            raise SpecError(f"--set {override!r}: {key}: cannot read the value {raw.strip()!r}: {e}") from None
+        value = raw.strip()
+    if isinstance(value, (int, float, bool, datetime.date)) and is_str:
+        value = raw.strip()  # `--set output.path=2024` (or 2024-01-01) means the string
     sec = data.get(section)
     if sec is None:
         sec = data[section] = {}
@@ -53,14 +60,13 @@ def apply_override(data: dict[str, Any], override: str, source: str = "--set") -
     sec[name] = value
 
 
-def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
-    """Read, override and validate a job config.
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The sections of the YAML file `path` as given (no defaults filled in; `tools: [...]`
+    becomes `tools: {functions: [...]}`, an empty section {}), unvalidated past that.
 
-    path: the YAML file. overrides: "section.key=value" strings (the CLI's --set), applied
-    in order after reading. Nothing is checked on disk except the file itself (inputs are
-    checked by jobs.plan.planner.plan_job). Raises SpecError (exit code 2) for a missing or
-    unreadable file, invalid YAML (with line and column), an unknown key or a bad value;
-    the message names the file and the dotted key.
+    Raises SpecError (exit code 2) for a missing or unreadable file, invalid YAML (with
+    line and column), a value YAML cannot build (an impossible date: with its key and line),
+    something else than a mapping of sections, or an unknown section.
     """
     source = str(path)
     try:
@@ -78,6 +84,61 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e)
         raise SpecError(f"{source}: invalid YAML{where}: {problem}") from None
+    except (ValueError, TypeError) as e:
+        # not YAMLError: the text parses, but a scalar resolves to a type that cannot hold it
+        # (unquoted `chat_template_date: 2026-02-30` is a timestamp, and no such day exists)
+        raise SpecError(f"{source}: {_unbuildable_value(text, e)}") from None
+    return normalise_sections(data, source)
+
+
+def _unbuildable_value(text: str, error: Exception) -> str:
+    """The message for a value yaml.safe_load could not build (ValueError/TypeError, which
+    carry no position): the first scalar that fails again on its own, named by its dotted
+    key path, line and column; else the error alone."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        root = None
+    builder = yaml.SafeLoader("")
+
+    def fails(node: yaml.Node) -> bool:
+        try:
+            builder.construct_object(node, deep=True)
+        except (ValueError, TypeError, yaml.YAMLError):
+            return True
+        return False
+
+    def walk(node: yaml.Node | None, path: list[str]) -> tuple[list[str], yaml.Node] | None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                name = k.value if isinstance(k, yaml.ScalarNode) else "?"
+                if isinstance(k, yaml.ScalarNode) and fails(k):
+                    return path + [name], k
+                found = walk(v, path + [name])
+                if found:
+                    return found
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                found = walk(v, path + [str(i)])
+                if found:
+                    return found
+        elif isinstance(node, yaml.ScalarNode) and fails(node):
+            return path, node
+        return None
+
+    found = walk(root, [])
+    if found is None:
+        return f"invalid value: {error}"
+    path, node = found
+    mark = node.start_mark
+    return (f"{'.'.join(path) or '<top>'}: cannot read {node.value!r} at line {mark.line + 1}, column "
+            f"{mark.column + 1}: {error} (quote it to give a string)")
+
+
+def normalise_sections(data: Any, source: str) -> dict[str, Any]:
+    """`data` (a parsed config; changed in place) with `tools: [...]` as `tools: {functions:
+    [...]}` and an empty section as {}; SpecError for something else than a mapping of
+    known sections, each a mapping."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -92,39 +153,57 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
             raise SpecError(f"{source}: {key}: must be a mapping, got {value!r}")
         if value is None:
             data[key] = {}
+    return data
+
+
+def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
+    """Read, override and validate a job config.
+
+    path: the YAML file. overrides: "section.key=value" strings (the CLI's --set), applied
+    in order after reading. Nothing is checked on disk except the file itself (inputs are
+    checked by jobs.plan.planner.plan_job). Raises SpecError (exit code 2) for a missing or
+    unreadable file, invalid YAML (with line and column), an unknown key or a bad value;
+    the message names the file and the dotted key.
+    """
+    data = read_config(path)
     for ov in overrides:
-        apply_override(data, ov, source)
-    return JobSpec.from_dict(data, source)
+        apply_override(data, ov, str(path))
+    return JobSpec.from_dict(data, str(path))
 
 
 def load_job_spec(config: str | Path | Mapping[str, Any] | Any,
                   overrides: Iterable[str] | Mapping[str, Any] = ()) -> JobSpec:
     """A validated JobSpec from a YAML path, a dict of sections or a JobSpec, with overrides:
     "section.key=value" strings (values parsed as YAML, as `--set`), or a mapping
-    {"section.key": value} (values used as given). Raises SpecError naming the key."""
+    {"section.key": value} (values used as given). Raises SpecError naming the key.
+
+    The overrides apply to the keys the config gives (a JobSpec's given_dict: no defaults
+    filled in), then everything is validated once, so a default that follows another key
+    (input.column, openai_batch's sampling defaults) follows the overridden value, whichever
+    form the overrides take. A JobSpec's Python tools (with_python_tools) are kept."""
     if isinstance(overrides, Mapping):
         sets: list[tuple[str, Any]] = list(overrides.items())
         strings: list[str] = []
     else:
         sets, strings = [], list(overrides)
+    python_tools: list = []
     if isinstance(config, (str, Path)):
-        spec = load_spec(config, strings)
-        if not sets:
-            return spec
-        data, source = spec.to_dict(), spec.source
+        data, source = read_config(config), str(config)
     elif isinstance(config, JobSpec):
-        data, source = config.to_dict(), config.source
-        for ov in strings:
-            apply_override(data, ov, source)
+        data, source = config.given_dict(), config.source
+        python_tools = list(config._python_tools)  # objects, not config keys: not in any dump
     elif isinstance(config, Mapping):
         data, source = copy.deepcopy(dict(config)), "<dict>"
-        for ov in strings:
-            apply_override(data, ov, source)
+        data = normalise_sections(data, source)
     else:
         raise SpecError(f"run_job: config must be a YAML path, a dict or a JobSpec, got {type(config).__name__}")
+    for ov in strings:
+        apply_override(data, ov, source)
     for key, value in sets:
         _set(data, key, value, source)
-    return JobSpec.from_dict(data, source)
+    spec = JobSpec.from_dict(data, source)
+    # with_python_tools checks their names again, against the tools.functions overrides may have set
+    return spec.with_python_tools(python_tools) if python_tools else spec
 
 
 def _set(data: dict[str, Any], key: str, value: Any, source: str) -> None:

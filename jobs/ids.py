@@ -1,7 +1,8 @@
 """Finding duplicate keys across many Parquet files in bounded memory.
 
 Keeping every id of a 10-million-prompt job in a Python dict takes gigabytes. Instead:
-1. every key becomes one 64-bit number: integer ids are their own key, strings their
+1. every key becomes one 64-bit number: integer ids are their own key (uint64 ids their
+   bits read as int64: one-to-one, so distinct ids keep distinct keys), strings their
    Python hash (stable within this process), so 10 million keys are 80 MB of numpy;
 2. the numbers are sorted; equal neighbours are candidate duplicates (real duplicates, or
    one hash collision in about 2^64 / n^2);
@@ -28,7 +29,11 @@ def _keys(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         arr = arr.drop_null()
     else:
         valid = None
-    if pa.types.is_integer(arr.type):
+    if pa.types.is_uint64(arr.type):
+        # values above 2**63 - 1 do not cast to int64; the same 64 bits read as int64 are a
+        # one-to-one key (the keys only find candidates, which are then compared by value)
+        keys = arr.to_numpy(zero_copy_only=False).view(np.int64)
+    elif pa.types.is_integer(arr.type):
         keys = arr.cast(pa.int64()).to_numpy(zero_copy_only=False)
     else:
         keys = np.fromiter(map(hash, arr.to_pylist()), dtype=np.int64, count=len(arr))

@@ -81,7 +81,10 @@ class PoolTask(JobTask):
 
     def __init__(self, spec: JobSpec):
         super().__init__(spec, JobPlan(units=[], files=[], fingerprint="", num_prompts=0))
-        self.spec_data = spec.to_dict()
+        # the keys the config gave, not a dump with defaults filled in: validated again (a
+        # call's sampling overrides), a filled-in default would count as given (an openai_batch
+        # config refuses the input.column its dump holds)
+        self.spec_data = spec.given_dict()
         self.source = spec.source
 
     # ------------------------------------------------------------ driver side

@@ -148,6 +148,9 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
     plan = plan_job(spec, hash_cache=cache)
     check_local_gpus(spec)
     out.ensure_writable()
+    if not overwrite and not out.has_manifest():
+        # before the lease: a directory run refuses (prepare's check) keeps no _batchgen/ of ours
+        out.check_no_unrelated_files()
     lease = OutputLease(out, plan.fingerprint, spec.output.lease_timeout_s)
     lease.acquire()
     try:

@@ -27,8 +27,9 @@ Paths:
   A checkpoint path must be readable by every worker at that path. An object store URI
   (s3://...) is refused: workers load checkpoints from a filesystem.
 
-The device is resolved here, on the driver, so that the fingerprint names what the workers
-will run: `model.device: auto` is "cuda" when `cluster.gpus_per_worker` > 0, else "cpu" (Ray
+`model.device` is auto, cpu, cuda or cuda:N (anything else is refused here). The device is
+resolved here, on the driver, so that the fingerprint names what the workers will run:
+`model.device: auto` is "cuda" when `cluster.gpus_per_worker` > 0, else "cpu" (Ray
 does not hide GPUs from CPU actors). `model.dtype: auto` is resolved by each worker for its
 own machine (engine/loading/checkpoint.py: bfloat16 on a GPU with native support, compute capability
 8.0 and up, and on a CPU whose compiled GEMM has AVX-512 BF16 and measures faster in it;
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -120,6 +122,27 @@ def _local_path(v: str | None) -> str | None:
     return v
 
 
+# What engine.load_engine takes (engine/loading/checkpoint.py resolve_device: "auto" or a
+# torch.device string); the kinds a worker can run on: cpu and cuda, cuda:N for one GPU.
+DEVICE_RE = re.compile(r"auto|cpu|cuda(:(0|[1-9][0-9]*))?")
+
+
+def device_problem(device: Any) -> str | None:
+    """Why `device` is not a model.device value (None when it is one)."""
+    if isinstance(device, str) and DEVICE_RE.fullmatch(device):
+        return None
+    return f"must be auto, cpu, cuda or cuda:N (N: a GPU index), got {device!r}"
+
+
+def _fill_default(model: BaseModel, name: str, value: Any) -> None:
+    """Set a default that depends on another key without marking `name` as given: pydantic
+    counts every assignment in model_fields_set, and JobSpec.given_dict (what load_job_spec
+    re-validates with overrides) must hold only what the config gave, so that such a default
+    follows a new value of the key it depends on (input.column after input.format changes)."""
+    model.__dict__[name] = value
+    model.__pydantic_fields_set__.discard(name)
+
+
 DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16"}
 
@@ -143,6 +166,16 @@ class ModelSpec(_Section):
     @classmethod
     def _paths(cls, v: str | None) -> str | None:
         return _local_path(v)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        # refused here, before any work: a worker would otherwise fail in torch.device after
+        # the output directory was written
+        why = device_problem(v)
+        if why is not None:
+            raise ValueError(why)
+        return v
 
     @field_validator("max_seq_len")
     @classmethod
@@ -203,7 +236,7 @@ class InputSpec(_Section):
             if self.passthrough:
                 raise ValueError("passthrough is not used with format openai_batch")
         if self.column is None:
-            self.column = DEFAULT_COLUMNS[self.format]
+            _fill_default(self, "column", DEFAULT_COLUMNS[self.format])
         return self
 
 
@@ -353,7 +386,7 @@ class JobSpec(_Section):
         if self.input.format == "openai_batch":
             for key, value in (("num_samples", 1), ("top_k", 0), ("max_tokens", None)):
                 if key not in self.sampling.model_fields_set:
-                    setattr(self.sampling, key, value)
+                    _fill_default(self.sampling, key, value)
         return self
 
     @classmethod
@@ -435,6 +468,14 @@ class JobSpec(_Section):
     def to_dict(self) -> dict[str, Any]:
         """The config as a plain dict (YAML/JSON-able), without `source`."""
         return self.model_dump(mode="json", exclude={"source"})
+
+    def given_dict(self) -> dict[str, Any]:
+        """Only the keys the config gave (and overrides set), as a plain dict without `source`
+        or the Python tools: what jobs.config.load_job_spec validates again with new
+        overrides. Unlike to_dict it holds no filled-in defaults, which validation would
+        otherwise take as given (openai_batch refuses an input.column; a default column or
+        OpenAI's sampling defaults would not follow a new input.format)."""
+        return self.model_dump(mode="json", exclude_unset=True, exclude={"source"})
 
     def fingerprint_dict(self) -> dict[str, Any]:
         """The part of the spec that decides the generated rows (jobs/plan/fingerprint.py adds the input files).

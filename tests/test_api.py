@@ -111,3 +111,28 @@ def test_readers_load_the_output_without_conversion(job, tmp_path, monkeypatch):
     assert [(r["prompt_id"], r["sample_index"], r["tokens"], r["mask"], r["stop_reason"]) for r in hf] == \
         [(w["prompt_id"], w["sample_index"], w["tokens"], w["mask"], w["stop_reason"]) for w in want]
     assert [r["logprobs"] for r in hf] == [pytest.approx(w["logprobs"]) for w in want]
+
+
+@pytest.mark.parametrize("passthrough", [[], ["answer"]])
+def test_a_zero_row_job_returns_the_output_schema(tmp_path, passthrough, monkeypatch):
+    """A job whose input has no rows (no units, so no part file) returns a dataset with the
+    output's columns and types, passthrough columns included, as its manifest records
+    them (it had no columns at all). No unit runs, so Ray is never started."""
+    import jobs.runner
+    from jobs import run_job
+    from jobs.outputs.output_dir import OutputDir
+    from jobs.outputs.schema import output_schema, type_str
+
+    monkeypatch.setattr(jobs.runner, "connect_ray", lambda spec: pytest.fail("Ray started for a job of no units"))
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.int64())}),
+                   tmp_path / "in.parquet")
+    result = run_job({"model": {"path": "tiny-random"}, "input": {"path": str(tmp_path / "in.parquet"),
+                                                                  "passthrough": passthrough},
+                      "output": {"path": str(tmp_path / "out")}})
+    table = result.to_table()
+    want = output_schema([pa.field("answer", pa.int64())] if passthrough else [])
+    assert table.num_rows == 0 and result.summary["samples"] == 0
+    assert table.schema == want
+    manifest = OutputDir(str(tmp_path / "out")).read_manifest()
+    assert [[f.name, type_str(f.type)] for f in table.schema] == manifest["output_schema"]
+    assert result.to_table(["prompt_id", "tokens"]).column_names == ["prompt_id", "tokens"]

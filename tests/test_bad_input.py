@@ -160,6 +160,14 @@ def setup_case(tmp_path: Path, case: str) -> tuple[str, type, list[str]]:
         cfg["output"]["path"] = str(tmp_path / "afile" / "out")
         out = tmp_path / "afile" / "out"
         frag, err = ["output.path", "cannot create directory"], OutputError
+    elif case == "output_is_input_directory":
+        w(_tables())
+        cfg["input"]["path"] = cfg["output"]["path"] = str(data)
+        frag, err = [f"output.path {data} is the input directory (input.path {data})", "would sit among"], InputError
+    elif case == "output_is_glob_directory":
+        w(_tables())
+        cfg["input"]["path"], cfg["output"]["path"] = str(data / "*.parquet"), str(data)
+        frag, err = [f"output.path {data} is the directory input.path {data}/*.parquet searches"], InputError
     elif case == "output_foreign_files":
         w(_tables())
         out.mkdir()
@@ -178,7 +186,9 @@ JOB_CASES = ["missing_column", "text_wrong_type", "chat_is_string", "chat_struct
              "id_column_missing", "id_column_wrong_type", "passthrough_missing", "duplicate_ids_across_files",
              "truncated_parquet", "not_parquet", "mixed_schemas", "input_missing", "empty_directory",
              "glob_no_match", "unknown_package_file", "model_path_missing", "unknown_key", "bad_value",
-             "passthrough_shadows_output", "output_other_job", "output_not_directory", "output_foreign_files"]
+             "passthrough_shadows_output", "output_other_job", "output_not_directory", "output_foreign_files",
+             # an output.path that is the input directory: its part files would be read as input on a rerun
+             "output_is_input_directory", "output_is_glob_directory"]
 
 
 def _start(cfg: str) -> None:
@@ -203,7 +213,8 @@ def test_job_level_problem_stops_before_work(tmp_path, case):
     assert _part_files(tmp_path) == []
 
 
-@pytest.mark.parametrize("case", ["missing_column", "duplicate_ids_across_files", "bad_value", "output_other_job"])
+@pytest.mark.parametrize("case", ["missing_column", "duplicate_ids_across_files", "bad_value", "output_other_job",
+                                  "output_is_input_directory"])
 def test_job_level_problem_exit_code_through_cli(tmp_path, case, monkeypatch, capsys):
     """`batchgen run` with the real runner: exit 2, "error: ..." on stderr, the pool never starts."""
     cfg, err, fragments = setup_case(tmp_path, case)

@@ -244,3 +244,61 @@ def test_cuda_device_without_gpus_per_worker_exits_2(tmp_path):
         pool_setup({"model": {"device": "cuda", "path": "tiny-random"}})
     r = cli("plan", _plan_config(tmp_path, gpus_per_worker=0))  # device auto: cpu, as before
     assert r.returncode == 0, r.stderr
+
+
+def test_run_batch_reads_a_config_whose_tools_are_a_list(tmp_path, monkeypatch):
+    """`run-batch --config` reads the config as `run` and `plan` do: a valid `tools:` list
+    (three keys per tool, which crashed with a traceback; two keys, which were mangled into
+    a wrong "unknown key tools.function") reaches the job's spec whole, the config's other
+    keys kept and openai_batch's defaults where it sets none."""
+    from jobs.cli import batch_spec
+
+    calls = []
+    fake = types.ModuleType("jobs.runner")
+    fake.run_job = lambda spec, overwrite=False, progress=None: calls.append(spec) or 0
+    monkeypatch.setitem(sys.modules, "jobs.runner", fake)
+    monkeypatch.setattr("jobs.outputs.batch_responses.write_responses", lambda path, out: 0)
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                                "body": {"prompt": "hi"}}])
+    cfg = tmp_path / "cfg.yaml"
+    for tool in ({"name": "add", "function": "operator:add", "description": "add two numbers"},
+                 {"name": "add", "function": "operator:add"}):
+        cfg.write_text(json.dumps({"model": {"path": "tiny-random"}, "sampling": {"temperature": 0.5},
+                                   "tools": [tool]}))
+        assert main(["run-batch", "-i", str(inp), "-o", str(tmp_path / "out.jsonl"), "--config", str(cfg)]) == 0
+        spec = calls.pop()
+        assert [f.model_dump(exclude_unset=True) for f in spec.tools.functions] == [tool]
+        assert spec.input.format == "openai_batch" and spec.sampling.temperature == 0.5
+        assert (spec.sampling.num_samples, spec.sampling.top_k) == (1, 0)
+        assert spec.output.path == str(tmp_path / "out.parquet")
+    spec = batch_spec(str(inp), str(tmp_path / "out.jsonl"), config=str(cfg), overrides=["tools.max_turns=2"])
+    assert spec.tools.max_turns == 2 and [f.name for f in spec.tools.functions] == ["add"]
+
+
+def test_plan_exits_2_where_run_refuses_the_output(tmp_path, capsys):
+    """`plan` makes run's output checks without writing: a directory of other files and no
+    manifest, an output.path that is a file, or one below a file are reported with run's
+    message and exit 2 (they were "new", exit 0), and nothing changes on disk; `run`
+    refuses each with exit 2 before any work, leaving nothing of its own. Emptied, the directory is "new" again."""
+    cfg = _plan_config(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("hello")
+    a_file = tmp_path / "afile"
+    a_file.write_text("i am a file")
+    cases = ((out, "is not empty and has no batchgen manifest (1 files: notes.txt)"),
+             (a_file, "is a file, expected a directory"),
+             (a_file / "sub", f"cannot create directory: {a_file} is a file"))
+    for path, fragment in cases:
+        assert main(["plan", str(cfg), "--set", f"output.path={path}"]) == 2
+        report = capsys.readouterr().out
+        assert f"output:        output.path {path}" in report and fragment in report, report
+        assert "`run` refuses it (exit 2)" in report
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and a_file.read_text() == "i am a file"
+    for path, fragment in cases:
+        assert main(["run", str(cfg), "--set", f"output.path={path}"]) == 2
+        assert fragment in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]  # refused before the lease: no _batchgen/ left
+    (out / "notes.txt").unlink()
+    assert main(["plan", str(cfg)]) == 0
+    assert f"output:        {out}: new" in capsys.readouterr().out

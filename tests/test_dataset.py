@@ -92,6 +92,67 @@ def test_prompt_ids_default_and_id_column(tmp_path):
     assert [r.prompt_id for r in reqs] == ["7", "8"]
 
 
+def test_uint64_id_column_plans_and_keeps_exact_ids(tmp_path):
+    """A uint64 id column with ids above 2**63 - 1 plans (it crashed casting to int64) and its
+    prompt ids are the exact unsigned values, the same on every plan; a repeated uint64 id is
+    still refused, naming the id and both rows."""
+    from jobs.task import JobTask
+
+    class Tok:
+        vocab_size = 300
+        bos_token_id = None
+
+        def encode(self, s):
+            return list(s.encode())
+
+    big = 2**63 + 5
+    f = write_prompts(str(tmp_path / "d" / "a.parquet"), ["hi", "yo", "ok"],
+                      ident=pa.array([big, 7, 2**64 - 1], pa.uint64()))
+    spec = spec_for(f, input__id_column="ident")
+    plan = plan_job(spec)
+    assert plan_job(spec).fingerprint == plan.fingerprint
+    reqs = JobTask(spec, plan, str(tmp_path / "out")).read_unit(plan.units[0], Tok())
+    assert [r.prompt_id for r in reqs] == [str(big), "7", str(2**64 - 1)]
+    write_prompts(f, ["hi", "yo"], ident=pa.array([big, big], pa.uint64()))
+    with pytest.raises(InputError, match=f"duplicate prompt id '{big}'.*a.parquet row 0 and a.parquet row 1"):
+        plan_job(spec)
+
+
+def _fake_output(out, unit_rows=1):
+    """What a run leaves in its output directory: a committed part file (the output's
+    columns, no `prompt`), the manifest and a staged input copy under _batchgen/."""
+    os.makedirs(out / "_batchgen" / "staged", exist_ok=True)
+    pq.write_table(pa.table({"prompt_id": ["a.parquet:0"], "tokens": [[1, 2]]}), out / "part-000000.parquet")
+    (out / "_batchgen" / "manifest.json").write_text("{}")
+    pq.write_table(pa.table({"prompt": ["staged"]}), out / "_batchgen" / "staged" / "x.parquet")
+
+
+@pytest.mark.parametrize("pattern", ["", "**/*.parquet"])
+def test_output_inside_the_input_directory_is_not_input(tmp_path, pattern, caplog):
+    """An output.path inside the input directory (or a glob's root): the job's part files and
+    _batchgen/ state are skipped by the input scan, so a rerun plans what the first run
+    planned (the same files and fingerprint) and resumes, instead of reading its own part
+    file as input ("column 'prompt' not found")."""
+    data = tmp_path / "data"
+    write_prompts(str(data / "a.parquet"), ["p", "q"])
+    write_prompts(str(data / "sub" / "b.parquet"), ["r"])
+    path = str(data / pattern) if pattern else str(data)
+    spec = spec_for(path, output__path=str(data / "out"))
+    first = plan_job(spec)
+    _fake_output(data / "out")
+    with caplog.at_level("INFO", logger="batchgen"):
+        again = plan_job(spec)
+    assert [f.name for f in again.files] == [f.name for f in first.files] == ["a.parquet", "sub/b.parquet"]
+    assert again.fingerprint == first.fingerprint
+    assert "skipped 1 file(s) under output.path" in caplog.text
+    # another job's output in the same directory is input (refused by its schema), but never
+    # the _batchgen/ state of an output (hidden in a directory, skipped by a glob too)
+    assert [name for _, name, _ in discover(path)[1]] == ["a.parquet", "out/part-000000.parquet", "sub/b.parquet"]
+    other = spec_for(path, output__path=str(data / "out2"))
+    with pytest.raises(InputError, match="out/part-000000.parquet: column 'prompt'"):
+        plan_job(other)
+
+
 def test_ids_and_fingerprint_stable_when_dataset_moves(tmp_path):
     write_prompts(str(tmp_path / "a" / "x.parquet"), ["p", "q"])
     fp1 = plan_job(spec_for(tmp_path / "a")).fingerprint

@@ -34,6 +34,18 @@ def test_call_params_mix_the_call_number_only_without_an_explicit_seed():
     assert call_seed(5, 0) != call_seed(6, 0) and 0 <= call_seed(5, 0) < 2**63
 
 
+def test_call_params_of_an_openai_batch_config_keep_its_defaults():
+    """A call's sampling keys are validated over the keys the config gave, not over a dump
+    with defaults filled in: an openai_batch config (whose dump holds the input.column it
+    refuses) takes them, and keeps OpenAI's defaults (top_k off) under them."""
+    from jobs.config import load_job_spec
+    from jobs.pool_task import PoolTask
+
+    task = PoolTask(load_job_spec({**CONFIG, "input": {"format": "openai_batch"}}))
+    params = task.call_params({"temperature": 0.5})
+    assert params.temperature == 0.5 and params.top_k == task.params.top_k == 0
+
+
 @pytest.fixture(scope="module")
 def pool(ray_local):
     from jobs import GenerationPool

@@ -117,6 +117,23 @@ def test_openai_batch_spec_defaults():
         JobSpec.from_dict({"input": {"path": "b.jsonl", "format": "openai_batch", "id_column": "x"}})
 
 
+def test_openai_batch_config_goes_through_load_job_spec_again(tmp_path):
+    """An openai_batch config with a mapping of overrides, and its JobSpec loaded again (what
+    jobs.run_job(path, {...}) and run_job(spec) do first), validate: the defaulted
+    input.column "body" is not taken as given (openai_batch refuses a given column), and
+    OpenAI's sampling defaults stay those of a config that does not set them."""
+    from jobs.config import load_job_spec
+
+    cfg = tmp_path / "batch.yaml"
+    cfg.write_text(f"model: {{path: tiny-random}}\ninput: {{path: {tmp_path / 'in.jsonl'}, format: openai_batch}}\n")
+    spec = load_job_spec(cfg)
+    for again in (load_job_spec(cfg, {"output.path": str(tmp_path / "out"), "sampling.seed": 1}),
+                  load_job_spec(spec), load_job_spec(spec, {"sampling.seed": 1})):
+        s = again.sampling
+        assert again.input.column == "body" and (s.num_samples, s.top_k, s.max_tokens) == (1, 0, None)
+    assert load_job_spec(spec, {"sampling.seed": 1}).to_dict() == load_job_spec(cfg, ["sampling.seed=1"]).to_dict()
+
+
 # ------------------------------------------------------------------ SmolLM2, in-process
 
 @pytest.fixture(scope="module")
@@ -624,3 +641,69 @@ def test_unknown_body_and_message_keys_are_ignored_with_a_warning(tmp_path):
     assert any("body.vllm_xargs" in w and "line 2" in w for w in warnings), warnings
     assert any("messages[].weight" in w and "line 1" in w for w in warnings), warnings
     assert not any("tools" in w for w in warnings), warnings
+
+
+def test_null_parameters_are_their_defaults():
+    """A null body parameter or message key is the parameter left out, as the OpenAI API and
+    vLLM read null: `"n": null, "best_of": 1` runs with n 1 (it was refused), null sampling
+    values keep the job's, a message's null name / tool_calls / tool_call_id (as a message
+    copied from an API response has) are absent, and an unknown key set to null is not
+    warned about. best_of must equal the line's n after its defaults (the job's num_samples
+    for a null or absent n)."""
+    comp = dict(url="/v1/completions", n=None, best_of=1, max_tokens=None, temperature=None, top_p=None, stop=None,
+                seed=None, top_k=None, min_p=None, stop_token_ids=None, logprobs=None, echo=None, suffix=None,
+                ignore_eos=None, skip_special_tokens=None, presence_penalty=None, my_tag=None)
+    p = parse_line(line(**comp).encode(), 1, BASE, "f")
+    assert p.error is None, p.error
+    assert p.params == BASE and not p.logprobs and p.skip_special_tokens and p.ignored == []
+    msgs = [{"role": "user", "content": "Hi", "name": None},
+            {"role": "assistant", "content": "Hello", "tool_calls": None, "refusal": None, "function_call": None},
+            {"role": "tool", "content": "1", "tool_call_id": None}]
+    p = parse_line(line(messages=msgs, n=None, max_completion_tokens=None, max_tokens=5, tools=None,
+                        response_format=None, top_logprobs=None).encode(), 2, BASE, "f")
+    assert p.error is None, p.error
+    assert p.params == SamplingParams(num_samples=1, max_tokens=5, top_k=0, seed=0) and p.ignored == []
+    assert p.prompt == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                        {"role": "tool", "content": "1"}]
+    two = SamplingParams(num_samples=2, max_tokens=256, top_k=0, seed=0)  # a job with sampling.num_samples 2
+    assert parse_line(line(url="/v1/completions", best_of=2).encode(), 3, two, "f").error is None
+    assert "body.best_of: 1 is not supported (only best_of = n, here 2)" in \
+        parse_line(line(url="/v1/completions", best_of=1, n=None).encode(), 4, two, "f").error
+
+
+class _ByteTok:
+    """A tokenizer for reading units without a model: bytes + 10."""
+
+    vocab_size = 300
+    bos_token_id = None
+    prepend_bos = False
+
+    def encode(self, s):
+        return [b + 10 for b in s.encode()]
+
+
+def test_fallback_prompt_ids_never_equal_a_custom_id(tmp_path):
+    """A line without a usable custom_id (or a repeat of one) gets the prompt id
+    "<file>:<line>", or "<file>:<line>#k" where another line's custom_id is that text, so no
+    two rows share a prompt id (and sampling noise): `verify` failed a clean run whose
+    line 1 had custom_id "in.jsonl:2" and line 2 an empty one. The ids are the same on
+    every scan (a resume reads the same ones)."""
+    from jobs.inputs import reader_for
+    from jobs.spec import JobSpec
+
+    lines = [line("in.jsonl:2", url="/v1/completions"), line("", url="/v1/completions"),
+             line("in.jsonl:2#1", url="/v1/completions"), line("c", url="/v1/completions"),
+             line("c", url="/v1/completions"), "{not json", line("in.jsonl:6", url="/v1/completions")]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    spec = JobSpec.from_dict({"input": {"path": str(inp), "format": "openai_batch"}, "cluster": {"unit_rows": 3}})
+    ids = []
+    for _ in range(2):
+        scan = reader_for(spec).scan(spec)
+        reader = reader_for(spec, None, scan.reader_state)
+        ids.append([(r.prompt_id, r.passthrough["custom_id"], r.error is not None) for u in scan.units
+                    for r in reader.read_unit(u, _ByteTok(), spec.sampling_params())[0]])
+    assert ids[0] == ids[1] == [("in.jsonl:2", "in.jsonl:2", False), ("in.jsonl:2#2", None, True),
+                                ("in.jsonl:2#1", "in.jsonl:2#1", False), ("c", "c", False),
+                                ("in.jsonl:5", "c", True), ("in.jsonl:6#1", None, True),
+                                ("in.jsonl:6", "in.jsonl:6", False)]

@@ -106,6 +106,12 @@ def test_bad_overrides(tmp_path, override, fragment):
     ("tools: {calculator: maybe}", "tools.calculator: Input should be a valid boolean"),
     ("tool: {calculator: true}", "unknown key tool"),
     ("sampling: 3", "sampling: must be a mapping, got 3"),
+    ("model: {device: gpu}", "model.device: must be auto, cpu, cuda or cuda:N (N: a GPU index), got 'gpu'"),
+    ("model: {device: banana}", "model.device: must be auto, cpu, cuda or cuda:N"),
+    ("model: {device: 'cuda:01'}", "model.device: must be auto, cpu, cuda or cuda:N"),
+    ("model: {device: CUDA}", "model.device: must be auto, cpu, cuda or cuda:N"),
+    ("model: {chat_template_date: 2026-02-30}",
+     "model.chat_template_date: cannot read '2026-02-30' at line 1, column 29: day is out of range for month"),
     ("- a\n- b", "expected a mapping of sections"),
 ])
 def test_validation_messages_name_file_and_key(tmp_path, yaml_text, fragment):
@@ -210,3 +216,90 @@ def test_shipped_configs_validate():
     assert demo.input.path == "package://gsm8k_demo.parquet" and demo.model.path == "smollm2"
     gsm = load_spec(root / "configs" / "gsm8k.yaml")
     assert gsm.input.format == "chat" and gsm.input.passthrough == ["answer"] and gsm.tools.calculator
+
+
+def test_model_device_takes_what_the_engine_takes(tmp_path):
+    """model.device is auto, cpu, cuda or cuda:N (what engine.load_engine and torch.device
+    take); anything else ('gpu', 'banana') is refused at validation, exit 2 naming
+    model.device, where it used to pass plan and fail on the workers after the output
+    directory was written."""
+    for device in ("auto", "cpu", "cuda", "cuda:0", "cuda:12"):
+        assert load_spec(write(tmp_path, ""), [f"model.device={device}"]).model.device == device
+    for device in ("gpu", "banana", "cuda:", "cuda:x", "cpu:0", " cpu"):
+        with pytest.raises(SpecError, match=r"model\.device: must be auto, cpu, cuda or cuda:N") as e:
+            JobSpec.from_dict({"model": {"device": device}}, "job.yaml")
+        assert e.value.exit_code == 2
+
+
+def test_impossible_yaml_date_is_a_spec_error_naming_the_key_and_line(tmp_path):
+    """An unquoted date that does not exist (2026-02-30) makes yaml.safe_load raise
+    ValueError, not YAMLError: in a file and in --set it is a SpecError (exit 2) naming the
+    file, line and dotted key, or the --set key, not a traceback. A string key given such a
+    value by --set takes it as the string, as it does a number."""
+    p = write(tmp_path, "model:\n  path: tiny-random\n  chat_template_date: 2026-02-30\n")
+    with pytest.raises(SpecError) as e:
+        load_spec(p)
+    assert str(e.value).startswith(f"{p}: model.chat_template_date: cannot read '2026-02-30' at line 3, column 23")
+    assert e.value.exit_code == 2
+    with pytest.raises(SpecError, match=r"--set 'model.chat_template_date=2026-02-30': model.chat_template_date: "
+                                        r"cannot read the value '2026-02-30': day is out of range"):
+        load_spec(write(tmp_path, ""), ["model.chat_template_date=2026-02-30"])
+    assert load_spec(write(tmp_path, ""), ["output.path=2026-02-30"]).output.path == "2026-02-30"
+    assert load_spec(write(tmp_path, ""), ["output.path=2026-02-03"]).output.path == "2026-02-03"
+    assert load_spec(write(tmp_path, "model: {chat_template_date: 2026-02-03}\n")).model.chat_template_date == \
+        "2026-02-03"
+
+
+def test_mapping_overrides_give_the_spec_set_strings_give(tmp_path):
+    """load_job_spec applies a mapping {"section.key": value} to the config's own keys, as it
+    does "--set" strings, before any default is filled in: the same spec either way, for a
+    YAML path, a dict and a JobSpec. A default that follows another key follows the
+    overridden value (input.column after input.format; OpenAI's num_samples 1, top_k off
+    and max_tokens none for openai_batch), and a JobSpec loses nothing it was given."""
+    from jobs.config import load_job_spec
+
+    p = write(tmp_path, "model: {path: tiny-random}\ninput: {path: x.parquet}\nsampling: {temperature: 0.5}\n")
+    base = {"model": {"path": "tiny-random"}, "input": {"path": "x.parquet"}, "sampling": {"temperature": 0.5}}
+    for config in (p, base, load_spec(p)):
+        chat = load_job_spec(config, {"input.format": "chat"})
+        assert chat.to_dict() == load_job_spec(config, ["input.format=chat"]).to_dict()
+        assert chat.input.column == "messages"
+        batch = load_job_spec(config, {"input.format": "openai_batch"})
+        assert batch.to_dict() == load_job_spec(config, ["input.format=openai_batch"]).to_dict()
+        s = batch.sampling
+        assert (s.num_samples, s.top_k, s.max_tokens, s.temperature) == (1, 0, None, 0.5)
+        assert batch.input.column == "body"
+        # and back: the filled-in defaults were not taken as given
+        text = load_job_spec(batch, {"input.format": "text"})
+        assert text.to_dict() == load_spec(p).to_dict()
+        assert load_job_spec(chat, ["input.format=text"]).input.column == "prompt"
+    # what the config did give stays given
+    given = load_job_spec({"input": {"format": "chat", "column": "conv"}, "sampling": {"num_samples": 3}},
+                          {"input.format": "tokens"})
+    assert given.input.column == "conv" and given.sampling.num_samples == 3
+    assert load_job_spec(given, {"input.format": "chat"}).input.column == "conv"
+    # a dict config reads `tools: [...]` and empty sections as a YAML file does
+    d = load_job_spec({"model": None, "tools": [{"name": "f", "function": "operator:add"}]}, ["tools.max_turns=2"])
+    assert [f.name for f in d.tools.functions] == ["f"] and d.tools.max_turns == 2
+
+
+def test_load_job_spec_keeps_a_jobspecs_python_tools(tmp_path):
+    """Python tools added to a JobSpec (with_python_tools) are objects, in no dump of the
+    config: load_job_spec(spec), with or without overrides (what jobs.run_job(spec) and
+    GenerationPool(spec) do first), keeps them, and still refuses a config tool of the same
+    name set by an override."""
+    from jobs.config import load_job_spec
+
+    def add(a: int, b: int) -> int:
+        "Add two numbers."
+        return a + b
+
+    spec = load_job_spec({"model": {"path": "tiny-random"}}).with_python_tools([add])
+    for again, turns in ((load_job_spec(spec), 8), (load_job_spec(spec, {"sampling.seed": 1}), 8),
+                         (load_job_spec(spec, ["tools.max_turns=3"]), 3)):
+        box = again.tool_box()
+        assert box is not None and [t.name for t in box.tools] == ["add"] and box.tools[0].function is add
+        assert box.max_turns == turns
+    assert load_job_spec(spec).fingerprint_dict() == spec.fingerprint_dict()
+    with pytest.raises(SpecError, match="used twice"):
+        load_job_spec(spec, {"tools.functions": [{"name": "add", "function": "operator:add"}]})

@@ -65,6 +65,17 @@ def test_find_duplicates_strings_ints_nulls_across_files():
     assert find_duplicate(0, _reader([])) is None
 
 
+def test_find_duplicates_uint64_ids_above_int64():
+    """uint64 ids above 2**63 - 1 (which do not cast to int64) get keys, distinct for distinct
+    ids: a real duplicate is found and named by its unsigned value, nulls skipped, and
+    distinct ids (2**63 and 0 share the low 63 bits) are not reported."""
+    big = 2**63 + 5
+    files = [[pa.array([big, None, 2**64 - 1], pa.uint64())], [pa.array([7, 2**63, big], pa.uint64())]]
+    assert find_duplicates(2, _reader(files), limit=5) == [(str(big), (0, 0), (1, 2))]
+    distinct = [[pa.array([2**63, 1], pa.uint64())], [pa.array([0, 2**63 + 1], pa.uint64())]]
+    assert find_duplicate(2, _reader(distinct)) is None
+
+
 def test_hash_collisions_are_not_duplicates(monkeypatch):
     """Equal 64-bit keys are only candidates: the second pass compares real values."""
     import jobs.ids

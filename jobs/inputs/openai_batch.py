@@ -25,6 +25,9 @@ field, and the others run. Keys batchgen does not know, in the body or in a mess
 ignored with a warning naming them (as vLLM does), not refused.
 `custom_id` is the request's prompt_id (it keys the sampling noise, so a request's samples do
 not depend on its position in the file); a custom_id used twice makes the later line an error.
+A line without a usable custom_id, and such a repeat, has the prompt id "<file>:<line>", or
+"<file>:<line>#1" (#2, ...) where another line's custom_id already is that text, so that no
+two rows share a prompt id (BatchPlan.fallback_ids).
 
 Durable store: the job is an ordinary batchgen job over the JSONL file. The scan reads the
 file once (line offsets, the expected rows of each unit, a sha256 for the fingerprint);
@@ -198,6 +201,11 @@ def _parse_request(obj: Any, out: ParsedLine, base: SamplingParams) -> str | Non
     changes, why = _sampling_changes(body, kind, base)
     if why is not None:
         return why
+    # best_of = n is plain sampling; compared with the line's n after its defaults (a null or
+    # absent n is the job's sampling.num_samples), so "n": null, "best_of": 1 runs
+    best_of, n = body.get("best_of"), changes.get("num_samples", base.num_samples)
+    if kind == "completion" and best_of is not None and (isinstance(best_of, bool) or best_of != n):
+        return f"body.best_of: {best_of!r} is not supported (only best_of = n, here {n})"
     skip = body.get("skip_special_tokens")
     if skip is not None and not isinstance(skip, bool):
         return f"body.skip_special_tokens: must be true or false, got {skip!r}"
@@ -224,6 +232,8 @@ def _check_envelope(obj: dict, out: ParsedLine, cid: Any, url: Any, body: Any) -
         return f"body: must be a JSON object, got {type(body).__name__}"
     default_only = _DEFAULT_ONLY[kind]
     for key, value in body.items():
+        if value is None:  # null is the parameter's default, as in the OpenAI API and vLLM
+            continue
         if key in _FEATURES:
             if not _FEATURES[key](value):
                 return f"body.{key}: not supported by batchgen for {url}"
@@ -232,8 +242,6 @@ def _check_envelope(obj: dict, out: ParsedLine, cid: Any, url: Any, body: Any) -
                 return f"body.{key}: {value!r} is not supported (batchgen does not compute it)"
         elif key not in _PARAMS and key not in _USED[kind] and key not in _IGNORED:
             out.ignored.append(f"body.{key}")
-    if kind == "completion" and body.get("best_of") not in (None, body.get("n", 1)):
-        return f"body.best_of: {body['best_of']!r} is not supported (only best_of = n)"
     return None
 
 
@@ -308,7 +316,9 @@ def _messages(value: Any, ignored: list[str]) -> tuple[list[dict] | None, str | 
             content = ""
         msg["content"] = content
         for key, v in m.items():
-            if key in ("role", "content"):
+            # null is an absent key (vLLM drops a null name or tool_calls), as a message copied
+            # from an API response has ("tool_calls": null, "refusal": null, ...)
+            if key in ("role", "content") or v is None:
                 continue
             if key == "name" or (key == "tool_call_id" and role == "tool"):
                 if not isinstance(v, str):
@@ -368,11 +378,21 @@ def _completion_prompt(value: Any) -> tuple[Any, str | None]:
 @dataclass
 class BatchPlan:
     """Where each unit's lines are: ranges[unit index] = (first byte, end byte, first line
-    number); duplicates[line] = the earlier line that holds the same custom_id."""
+    number); duplicates[line] = the earlier line that holds the same custom_id;
+    fallback_ids[line] = the prompt id of a line that has none of its own (no usable
+    custom_id, or a repeat) where the default "<file>:<line>" is another line's custom_id."""
 
     name: str
     ranges: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     duplicates: dict[int, int] = field(default_factory=dict)
+    fallback_ids: dict[int, str] = field(default_factory=dict)
+
+    def prompt_id(self, custom_id: str | None, line: int) -> str:
+        """The prompt id of `line`: its custom_id if it is the first line to use it, else its
+        fallback id (see fallback_ids)."""
+        if custom_id is not None and line not in self.duplicates:
+            return custom_id
+        return self.fallback_ids.get(line, f"{self.name}:{line}")
 
 
 def _iter_lines(stream: Any, first_line: int = 1, offset: int = 0, hasher: Any = None,
@@ -471,8 +491,7 @@ class BatchReader:
         if error is None and lineno in bp.duplicates:
             error = (f"{bp.name} line {lineno}: custom_id: {parsed.custom_id!r} is also the custom_id of line "
                      f"{bp.duplicates[lineno]} (custom_ids must be unique)")
-        owner = parsed.custom_id is not None and lineno not in bp.duplicates
-        pid = parsed.custom_id if owner else f"{bp.name}:{lineno}"
+        pid = bp.prompt_id(parsed.custom_id, lineno)
         line_params = parsed.params if error is None else dataclasses.replace(params, num_samples=1)
         tokens = None
         if error is None:
@@ -500,6 +519,7 @@ def _cut_lines(stream: Any, sha: Any, name: str, source: str, base: SamplingPara
     bp = BatchPlan(name=name)
     ignored: dict[str, list[int]] = {}
     owners: dict[str, int] = {}
+    fallback: list[int] = []  # lines whose prompt id is not their custom_id
     units: list[WorkUnit] = []
     expected: dict[int, int] = {}
     count = 0
@@ -518,11 +538,13 @@ def _cut_lines(stream: Any, sha: Any, name: str, source: str, base: SamplingPara
         parsed = parse_line(raw, lineno, base, name)
         for key in dict.fromkeys(parsed.ignored):
             ignored.setdefault(key, [0, lineno])[0] += 1
-        if parsed.custom_id is not None:
-            if parsed.custom_id in owners:
-                bp.duplicates[lineno] = owners[parsed.custom_id]
-            else:
-                owners[parsed.custom_id] = lineno
+        if parsed.custom_id is None:
+            fallback.append(lineno)
+        elif parsed.custom_id in owners:
+            bp.duplicates[lineno] = owners[parsed.custom_id]
+            fallback.append(lineno)
+        else:
+            owners[parsed.custom_id] = lineno
         rows = 1 if parsed.error or lineno in bp.duplicates else parsed.params.num_samples
         if cur is None or cur[3] == step:
             close()
@@ -532,4 +554,16 @@ def _cut_lines(stream: Any, sha: Any, name: str, source: str, base: SamplingPara
         cur[4] += rows
         count += 1
     close()
+    # "<file>:<line>" may be a custom_id of the file: then that line would share its prompt id
+    # (and sampling noise) with this one and the output two rows of one (prompt_id, sample);
+    # a suffix no other line uses instead. A fallback id is "<file>:", the line number, then
+    # nothing or "#k", so two lines' fallback ids differ; the file's sha256 is in the
+    # fingerprint, so every run of the job gives a line the same one.
+    for lineno in fallback:
+        pid, k = f"{name}:{lineno}", 0
+        while pid in owners:
+            k += 1
+            pid = f"{name}:{lineno}#{k}"
+        if k:
+            bp.fallback_ids[lineno] = pid
     return bp, units, expected, count, ignored

@@ -5,12 +5,18 @@ units along row groups, reading a unit's rows.
 - a local Parquet file, or a directory (every *.parquet below it, recursively, sorted by
   relative path; names starting with "." or "_" are skipped, like Spark/Hive do);
 - a glob ("data/part-*.parquet", "data/**/*.parquet"); its root is the directory part
-  before the first component holding a wildcard;
+  before the first component holding a wildcard; files below a `_batchgen` directory
+  (an output's staged copies) are skipped;
 - a URI that pyarrow.fs understands (file://, s3://, gs://, hdfs://...): a file, a
   "directory" prefix or a glob, resolved the same way. Filesystem options follow `?`
   (`s3://bucket/prompts?endpoint_override=HOST:PORT&scheme=http`; see jobs/uri.py): `?`
   in a URI is never a wildcard;
 - `package://NAME`: a file shipped in jobs/data/ (the demo's prompts).
+
+The job's own output: an output.path below the input directory (or the glob's root) is
+skipped, files and all, so that a rerun (resume, plan, status) sees the input the first run
+saw, not its part files. An output.path that is the input directory (or the glob's root)
+itself is refused (InputError naming both keys): its part files would sit among the inputs.
 
 Prompt ids: str(value of input.id_column) when it is set, else "<relative file>:<row>",
 the file's path relative to the input root (the directory, the glob's base, or the file's
@@ -57,7 +63,7 @@ from jobs import uri
 from jobs.errors import InputError
 from jobs.ids import find_duplicate
 from jobs.inputs.prompts import RowLayout, requests_from_columns
-from jobs.inputs.reader import InputFile, InputScan, modified_ns, open_input, resolve, source_for
+from jobs.inputs.reader import PACKAGE_PREFIX, InputFile, InputScan, modified_ns, open_input, resolve, source_for
 from jobs.inputs.row_groups import cut_file
 from jobs.inputs.row_params import check_sampling_column_type, rows_per_unit
 from jobs.outputs.schema import type_str
@@ -84,7 +90,7 @@ class ParquetReader:
         Reads only Parquet footers, in parallel (plus the id column, to reject duplicate
         ids, and the sampling column's num_samples for the expected rows). Zero-row files
         are allowed: no units, and a warning in `warnings` and the log."""
-        root, found = discover(spec.input.path)
+        root, found = discover(spec.input.path, spec.output.path)
         with ThreadPoolExecutor(max_workers=max(1, min(FOOTER_THREADS, len(found)))) as ex:
             footers = list(ex.map(lambda t: _read_footer(t[0], t[1]), found))
         files, file_units, rows_decoded, warnings = _cut_files(spec, found, footers)
@@ -161,15 +167,65 @@ def _hidden(rel: str) -> bool:
     return any(part.startswith((".", "_")) for part in rel.split("/"))
 
 
-def discover(path: str) -> tuple[str, list[tuple[str, str, int]]]:
+def _output_below(fs: pafs.FileSystem, root: str, local: bool, output: str | None) -> str | None:
+    """Where output.path is relative to the input root `root` (a path inside `fs`): "." for
+    the root itself, "a/b" below it, None elsewhere (or on another filesystem)."""
+    if not output:
+        return None
+    try:
+        ofs, op = uri.filesystem_for(output)
+    except (pa.ArrowException, ValueError, OSError):
+        return None  # the output's own checks report a URI they cannot open
+    if local:
+        if not uri.is_local(ofs):
+            return None
+        # real paths: a symlinked input or output directory is still the same directory
+        rel = os.path.relpath(os.path.realpath(op), os.path.realpath(root or os.sep))
+        if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+            return None
+        return rel.replace(os.sep, "/")
+    if ofs.type_name != fs.type_name:
+        return None
+    op, root = op.rstrip("/"), root.rstrip("/")
+    if op == root:
+        return "."
+    return op[len(root):].lstrip("/") if not root or op.startswith(root + "/") else None
+
+
+def _skip_output(found: list[tuple[str, str, int]], below: str | None, path: str, output: str | None,
+                 glob: bool) -> list[tuple[str, str, int]]:
+    """`found` without the files of the job's own output directory (`below`, from
+    _output_below): its part files are not input, so that a rerun plans what the first run
+    planned. An output that is the input root itself is refused: skipping it would skip the
+    input, and reading it would read the part files."""
+    if below is None:
+        return found
+    shown, out_shown = uri.redact(path), uri.redact(str(output))
+    if below == ".":
+        what = f"the directory input.path {shown} searches" if glob else f"the input directory (input.path {shown})"
+        raise InputError(f"output.path {out_shown} is {what}: the job's part files would sit among its input files "
+                         f"and be read as input when it is rerun. Use an output.path outside the input directory "
+                         f"(a subdirectory of it is fine: the input scan skips it)")
+    kept = [t for t in found if not (t[1] == below or t[1].startswith(below + "/"))]
+    if len(kept) < len(found):
+        log.info("input.path %s: skipped %d file(s) under output.path %s (this job's own output)", shown,
+                 len(found) - len(kept), out_shown)
+    return kept
+
+
+def discover(path: str, output: str | None = None) -> tuple[str, list[tuple[str, str, int]]]:
     """Find the input files of `input.path`: (root, [(source, relative name, size bytes)]), sorted.
 
-    Raises InputError when the path does not exist or matches no Parquet file.
+    output: the job's output.path; its files are not input (see the module docstring).
+    Raises InputError when the path does not exist or matches no Parquet file, or when
+    output.path is the input directory itself.
     """
     shown = uri.redact(path)
     fs, p, canonical = resolve(path)
     found: list[tuple[str, str, int]] = []
     local = uri.is_local(fs)
+    if path.startswith(PACKAGE_PREFIX):
+        output = None  # a file shipped with batchgen, never an output's
     if any(c in p for c in _GLOB_CHARS):  # p is a path inside the filesystem: a URI's options are not in it
         cut = min(p.find(c) for c in _GLOB_CHARS if c in p)
         base = p[:cut].rsplit("/", 1)[0] if "/" in p[:cut] else ""
@@ -185,8 +241,10 @@ def discover(path: str) -> tuple[str, list[tuple[str, str, int]]]:
             raise InputError(f"input.path {shown}: cannot list files: {e}") from None
         root = os.path.abspath(base) if local else base
         for fp, size in infos:
-            rel = os.path.relpath(fp, root) if local else fp[len(base):].lstrip("/")
-            found.append((source_for(canonical, fp), rel.replace(os.sep, "/"), int(size or 0)))
+            rel = (os.path.relpath(fp, root) if local else fp[len(base):].lstrip("/")).replace(os.sep, "/")
+            if "_batchgen" not in rel.split("/"):  # an output's staged copies and state, never input
+                found.append((source_for(canonical, fp), rel, int(size or 0)))
+        found = _skip_output(found, _output_below(fs, root, local, output), path, output, glob=True)
         if not found:
             raise InputError(f"input.path {shown}: the pattern matches no files")
         return uri.uri_for(canonical, root) if not local else root, sorted(found, key=lambda t: t[1])
@@ -210,6 +268,7 @@ def discover(path: str) -> tuple[str, list[tuple[str, str, int]]]:
         rel = i.path[len(p):].lstrip("/")
         if i.type == pafs.FileType.File and rel.endswith(".parquet") and not _hidden(rel):
             found.append((source_for(canonical, i.path), rel, int(i.size or 0)))
+    found = _skip_output(found, _output_below(fs, p, local, output), path, output, glob=False)
     if not found:
         raise InputError(f"input.path {shown}: directory holds no *.parquet files")
     return canonical if not local else p, sorted(found, key=lambda t: t[1])

@@ -144,6 +144,10 @@ class OutputDir(OutputChecks):
             raise OutputError(f"{self.shown}: {MANIFEST} is not a batchgen manifest (no fingerprint/units)")
         return data
 
+    def has_manifest(self) -> bool:
+        """Whether a manifest file exists (readable or not)."""
+        return self._exists(MANIFEST)
+
     def manifest_or_none(self) -> dict[str, Any] | None:
         """The manifest dict, or None if there is none or it is unreadable (`prepare` says
         why when it matters)."""
@@ -163,11 +167,52 @@ class OutputDir(OutputChecks):
                 self.fs.delete_file(self._p(rel))
 
     # ------------------------------------------------------------ lifecycle
+    def check_can_be_directory(self) -> None:
+        """Raise OutputError (exit code 2) when output.path is a file, or (locally) below one,
+        so it cannot be the output directory. Reads only: `batchgen plan` makes this check of
+        ensure_writable without creating anything."""
+        try:
+            info = self.fs.get_file_info(self.base)
+        except (OSError, pa.ArrowException):
+            return  # ensure_writable says why when it tries to create the directory
+        if info.type == pafs.FileType.File:
+            raise OutputError(f"output.path {self.shown}: is a file, expected a directory")
+        if info.type != pafs.FileType.NotFound or not uri.is_local(self.fs):
+            return  # an object store has no directories: a key "above" does not block it
+        parent = self.base.rstrip("/").rsplit("/", 1)[0]
+        while parent:
+            try:
+                kind = self.fs.get_file_info(parent).type
+            except (OSError, pa.ArrowException):
+                return
+            if kind == pafs.FileType.File:
+                raise OutputError(f"output.path {self.shown}: cannot create directory: {parent} is a file")
+            if kind != pafs.FileType.NotFound:
+                return
+            parent = parent.rsplit("/", 1)[0]
+
+    def check_no_unrelated_files(self) -> None:
+        """For a directory without a manifest: raise OutputError (exit code 2) when it holds
+        files that are not batchgen's (any but an output lease and the checkpoint hash cache),
+        which `run` refuses to write beside without --overwrite. Reads only (`batchgen plan`)."""
+        entries = self._unrelated_entries()
+        if entries:
+            raise self._unrelated_error(entries)
+
+    def _unrelated_entries(self) -> list[str]:
+        return [rel for rel, _ in self._entries() if rel not in (LEASE, CACHE_FILE)]
+
+    def _unrelated_error(self, entries: list[str]) -> OutputError:
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        return OutputError(f"output.path {self.shown} is not empty and has no batchgen manifest "
+                           f"({len(entries)} files: {shown}); use an empty directory or --overwrite")
+
     def ensure_writable(self) -> None:
         """Create the directory and check that it takes a file (writes and removes a probe);
         on an object store, learn whether it takes conditional writes (a warning if not:
         jobs/outputs/commit.py). Raises OutputError (exit code 2) naming the path and the reason."""
         shown = uri.redact(self.path)
+        self.check_can_be_directory()  # the reason in words, before create_dir's errno
         try:
             self.fs.create_dir(self.base, recursive=True)
         except (OSError, pa.ArrowException) as e:
@@ -217,15 +262,11 @@ class OutputDir(OutputChecks):
                     f"--overwrite to delete the previous output")
             self._remove_batchgen_files()
             mode = "overwrite"
-        else:
-            entries = [rel for rel, _ in self._entries() if rel not in (LEASE, CACHE_FILE)]
-            if entries:
-                if not overwrite:
-                    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-                    raise OutputError(f"output.path {self.shown} is not empty and has no batchgen manifest "
-                                      f"({len(entries)} files: {shown}); use an empty directory or --overwrite")
-                self._remove_batchgen_files()
-                mode = "overwrite"
+        elif entries := self._unrelated_entries():
+            if not overwrite:
+                raise self._unrelated_error(entries)  # as check_no_unrelated_files (`batchgen plan`)
+            self._remove_batchgen_files()
+            mode = "overwrite"
         self._write_atomic(MANIFEST, json.dumps(self._manifest(plan, spec), indent=1, sort_keys=True))
         return mode
 

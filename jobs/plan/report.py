@@ -4,7 +4,9 @@
 
 Validates the config and the inputs exactly as `run` does (exit 2 on a bad one), then prints
 the input files, prompts, units, the input rows the units will decode, the output's state
-(new, resuming with N units committed, or another job's output), the output lease and the
+(new, resuming with N units committed, or one `run` refuses with exit 2: another job's
+output, a directory of other files, a file: the read-only checks of
+OutputDir.check_can_be_directory and check_no_unrelated_files), the output lease and the
 fingerprint. Reads the checkpoint hash cache of the output directory but never writes it.
 """
 from __future__ import annotations
@@ -52,9 +54,13 @@ def describe_plan(spec: Any) -> tuple[str, int]:
     code = 0
     manifest = None
     try:
+        # what `run` checks before it writes (ensure_writable, prepare), without writing
+        out.check_can_be_directory()
         manifest = out.read_manifest()
+        if manifest is None:
+            out.check_no_unrelated_files()
     except Exception as e:  # noqa: BLE001 - reported, as `run` would refuse it
-        lines.append(f"output:        {out.shown}: {e}")
+        lines.append(f"output:        {e}; `run` refuses it (exit 2)")
         code = 2
     if manifest is not None:
         if manifest.get("fingerprint") == plan.fingerprint:
