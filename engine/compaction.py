@@ -19,7 +19,8 @@ def compact(engine: Any) -> None:
     """Slide every live run of the KV arena down to its low end, so its free blocks become
     one range (engine/run_allocator.py, `RunAllocator.compact`). Between steps only: no
     admission is half made, and every running sample's keys are written up to the token
-    before its last (whose keys the next decode writes). The live runs are the running
+    before its last (whose keys the next decode writes), or up to its last in a continuation
+    still waiting for its first token (`Sequence.num_cached`). The live runs are the running
     samples' own runs and the stored prompts (of
     running samples, and of waiting requests with samples still to admit); of each, only the
     positions written so far are copied, exactly, in every layer. Each sequence's run start
@@ -52,7 +53,7 @@ def compact(engine: Any) -> None:
         req.kv_block = block
     for seq in seqs:
         block = moved(seq.own_block)
-        moves.append((seq.own_start, block * bs, seq.position - seq.own_pos0))  # its last token's KV comes next step
+        moves.append((seq.own_start, block * bs, seq.num_cached - seq.own_pos0))  # its run: positions own_pos0 on
         seq.own_block, seq.own_start = block, block * bs
         if seq.prefix_start >= 0:
             seq.prefix_start = seq.request.kv_block * bs

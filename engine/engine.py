@@ -335,7 +335,8 @@ class Engine:
                     copies.append((prompt_start, block * bs, P))
                 seq.weight_version = self.weight_version
                 if req.resume is not None:  # a continuation: its tokens so far, whose KV is the prompt's
-                    seq.replay(req.resume, self.tools, self.tokenizer, self.max_seq_len)
+                    seq.replay(req.resume, self.tools, self.tokenizer, self.max_seq_len,
+                               None if self.tool_turns is None else self.tool_turns.responses)
                     if seq.new_call is not None:  # cut while its tool ran: run it again
                         self.tool_turns.start(seq)
                         seq.first_pending = seq.pending is not None
@@ -384,7 +385,7 @@ class Engine:
         for seq, t, lp in zip(seqs, host[0], host[1]):
             if seq.first_pending:  # its first token is the tool's result: see _force_first
                 continue
-            if seq.next_is_forced():  # a continuation stopped inside forced tool output
+            if seq.next_is_forced():  # a continuation stopped inside (or just before) forced tool output
                 t, lp = seq.forced.popleft(), None
             seq.append(int(t), lp, self.tools, self.tokenizer, self.max_seq_len)
             if seq.new_call is not None:

@@ -155,8 +155,8 @@ class ToolCall:
     name: the tool's name ("calculator" for nanochat's); arguments: the arguments as JSON
         text (None for the calculator, or when they did not parse).
     latency_s: seconds from the call's submission to its tool's return (its wait for a thread
-        and its run; the timeout for one that timed out; 0 for one refused before running;
-        None if not run).
+        and its run; for one that timed out, until it was given up: its wait and its timeout;
+        0 for one refused before running; None if not run).
     forced_start: index in Sample.tokens of the first forced token of the result (the span
         [forced_start, end) has mask 0 and no logprobs); None if nothing was forced.
     """

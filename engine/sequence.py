@@ -25,7 +25,7 @@ from typing import Any
 
 from engine.params import Sample, SamplingParams, ToolCall
 from engine.tokenizers.stop_strings import StopStringMatcher, token_bytes
-from engine.tool_calls import HermesScanner
+from engine.tool_calls import HermesScanner, ToolResponses
 from engine.tools import calculator
 
 
@@ -125,6 +125,14 @@ class Sequence:
         return len(self.request.prompt_tokens) + len(self.tokens) - 1 - self.num_prior
 
     @property
+    def num_cached(self) -> int:
+        """Positions of the sequence whose keys and values are in the KV cache (0, 1, ...,
+        num_cached - 1; in its prompt's run or its own): all but the last token's, which the
+        next decode step feeds, except in a continuation waiting for its first token
+        (`first_pending`), whose last token is its prompt's last, prefilled."""
+        return self.position + 1 if self.first_pending else self.position
+
+    @property
     def last_token(self) -> int:
         return self.tokens[-1]
 
@@ -211,13 +219,15 @@ class Sequence:
                       tool_calls=self.tool_calls, error=None, num_prompt_tokens=len(self.request.prompt_tokens),
                       seed=p.seed, stop_reason=self.stop_reason)
 
-    def replay(self, prior: Sample, tools: ToolTokens | None, tokenizer, max_len: int) -> None:
+    def replay(self, prior: Sample, tools: ToolTokens | None, tokenizer, max_len: int,
+               responses: ToolResponses | None = None) -> None:
         """Take an aborted sample's tokens as this sample's first ones (a continuation: its
         request's prompt is the original prompt followed by them, so their KV is the
         prompt's). Each token goes through `append` again, sampled or forced as it was, so
         the stop-string matcher, the tool state machine (an open call, tool output still to
         force) and the tool calls are what they were when the sample stopped; the calculator
-        runs again on finished calls (a pure function)."""
+        runs again on finished calls (a pure function). responses: the engine's renderer of
+        Hermes tool messages (ToolTurns.responses), needed when the sample has a scanner."""
         self.num_prior = len(prior.tokens)
         for tok, lp in zip(prior.tokens, prior.logprobs):
             if lp is None and self.forced:
@@ -225,23 +235,38 @@ class Sequence:
             self.new_call = None  # only a call the last token closes is still to handle
             self.append(tok, lp, tools, tokenizer, max_len)
         if self.scanner is not None:
-            self._restore_hermes_calls(prior)
+            self._restore_hermes_calls(prior, responses)
 
-    def _restore_hermes_calls(self, prior: Sample) -> None:
+    def _restore_hermes_calls(self, prior: Sample, responses: ToolResponses) -> None:
         """Hermes calls are recorded by the engine's ToolTurns, not by `append`: take the prior
         sample's records, and its turn and per-tool counts, as they were. A call the abort cut
         while its tool ran ("not finished") is left out: its closing token, the last replayed,
         leaves it in `new_call`, and the engine runs it again. So is an open call (the scanner
-        holds it again)."""
+        holds it again). The last answered call's result tokens that the abort cut off (all
+        of them when it came before the first was fed: a call refused at once) are queued in
+        `forced` again, and its record gets back the forced span `to_sample` clipped."""
         cut = self.new_call[0] if self.new_call is not None else None
+        last = None  # the answered call latest in the sample: only its result can be unfinished
         for c in prior.tool_calls:
             if c.name == "calculator" or (c.error or "").startswith(("call not finished", "not finished")):
                 continue
             if c.start == cut:  # answered or refused already: nothing to run again
                 self.new_call = None
-            self.tool_calls.append(dataclasses.replace(c))
+            call = dataclasses.replace(c)
+            self.tool_calls.append(call)
+            if call.output is not None and (last is None or call.start > last.start):
+                last = call
             if not (c.error or "").startswith("not run"):
                 self.num_turns += 1
                 if c.name is not None:
                     self.calls_by_name[c.name] = self.calls_by_name.get(c.name, 0) + 1
         self.tool_calls.sort(key=lambda c: c.start)
+        if last is not None:
+            # ToolTurns._answer queued the result's tokens, and it does not run on replay. The
+            # rendering is a function of the output text, so it gives the same tokens again.
+            # to_sample dropped a forced_start at the sample's end: then none had been fed.
+            toks = responses.suffix(last.output)
+            n = len(prior.tokens)
+            first = n if last.forced_start is None else last.forced_start
+            last.forced_start, last.end = first, first + len(toks)
+            self.forced.extend(toks[n - first:])

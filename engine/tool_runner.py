@@ -9,7 +9,8 @@ default required, the docstring's first paragraph as the description), as transf
 
 `ToolRunner` runs calls on daemon threads owned by the engine, so the engine keeps decoding
 the other samples meanwhile; a call is a concurrent.futures.Future. Threads are daemons and
-made on demand (at most `max_workers` busy ones): a call that hangs past its timeout is
+made on demand (at most `max_workers` busy ones; more calls wait in a queue, and their
+timeout counts from when a thread starts them): a call that runs past its timeout is
 abandoned, not killed (Python cannot kill a thread), and a new thread takes its place, so a
 hung tool never blocks the others or the interpreter's exit.
 """
@@ -101,7 +102,8 @@ class Tool:
     function: the callable, or "package.module:callable" (imported when first needed).
     description, parameters: what the prompt shows (parameters a JSON schema object); None:
         from the function's docstring and signature (`function_schema`).
-    timeout_s: seconds a call may run before it is abandoned and answered with an error.
+    timeout_s: seconds a call may run before it is abandoned and answered with an error
+        (from when a thread starts it: time queued behind other calls does not count).
     max_calls: calls one sample may make (None: no limit but the engine's max_turns).
     Raises ValueError naming the field for a bad name, path, timeout or max_calls.
     """
@@ -232,8 +234,10 @@ def call_tool(tool: Tool, arguments: dict) -> str:
 
 class ToolRunner:
     """Calls on daemon threads (see the module docstring). submit -> Future of the result
-    string (ToolError inside it for a failed call), whose `batchgen_done_at` is the
-    time.perf_counter() at which the call returned; abandon(future) when its timeout passed."""
+    string (ToolError inside it for a failed call). Its `batchgen_started_at` is the
+    time.perf_counter() at which a thread started the call (absent while the call waits for
+    a thread: at most `max_workers` run at once), `batchgen_done_at` the one at which the
+    call returned. abandon(future) when its timeout passed."""
 
     def __init__(self, max_workers: int = 16):
         self.max_workers = max_workers
@@ -275,6 +279,7 @@ class ToolRunner:
                 self._idle -= 1
             fut, tool, arguments = item
             if fut.set_running_or_notify_cancel():
+                fut.batchgen_started_at = time.perf_counter()  # type: ignore[attr-defined]
                 try:
                     result = call_tool(tool, arguments)
                     fut.batchgen_done_at = time.perf_counter()  # type: ignore[attr-defined]

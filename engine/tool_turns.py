@@ -4,11 +4,13 @@ When a sampled token completes <tool_call>...</tool_call> (engine/sequence.py le
 `Sequence.new_call`), `ToolTurns.start` parses it and either answers at once (bad JSON, an
 unknown tool, max_calls reached: an error message) or submits it to the `ToolRunner`'s
 threads; the sample then waits (`Sequence.pending`) outside the decode batch, holding its slot
-and KV run, while every other sample decodes. `poll` collects finished calls and calls past
-their timeout; the result (or "Error: <why>") is rendered as the chat template renders a tool
-message (engine/tool_calls.py `ToolResponses`) and queued in `Sequence.forced`: the engine
-feeds those tokens one per step (their KV computed as the calculator's output is), with mask 0
-and no logprob, and the sample goes on sampling after them.
+and KV run, while every other sample decodes. `poll` collects finished calls and calls that
+have run past their timeout (counted from when a tool thread starts the call, not from its
+submission: a call queued for a thread does not time out); the result (or "Error: <why>") is
+rendered as the chat template renders a tool message (engine/tool_calls.py `ToolResponses`)
+and queued in `Sequence.forced`: the engine feeds those tokens one per step (their KV
+computed as the calculator's output is), with mask 0 and no logprob, and the sample goes on
+sampling after them.
 
 Why a waiting sample's tokens do not change: its noise is keyed by position (engine/sampling.py),
 not by step, and on CPU with batch_invariant a row's logits do not depend on the batch it sits
@@ -31,12 +33,22 @@ MAX_BLOCK_S = 0.05  # longest `wait` blocks when only tool calls are left: new r
 
 @dataclass(slots=True)
 class PendingCall:
-    """A call running on a tool thread: its record, the tool's future, when it started."""
+    """A call submitted to the tool threads: its record, the tool's future, when it was
+    submitted (`t0`, time.perf_counter() seconds) and how long it may run (`timeout_s`)."""
 
     call: ToolCall
     future: concurrent.futures.Future
     t0: float
     timeout_s: float
+
+    def deadline(self) -> float | None:
+        """The time.perf_counter() past which the call has run too long, or None while it
+        waits for a thread: the timeout counts from when a thread starts it (ToolRunner), so
+        a call queued behind others (more calls than threads) is never answered with a
+        timeout it did not run into, and a tool that is quick enough gets its result to the
+        model however loaded the threads are."""
+        started = getattr(self.future, "batchgen_started_at", None)
+        return None if started is None else started + self.timeout_s
 
 
 class ToolTurns:
@@ -99,7 +111,7 @@ class ToolTurns:
                     self._answer(seq, p.call, None, str(e), took)
                 except BaseException as e:  # noqa: BLE001 - a tool's own failure, never the engine's
                     self._answer(seq, p.call, None, f"{p.call.name} raised {type(e).__name__}: {e}", took)
-            elif now - p.t0 > p.timeout_s:
+            elif (deadline := p.deadline()) is not None and now > deadline:
                 self.runner.abandon(p.future)
                 self._answer(seq, p.call, None, f"{p.call.name} timed out after {p.timeout_s:g} s", now - p.t0)
             else:
@@ -115,7 +127,8 @@ class ToolTurns:
         has nothing else to do); then `poll`."""
         if self.waiting:
             now = time.perf_counter()
-            first_deadline = min(s.pending.t0 + s.pending.timeout_s for s in self.waiting)
+            first_deadline = min((d for s in self.waiting if (d := s.pending.deadline()) is not None),
+                                 default=now + MAX_BLOCK_S)
             timeout = max(0.0, min(MAX_BLOCK_S, first_deadline - now))
             concurrent.futures.wait([s.pending.future for s in self.waiting], timeout=timeout,
                                     return_when=concurrent.futures.FIRST_COMPLETED)

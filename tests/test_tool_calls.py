@@ -10,8 +10,10 @@ a call the model makes: detection, the forced result, masks and logprobs, waitin
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -240,6 +242,46 @@ def test_failures_become_error_messages_and_the_samples_complete(parts, scripted
     assert res[1][0].tool_calls[0].latency_s >= 0.2
 
 
+def test_a_call_queued_for_a_thread_does_not_time_out_while_it_waits(parts, scripted):
+    """timeout_s counts from when a tool thread starts a call, not from its submission: with
+    every thread of the engine busy (one sample per thread, each call blocking on an Event),
+    a call queued behind them waits for longer than twice its timeout without timing out;
+    once the threads are free it runs and the model gets its result, its latency counting
+    the wait. (Before, the wait counted: a load above the threads turned quick calls into
+    timeouts.)"""
+    model, tok = parts
+    release = threading.Event()
+    quick_timeout = 0.3
+    eng = Engine(model, tok, tools=[Tool("hang", lambda: release.wait(30) and "late", timeout_s=30),
+                                    Tool("add", add, timeout_s=quick_timeout)])
+    threads = eng.tool_turns.runner.max_workers
+    scripted(eng, {"H": [call_text("hang", {})], "Q": [call_text("add", {"a": 2, "b": 3})]})
+    prompt = chat(tok, tools=eng.tool_turns.box.schemas())
+    params = SamplingParams(max_tokens=60, seed=3, stop_token_ids=[])
+    try:
+        eng.add_request(prompt, dataclasses.replace(params, num_samples=threads), "H")
+        while sum(s.pending is not None for s in eng.running.values()) < threads:
+            eng.step()
+        eng.add_request(prompt, params, "Q")  # its call comes when every thread runs a hanging one
+        while not any(s.request.prompt_id == "Q" and s.pending is not None for s in eng.running.values()):
+            eng.step()
+        (q,) = [s for s in eng.running.values() if s.request.prompt_id == "Q"]
+        submitted = q.pending.t0
+        while time.perf_counter() - submitted < 2 * quick_timeout:
+            eng.step()  # blocks on the tools (at most MAX_BLOCK_S): every sample waits
+            assert q.pending is not None and q.tool_calls[0].error is None, q.tool_calls[0].error
+        release.set()
+        outs = {}
+        while eng.has_unfinished_requests():
+            outs.update((o.prompt_id, o.samples) for o in eng.step())
+    finally:
+        release.set()
+    (s,) = outs["Q"]
+    c = s.tool_calls[0]
+    assert (c.output, c.error) == ("5", None) and c.latency_s >= 2 * quick_timeout
+    assert [x.tool_calls[0].output for x in outs["H"]] == ["late"] * threads
+
+
 def test_max_calls_and_max_turns_are_enforced(parts, scripted):
     """max_calls=1: a second call of the same tool is answered with an error; max_turns=2: a
     third call is recorded but not run (nothing forced) and the sample goes on."""
@@ -416,3 +458,95 @@ def test_a_sample_aborted_while_its_tool_runs_continues_with_every_call_recorded
     key = [(c.name, c.start, c.end, c.forced_start, c.output, c.error) for c in full.tool_calls]
     assert [(c.name, c.start, c.end, c.forced_start, c.output, c.error) for c in s.tool_calls] == key
     assert [c.output for c in s.tool_calls] == ["5", "9"]
+
+
+def test_a_sample_aborted_inside_or_just_before_a_forced_result_continues_with_its_rest(parts, scripted):
+    """pause("keep") while a result is being forced: the sample is aborted after 1 and after
+    all but one of the result's forced tokens (an answered call), and after none of them (a
+    call refused at once, an unknown tool: its error is queued in the step that closes the
+    call). Each continuation is forced the rest of the result before it samples again: it has
+    the uninterrupted run's tokens, masks, null logprobs and call records (with their forced
+    spans), and its logprobs agree to prefill-vs-decode rounding."""
+    model, tok = parts
+    params = SamplingParams(num_samples=1, max_tokens=110, temperature=1.0, top_k=40, seed=7, stop_token_ids=[])
+
+    def engine(turn):
+        eng = Engine(model, tok, tools=[add])
+        scripted(eng, {"A": [turn]})
+        return eng
+
+    def record(s):
+        return [(c.name, c.start, c.end, c.forced_start, c.output, c.error) for c in s.tool_calls]
+
+    for turn, cuts in [(call_text("add", {"a": 2, "b": 3}), (1, -1)), (call_text("weather", {"city": "Oslo"}), (0,))]:
+        (full,) = engine(turn).generate([chat(tok)], params, prompt_ids=["A"])[0]
+        (c,) = full.tool_calls
+        assert c.forced_start is not None and c.end < len(full.tokens)  # sampling goes on after the result
+        for fed in cuts:
+            n = (c.forced_start if fed >= 0 else c.end) + fed  # tokens of the aborted sample
+            eng = engine(turn)
+            eng.add_request(chat(tok), params, "A")
+            while not eng.running or len(next(iter(eng.running.values())).tokens) < n:
+                eng.step()
+            (out,) = eng.abort(["A"])
+            assert len(out.samples[0].tokens) == n, (turn, fed)
+            eng.continue_request(out, params)
+            outs = []
+            while eng.has_unfinished_requests():
+                outs += eng.step()
+            s = outs[0].samples[0]
+            assert (s.tokens, s.mask, record(s)) == (full.tokens, full.mask, record(full)), (turn, fed)
+            assert [x is None for x in s.logprobs] == [x is None for x in full.logprobs]
+            assert max(abs(x - y) for x, y in zip(s.logprobs, full.logprobs) if x is not None) < 1e-4
+
+
+@pytest.mark.parametrize("prefix_sharing", [False, True], ids=["own-copy", "shared"])
+def test_compaction_moves_every_cached_position_of_a_continuation_waiting_for_its_tool(parts, scripted,
+                                                                                        prefix_sharing):
+    """A sample aborted while its tool runs is continued, and its call runs again before its
+    first token (Sequence.first_pending): its last replayed token, the call's closing one,
+    already has its KV from the prompt's prefill. A compaction then slides its run down over a
+    finished request's freed blocks. Without prefix sharing the run holds that position too
+    (the prompt's copy), and the compaction moves it: the sample's tokens and logprobs are
+    bit-identical to those of the same continuation without the compaction."""
+    model, tok = parts
+    gate = threading.Event()
+
+    def gated(a: int, b: int) -> str:
+        gate.wait(30)
+        return str(a + b)
+
+    params = SamplingParams(num_samples=1, max_tokens=80, temperature=1.0, top_k=40, seed=7, stop_token_ids=[])
+
+    def continued(compact: bool):
+        gate.clear()
+        eng = Engine(model, tok, tools=[Tool("add", gated)], prefix_sharing=prefix_sharing, prefix_caching=False)
+        scripted(eng, {"A": [call_text("add", {"a": 2, "b": 3})]})
+        eng.add_request(chat(tok), params, "A")
+        while not any(s.pending is not None for s in eng.running.values()):
+            eng.step()
+        (out,) = eng.abort(["A"])
+        if compact:  # a short request takes the low blocks, the continuation goes above it
+            eng.add_request(chat(tok, "hi"), SamplingParams(max_tokens=3, seed=1, stop_token_ids=[]), "F")
+        eng.continue_request(out, params)
+        eng.step()
+        (seq,) = [s for s in eng.running.values() if s.request.prompt_id == "A"]
+        assert seq.first_pending and seq.pending is not None
+        if compact:
+            while any(s.request.prompt_id == "F" for s in eng.running.values()):
+                eng.step()
+            before = seq.own_start
+            eng._compact()  # what step() runs when the free blocks are too scattered to admit a request
+            assert seq.own_start < before and seq.first_pending
+        gate.set()
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += [o for o in eng.step() if o.prompt_id == "A"]
+        return outs[0].samples[0]
+
+    try:
+        moved, still = continued(True), continued(False)
+    finally:
+        gate.set()
+    assert moved.tool_calls[0].output == "5"
+    assert (moved.tokens, moved.mask, moved.logprobs) == (still.tokens, still.mask, still.logprobs)
