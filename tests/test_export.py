@@ -24,8 +24,10 @@ from engine.loading.checkpoint import load_model  # noqa: E402
 
 NANOCHAT = Path(__file__).parent / "fixtures" / "nanochat"
 V = 320
+# eos_token_id: an end token in the vocabulary, the engine's default stop, which genai_config.json
+# needs (Qwen2/Qwen3 configs have none by default)
 SHAPE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256)
+             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2)
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 # name -> (config class, model class, overrides): each Llama-family feature the engine loads
@@ -61,8 +63,36 @@ def hf_checkpoint(tmp_path_factory):
         _randomize(hf, seed=sorted(HF_CASES).index(name) + 1)
         d = tmp_path_factory.mktemp(name)
         hf.save_pretrained(d)
+        if name == "gpt2":  # batchgen's GPT-2 takes its end token from the tokenizer: <|endoftext|> here
+            _gpt2_tokenizer(d)
         return d
     return get
+
+
+def _gpt2_tokenizer(d: Path) -> None:
+    """GPT-2 tokenizer files in `d`: the 256 byte tokens, no merges, <|endoftext|> at 256."""
+    from engine.tokenizers.byte_level import byte_to_unicode
+
+    vocab = {ch: b for b, ch in byte_to_unicode().items()}
+    (d / "vocab.json").write_text(json.dumps({**vocab, "<|endoftext|>": 256}))
+    (d / "merges.txt").write_text("#version: 0.2\n")
+
+
+def _nanochat_with_tokenizer(dst: Path) -> Path:
+    """The e85db6b fixture (no smear gate: genai's interface) copied to `dst` with a
+    tokenizer.pkl: bytes 0..255 and tests/toy.py's nanochat specials from 256 (<|bos|> 256,
+    <|assistant_end|> 260), the engine's default stops. The fixtures ship no tokenizer."""
+    import pickle
+    import shutil
+
+    import tiktoken
+    from toy import SPECIALS
+
+    shutil.copytree(NANOCHAT / "nanochat_2026jan_e85db6b", dst)
+    enc = tiktoken.Encoding(name="bytes", pat_str=r"\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
+                            special_tokens={s: 256 + i for i, s in enumerate(SPECIALS)})
+    (dst / "tokenizer.pkl").write_bytes(pickle.dumps(enc))
+    return dst
 
 
 def _exported_ok(record: dict, out: Path) -> None:
@@ -108,8 +138,10 @@ def test_nanochat_exports_and_verifies(name, tmp_path):
     _exported_ok(record, tmp_path / "out")
     has_smear = record["model"]["architecture"]["smear"]
     assert ("past_smear" in record["interface"]["inputs"]) == has_smear
-    # onnxruntime-genai's decoder interface has no place for the smear state
-    assert (tmp_path / "out" / "genai_config.json").exists() == (not has_smear) == record["genai_config"]
+    # onnxruntime-genai's decoder interface has no place for the smear state; the others would
+    # get genai_config.json but for the end token: the fixtures ship no tokenizer to name one
+    assert not (tmp_path / "out" / "genai_config.json").exists() and not record["genai_config"]
+    assert ("no end token" in record.get("genai_config_skipped", "")) == (not has_smear)
 
 
 def test_nanochat_windows_that_bite(tmp_path):
@@ -309,7 +341,7 @@ def test_onnxruntime_genai_runs_the_directory(name, hf_checkpoint, tmp_path):
     og = pytest.importorskip("onnxruntime_genai")
     from engine.export.verify import engine_reference
 
-    src = NANOCHAT / "nanochat_2026jan_e85db6b" if name == "nanochat" else hf_checkpoint(name)
+    src = _nanochat_with_tokenizer(tmp_path / "nc") if name == "nanochat" else hf_checkpoint(name)
     export(src, tmp_path / "out", log=lambda *_: None)
     prompt = [5, 17, 33, 2, 9, 100, 7]
     model = og.Model(str(tmp_path / "out"))
@@ -448,3 +480,73 @@ def test_the_documented_onnxruntime_loop_runs(hf_checkpoint, tmp_path):
     want, _, _ = greedy_loop(_onnx(model, tmp_path / "m.onnx"), [[1, 2, 3], [4, 5, 6, 7, 8]], 32, n_layer=2,
                              n_kv_head=2, head_dim=16, kv_dtype=np.float32)
     assert scope["tokens"].shape == (2, 32) and (scope["tokens"] == want).all()
+
+
+def test_genai_config_ends_on_the_engines_end_tokens(tmp_path):
+    """genai_config.json's end tokens are the engine's default stop tokens (nanochat: none in the
+    model's info, the tokenizer's <|assistant_end|> and <|bos|>), its pad one of them, never a
+    made-up token 0 (byte '\\x00' here): onnxruntime-genai stops where the engine stops, on the
+    same tokens. Without a tokenizer no end token is known and the file is skipped, saying so."""
+    og = pytest.importorskip("onnxruntime_genai")
+    from engine import SamplingParams, load_engine
+
+    src = _nanochat_with_tokenizer(tmp_path / "nc")
+    record = export(src, tmp_path / "out", log=lambda *_: None)
+    cfg = json.loads((tmp_path / "out" / "genai_config.json").read_text())["model"]
+    eng = load_engine(src, device="cpu", dtype="float32")
+    assert sorted(cfg["eos_token_id"]) == sorted(eng.default_stop_ids) == [256, 260]
+    assert cfg["pad_token_id"] in cfg["eos_token_id"] and cfg["bos_token_id"] == 256 and record["genai_config"]
+    # a prompt the engine answers with an end token (<|bos|>) after 30 tokens, within genai's 60
+    prompt = [171, 206, 5, 206, 120, 131]
+    (want,) = eng.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0))[0]
+    assert want.finish_reason == "stop" and len(want.tokens) < 60
+    params = og.GeneratorParams(og_model := og.Model(str(tmp_path / "out")))
+    params.set_search_options(max_length=len(prompt) + 60, do_sample=False)
+    gen = og.Generator(og_model, params)
+    gen.append_tokens(np.array(prompt, np.int32))
+    got = []
+    while not gen.is_done():
+        gen.generate_next_token()
+        got.append(int(gen.get_next_tokens()[0]))
+    assert got == want.tokens
+    # the fixture as shipped, without tokenizer.pkl: nothing names an end token
+    bare = export(NANOCHAT / "nanochat_2026jan_e85db6b", tmp_path / "bare", log=lambda *_: None)
+    assert not (tmp_path / "bare" / "genai_config.json").exists() and not bare["genai_config"]
+    assert "no end token is known" in bare["genai_config_skipped"]
+
+
+def test_verification_length_must_fit_the_context(tmp_path, capsys):
+    """On a GPT-2 with a 40-token context, `export --verify --max-tokens 20` (the longest
+    verification prompt, 21 tokens, + 20 > 40) exits 2 naming --max-tokens and the context,
+    before anything is written (it crashed in onnxruntime's Gather and exited 1), and plain
+    `--verify` clamps its default 32 tokens to the 19 the context leaves and passes."""
+    from jobs.cli import main
+
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=V,
+                                                              n_positions=40)).eval()
+    hf.save_pretrained(tmp_path / "gpt2")
+    out = tmp_path / "out"
+    assert main(["export", str(tmp_path / "gpt2"), "--out", str(out), "--verify", "--max-tokens", "20"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-tokens 20" in err and "context of 40 tokens" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2"]
+    assert main(["export", str(tmp_path / "gpt2"), "--out", str(out), "--verify"]) == 0
+    assert "verifying 19 tokens per prompt" in capsys.readouterr().out
+    v = json.loads((out / "batchgen_export.json").read_text())["verification"]
+    assert v["passed"] and v["max_tokens"] == 19 and len(v["tokens"][3]) == 19
+    with pytest.raises(ExportError, match="--max-tokens 0: must be at least 1"):
+        export(tmp_path / "gpt2", tmp_path / "zero", verify=True, max_tokens=0, log=lambda *_: None)
+
+
+def test_float16_tie_is_a_tie_not_a_failure(tmp_path):
+    """float16 nanochat e85db6b: at prompt 3 step 5 the engine's own float16 logits for tokens
+    61 and 48 are equal, the engine's loop takes 61 and the artifact 48. Verification accepts
+    that step as a tie (logits within tolerance, the artifact's token within the logit
+    tolerance of the engine's top), records it, and goes on from the engine's token, so the
+    later steps compare the same prefix and pass (it failed: "step 5 gives token 48, the engine 61")."""
+    record = export(NANOCHAT / "nanochat_2026jan_e85db6b", tmp_path / "out", dtype="float16", verify=True,
+                    log=lambda *_: None)
+    v = record["verification"]
+    assert v["passed"] and not v["tokens_identical"] and v["first_difference"] is None
+    assert v["ties"][0].startswith("prompt 3 step 5: token 48, the engine 61, 0 below")
+    assert v["tokens"][3][5] == 48 and len(v["ties"]) <= 3  # ties stay rare: the prefixes never drift apart

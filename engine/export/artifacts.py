@@ -10,6 +10,13 @@ own) of every model but nanochat with a smear gate (its past_smear pair). The ty
 model's own for llama, mistral, qwen2 and qwen3; GPT-2 and nanochat get genai's generic
 "decoder" (genai 0.18's "gpt2" type refused this graph: "Model input was not found"). The graph applies
 sliding windows itself, so genai needs no window setting.
+
+Its end tokens (eos_token_id) are the ones the engine stops on by default (`Engine.default_stop_ids`:
+the checkpoint's own, ModelInfo.stop_token_ids, else its tokenizer's default_stop_token_ids), those
+within the vocabulary; pad_token_id is the first of them. Without an end token the file is not
+written (exporter.py says why in the log and in batchgen_export.json): genai stops on eos_token_id
+alone, and a made-up one (token 0 was once written: a byte in nanochat's vocabulary) makes it stop
+on a real token and never on the model's end.
 """
 from __future__ import annotations
 
@@ -84,18 +91,29 @@ def write_tokenizer(source: Path, fmt: str, out: Path) -> list[str]:
     return written
 
 
-def genai_config(model: CausalLM, filename: str, tokenizer_meta: dict) -> dict | None:
+def genai_interface(model: CausalLM) -> bool:
+    """True where the graph has onnxruntime-genai's decoder interface (the dynamic ONNX of an
+    architecture in GENAI_TYPES without carried state: not nanochat's smear gate)."""
+    return model.info.arch in GENAI_TYPES and not model.info.state_dims
+
+
+def genai_config(model: CausalLM, filename: str, end_ids: list[int], bos_id: int | None) -> dict | None:
     """onnxruntime-genai's genai_config.json for the model, or None where the graph's interface
-    is not genai's (nanochat's smear state). tokenizer_meta: bos/eos/pad token ids where known."""
+    is not genai's (nanochat's smear state). end_ids: the engine's default stop tokens in the
+    vocabulary, at least one (ValueError without: exporter.py skips the file instead); bos_id:
+    the tokenizer's BOS token where it has one."""
     info = model.info
-    if info.arch not in GENAI_TYPES or info.state_dims:
+    if not genai_interface(model):
         return None
+    eos = list(end_ids)
+    if not eos or any(not 0 <= i < info.vocab_size for i in eos):
+        raise ValueError(f"genai_config needs end tokens within the vocabulary of {info.vocab_size}, got {eos}")
     heads = (getattr(getattr(model, "cfg", None), "num_heads", None) or getattr(model, "n_head", None)
              or getattr(getattr(model, "config", None), "n_head", info.n_kv_head))
-    eos = list(info.stop_token_ids) or ([tokenizer_meta["eos"]] if tokenizer_meta.get("eos") is not None else [0])
     return {
         "model": {
-            "bos_token_id": tokenizer_meta.get("bos") if tokenizer_meta.get("bos") is not None else eos[0],
+            # genai only reports it (Tokenizer.bos_token_id); GPT-2's own convention without one
+            "bos_token_id": bos_id if bos_id is not None else eos[0],
             "context_length": info.context_len,
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
@@ -112,7 +130,11 @@ def genai_config(model: CausalLM, filename: str, tokenizer_meta: dict) -> dict |
                 "num_key_value_heads": info.n_kv_head,
             },
             "eos_token_id": eos if len(eos) > 1 else eos[0],
-            "pad_token_id": tokenizer_meta.get("pad", eos[0]) if tokenizer_meta.get("pad") is not None else eos[0],
+            # genai fills a finished row's later tokens with pad_token_id and pads a batch's shorter
+            # prompts with it (its id goes through the graph's embedding Gather: in the vocabulary),
+            # counting trailing pads as padding: an end token reads as "ended" in either place and
+            # ends no prompt, where a byte like token 0 would read as generated text
+            "pad_token_id": eos[0],
             "type": GENAI_TYPES[info.arch],
             "vocab_size": info.vocab_size,
         },

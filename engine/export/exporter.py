@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 FORMATS = ("onnx", "pt2")
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
+DEFAULT_MAX_TOKENS = 32  # the verification's tokens per prompt when max_tokens is not given
 
 
 def _check_out(out: Path) -> None:
@@ -39,11 +40,33 @@ def _check_out(out: Path) -> None:
         raise ExportError(f"--out {str(out)!r}: cannot write in {str(parent)!r} (permission denied)")
 
 
+def verify_tokens(max_tokens: int | None, context_len: int, longest_prompt: int) -> int:
+    """The tokens per prompt the verification generates: `max_tokens` as given, or without it
+    DEFAULT_MAX_TOKENS clamped to what the model's context leaves after the longest prompt (a
+    default is not a request: a tiny-context model just verifies fewer tokens). Raises
+    ExportError naming --max-tokens and the context for a given value the context cannot hold,
+    and for a context that cannot hold the longest prompt and one token."""
+    # the engine generates min(max_tokens, context - prompt) tokens and the artifact's position
+    # table ends at the context (onnxruntime: "Gather ... out of bounds"): prompt + tokens must fit
+    room = context_len - longest_prompt
+    if max_tokens is None:
+        if room < 1:
+            raise ExportError(f"--verify: the model's context of {context_len} tokens cannot hold the verification's "
+                              f"longest prompt ({longest_prompt} tokens) and one generated token")
+        return min(DEFAULT_MAX_TOKENS, room)
+    if max_tokens > room:
+        raise ExportError(f"--max-tokens {max_tokens}: the verification's longest prompt ({longest_prompt} tokens) "
+                          f"plus {max_tokens} generated tokens exceeds the model's context of {context_len} tokens "
+                          f"(at most {max(room, 0)})")
+    return max_tokens
+
+
 def check_options(out: Path, format: str, dtype: str, static_max_len: int | None, verify: bool,
-                  max_tokens: int, context_len: int | None = None, longest_prompt: int | None = None) -> None:
+                  max_tokens: int | None, context_len: int | None = None, longest_prompt: int | None = None) -> None:
     """Raise ExportError naming the option for an unknown format or dtype, a pt2 export without a
-    static length, a static length below the verification's prompt + tokens or above the
-    model's context, or an output that cannot be written."""
+    static length, a --max-tokens below 1, a static length below the verification's prompt +
+    tokens or above the model's context, or an output that cannot be written. (The
+    verification's prompt + tokens against the context: verify_tokens.)"""
     if format not in FORMATS:
         raise ExportError(f"--format {format!r}: expected one of {', '.join(FORMATS)}")
     if dtype not in DTYPES:
@@ -52,20 +75,22 @@ def check_options(out: Path, format: str, dtype: str, static_max_len: int | None
         raise ExportError("--format pt2 is the static-shape variant: give --static-max-len N")
     if format == "pt2" and dtype != "float32":
         raise ExportError("--format pt2: only --dtype float32 (the CPU AOTInductor build)")
+    if verify and max_tokens is not None and max_tokens < 1:
+        raise ExportError(f"--max-tokens {max_tokens}: must be at least 1")
     if static_max_len is not None:
         if static_max_len < 1:
             raise ExportError(f"--static-max-len {static_max_len}: must be at least 1")
         if context_len is not None and static_max_len > context_len:
             raise ExportError(f"--static-max-len {static_max_len} exceeds the model's context of {context_len} "
                               f"tokens")
-        if verify and longest_prompt is not None and static_max_len < longest_prompt + max_tokens:
+        if verify and longest_prompt is not None and static_max_len < longest_prompt + (max_tokens or 0):
             raise ExportError(f"--static-max-len {static_max_len} is below the verification's longest prompt "
                               f"({longest_prompt} tokens) plus {max_tokens} generated tokens")
     _check_out(out)
 
 
 def export(model: "str | Path | CausalLM", out: str | Path, *, format: str = "onnx", dtype: str = "float32",
-           static_max_len: int | None = None, verify: bool = False, max_tokens: int = 32,
+           static_max_len: int | None = None, verify: bool = False, max_tokens: int | None = None,
            step: int | None = None, log=print) -> dict:
     """Export checkpoint `model` (any `model.path` batchgen loads, or a loaded CausalLM on CPU in
     the export's dtype, e.g. after `Engine.load_weights`) to directory `out`.
@@ -74,7 +99,9 @@ def export(model: "str | Path | CausalLM", out: str | Path, *, format: str = "on
         static shapes; needs static_max_len). dtype: "float32" or "float16" (weights, KV).
     static_max_len: fixed KV buffers of N positions instead of growing past/present.
     verify: run engine/export/verify.py's greedy loop (4 prompts, `max_tokens` tokens) in the
-        artifact against the engine before the directory is renamed into place.
+        artifact against the engine before the directory is renamed into place. max_tokens:
+        None: 32, or fewer where the model's context cannot hold the longest prompt (21) + 32;
+        a number the context cannot hold is an ExportError (verify_tokens).
     step: nanochat only, the checkpoint step (default: the highest). log: progress lines.
     Returns batchgen_export.json's contents. Raises ExportError (bad options, unwritable out,
     an unsupported model; nothing written), VerificationError (nothing written), and what
@@ -87,6 +114,11 @@ def export(model: "str | Path | CausalLM", out: str | Path, *, format: str = "on
     check_options(out, format, dtype, static_max_len, verify, max_tokens)
     t0 = time.perf_counter()
     source, fmt, m = _load(model, dtype, step)
+    if verify:  # before tracing: a verification the context cannot hold fails in onnxruntime's Gather
+        wanted, max_tokens = max_tokens, verify_tokens(max_tokens, m.info.context_len, max(PROMPT_LENGTHS))
+        if wanted is None and max_tokens < DEFAULT_MAX_TOKENS:
+            log(f"export: verifying {max_tokens} tokens per prompt, not {DEFAULT_MAX_TOKENS}: the model's context "
+                f"is {m.info.context_len} tokens and the longest verification prompt {max(PROMPT_LENGTHS)}")
     check_options(out, format, dtype, static_max_len, verify, max_tokens, m.info.context_len, max(PROMPT_LENGTHS))
     fwd = KVExplicitForward(m, static_max_len)
     try:
@@ -102,7 +134,7 @@ def export(model: "str | Path | CausalLM", out: str | Path, *, format: str = "on
             result = run_verify(runner, m, max_tokens=max_tokens, static_max_len=static_max_len,
                                 kv_dtype=DTYPES[dtype])
             log(result.summary())
-        record = _write_beside(tmp, fwd, source, fmt, filename, format, dtype)
+        record = _write_beside(tmp, fwd, source, fmt, filename, format, dtype, log)
         record.update(export_seconds=round(export_s, 2),
                       verification=None if result is None else result.as_dict())
         (tmp / "batchgen_export.json").write_text(json.dumps(record, indent=2))
@@ -146,34 +178,55 @@ def _write_model(fwd, tmp: Path, format: str, verify: bool):
     return "model.pt2", (pt2_runner(tmp / "model.pt2", fwd=fwd) if verify else None)
 
 
-def _write_beside(tmp: Path, fwd, source: Path | None, fmt: str, filename: str, format: str, dtype: str) -> dict:
+def _write_beside(tmp: Path, fwd, source: Path | None, fmt: str, filename: str, format: str, dtype: str,
+                  log=print) -> dict:
     """Tokenizer files and genai_config.json into `tmp`; returns the record's other fields."""
-    from engine.export.artifacts import checkpoint_sha256, genai_config, interface, write_tokenizer
+    from engine.export.artifacts import checkpoint_sha256, genai_config, genai_interface, interface, write_tokenizer
 
     m = fwd.model
     tok_files = write_tokenizer(source, fmt, tmp) if source is not None else []
-    meta = _tokenizer_meta(source, fmt) if source is not None else {}
-    genai = genai_config(m, filename, meta) if format == "onnx" and fwd.static_max_len is None else None
-    if genai is not None:
-        (tmp / "genai_config.json").write_text(json.dumps(genai, indent=2))
+    genai = skipped = None
+    if format == "onnx" and fwd.static_max_len is None and genai_interface(m):
+        end_ids, bos_id, why = _end_tokens(m, source, fmt)
+        if end_ids:
+            genai = genai_config(m, filename, end_ids, bos_id)
+            (tmp / "genai_config.json").write_text(json.dumps(genai, indent=2))
+        else:
+            skipped = f"genai_config.json not written: no end token is known ({why}); onnxruntime-genai would never stop"
+            log(f"export: {skipped}")
     return {"source": {"path": None if source is None else str(source), "format": fmt,
                        **(checkpoint_sha256(source) if source is not None else {"sha256": None})},
             "model": {"arch": m.info.arch, "description": m.info.description, "architecture": _plain(m.architecture())},
             "format": format, "file": filename, "dtype": dtype, "interface": interface(fwd),
-            "tokenizer_files": tok_files, "genai_config": genai is not None, "torch": torch.__version__}
+            "tokenizer_files": tok_files, "genai_config": genai is not None,
+            **({"genai_config_skipped": skipped} if skipped else {}), "torch": torch.__version__}
 
 
-def _tokenizer_meta(source: Path, fmt: str) -> dict:
-    """bos/eos/pad token ids of the checkpoint's tokenizer, where it has one (else {})."""
-    try:
-        from engine.tokenizers.base import Tokenizer
-        from engine.tokenizers.hf_tokenizer import HFTokenizer
+def _end_tokens(m, source: Path | None, fmt: str) -> tuple[list[int], int | None, str]:
+    """(the end tokens the engine stops on by default, in the vocabulary; the tokenizer's BOS
+    or None; why there are none, when there are none). The same source as
+    `Engine.default_stop_ids`: the checkpoint's own (ModelInfo.stop_token_ids), else the
+    tokenizer's default_stop_token_ids, the tokenizer found as load_checkpoint finds it."""
+    from engine.loading.checkpoint import TINY_RANDOM
+    from engine.tokenizers.base import Tokenizer
+    from engine.tokenizers.hf_tokenizer import HFTokenizer
 
-        tok = HFTokenizer.from_gguf(source) if fmt == "gguf" else Tokenizer.load(source)
-    except (OSError, ValueError):
-        return {}
-    eos = getattr(tok, "eos_token_id", None)
-    return {"bos": tok.bos_token_id, "eos": eos, "pad": eos}
+    tok, why = None, "no tokenizer: an in-memory model"
+    if source is not None or fmt == TINY_RANDOM:
+        try:
+            tok = (Tokenizer.demo() if fmt == TINY_RANDOM else HFTokenizer.from_gguf(source) if fmt == "gguf"
+                   else Tokenizer.find_nanochat(source) if fmt == "nanochat" else Tokenizer.load(source))
+        except (OSError, ValueError) as e:  # a checkpoint without a readable tokenizer: ids only
+            why = f"the checkpoint's tokenizer cannot be read: {e}"
+    ids = list(m.info.stop_token_ids) or (list(tok.default_stop_token_ids) if tok is not None else [])
+    vocab = m.info.vocab_size
+    # an id beyond the logits can never be generated, and genai feeds pad_token_id to the graph
+    inside = list(dict.fromkeys(i for i in ids if 0 <= i < vocab))
+    if ids and not inside:
+        why = f"the end tokens {ids} lie outside the vocabulary of {vocab}"
+    elif tok is not None and not ids:
+        why = "neither the checkpoint nor its tokenizer names one"
+    return inside, (tok.bos_token_id if tok is not None else None), why
 
 
 def _plain(d):
@@ -181,4 +234,4 @@ def _plain(d):
     return json.loads(json.dumps(d, default=str))
 
 
-__all__ = ["export", "ExportError", "VerificationError", "check_options"]
+__all__ = ["export", "ExportError", "VerificationError", "check_options", "verify_tokens"]

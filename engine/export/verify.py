@@ -6,9 +6,16 @@ decode step per token, each step's `present.*` fed back as the next `past_key_va
 engine generates the same prompts greedily (`Engine.generate`, temperature 0, no stop tokens),
 and scores each prompt with its generated tokens in one prefill through the model's own step
 (`forward_step`, the compiled kernels, a real `KVCache`), which gives the logits at every
-position and the KV the engine stores. Compared:
-- tokens: identical, per prompt and step;
-- logits: each step's last-position logits against the engine's at the same position;
+position and the KV the engine stores. The artifact's loop is fed the engine's tokens (teacher
+forcing), so at every step both sides score the same prefix; where they agree, as a passing
+artifact does at every step but a tie, that is the artifact's own greedy loop. Compared:
+- tokens: the artifact's greedy choice equals the engine's, per prompt and step, but for a
+  tie: a step whose logits pass and where the engine's own logits put the artifact's choice
+  within the logit tolerance of their top (two correct programs rounding differently may break
+  a tie either way: float16 nanochat e85db6b gives two tokens the same float16 logit). A tie is
+  recorded (`Verification.ties`, the summary), never silent; any other difference fails;
+- logits: each step's last-position logits against the engine's at the same position, at every
+  step, ties included;
 - KV: the final `present.{layer}.key/value` at each real position (the row's padding skipped)
   against the engine's cache.
 The first difference beyond the tolerance is named by prompt, step, layer and position.
@@ -57,14 +64,17 @@ class Verification:
     passed: bool
     first_difference: str | None = None
     tokens: list[list[int]] = field(default_factory=list)
+    ties: list[str] = field(default_factory=list)  # the steps accepted as ties (module docstring)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def summary(self) -> str:
         head = "passed" if self.passed else f"FAILED: {self.first_difference}"
+        toks = ("identical" if self.tokens_identical else
+                f"identical but for {len(self.ties)} tie(s) ({'; '.join(self.ties)})" if self.passed else "differ")
         return (f"verify {head}; {len(self.prompt_lengths)} prompts of {self.prompt_lengths} tokens x "
-                f"{self.max_tokens} greedy tokens: tokens {'identical' if self.tokens_identical else 'differ'}, "
+                f"{self.max_tokens} greedy tokens: tokens {toks}, "
                 f"max logit diff {self.max_logit_diff:.3g} (tol {self.logit_tol:g} x max(1, |logits|)), "
                 f"max KV diff {self.max_kv_diff:.3g} (tol {self.kv_tol:g} x max(1, |KV|) x (layer + 1))")
 
@@ -77,10 +87,13 @@ def verify_prompts(vocab_size: int, seed: int = 0, lengths: tuple[int, ...] = PR
 
 # ---------------------------------------------------------------------- the artifact's loop
 def greedy_loop(run: Runner, prompts: list[list[int]], max_tokens: int, *, n_layer: int, n_kv_head: int,
-                head_dim: int, kv_dtype: np.dtype, smear_dim: int = 0, static_max_len: int | None = None):
+                head_dim: int, kv_dtype: np.dtype, smear_dim: int = 0, static_max_len: int | None = None,
+                forced: list[list[int]] | None = None):
     """Greedy generation through an artifact's interface: (tokens (B, max_tokens), step logits
     (max_tokens, B, V) float32, the last step's presents {name: array}). Prompts left-padded
-    with token 0; position_ids count real tokens from 0 (HF's cumsum(attention_mask) - 1)."""
+    with token 0; position_ids count real tokens from 0 (HF's cumsum(attention_mask) - 1).
+    forced: per prompt, the tokens to feed back instead of the artifact's own choices (teacher
+    forcing; max_tokens - 1 or more each); the tokens returned are still the artifact's."""
     B, P = len(prompts), max(map(len, prompts))
     ids = np.zeros((B, P), np.int64)
     mask = np.zeros((B, P), np.int64)
@@ -112,6 +125,8 @@ def greedy_loop(run: Runner, prompts: list[list[int]], max_tokens: int, *, n_lay
                 feed["past_key_values." + name[len("present."):]] = value
         if smear_dim:
             feed["past_smear"] = out["present_smear"]
+        if forced is not None and step + 1 < max_tokens:
+            nxt = np.array([f[step] for f in forced])
         ids, pos = nxt[:, None].astype(np.int64), pos[:, -1:] + 1
         mask = np.concatenate([mask, np.ones((B, 1), np.int64)], axis=1)
     presents = {k: v for k, v in out.items() if k.startswith("present.")}
@@ -173,44 +188,52 @@ def verify(run: Runner, model: CausalLM, *, max_tokens: int = 32, static_max_len
     info = model.info
     prompts = prompts or verify_prompts(info.vocab_size)
     np_dtype = np.float16 if kv_dtype == torch.float16 else np.float32
+    # the engine first: its tokens are what the artifact's loop is fed (module docstring)
+    want_tokens, scored = engine_reference(model, prompts, max_tokens)
     got_tokens, got_logits, presents = greedy_loop(
         run, prompts, max_tokens, n_layer=info.n_layer, n_kv_head=info.n_kv_head, head_dim=info.head_dim,
-        kv_dtype=np_dtype, smear_dim=info.state_dims.get("smear", 0), static_max_len=static_max_len)
-    want_tokens, scored = engine_reference(model, prompts, max_tokens)
+        kv_dtype=np_dtype, smear_dim=info.state_dims.get("smear", 0), static_max_len=static_max_len,
+        forced=want_tokens)
     logit_tol, kv_tol = LOGIT_TOL[kv_dtype], KV_TOL[kv_dtype]
     first: str | None = None
     identical = True
+    ties: list[str] = []
     max_logit = max_kv = 0.0
     P = max(map(len, prompts))
     for b, (p, want) in enumerate(zip(prompts, want_tokens)):
         got = got_tokens[b].tolist()
-        same = next((s for s in range(max_tokens) if got[s] != want[s]), max_tokens)
-        if same < max_tokens:
-            identical = False
-            first = first or (f"prompt {b} ({len(p)} tokens): step {same} gives token {got[same]}, "
-                              f"the engine {want[same]}")
         logits, kv = scored[b]
-        for s in range(min(same + 1, max_tokens)):
+        for s in range(max_tokens):
             ref = logits[len(p) - 1 + s].numpy()
+            tol = logit_tol * max(1.0, float(np.abs(ref).max()))
             d = float(np.abs(got_logits[s, b, :info.vocab_size] - ref).max())
             max_logit = max(max_logit, d)
-            if d > logit_tol * max(1.0, float(np.abs(ref).max())) and first is None:
-                first = f"prompt {b}: logits at step {s} (position {len(p) - 1 + s}) differ by {d:.3g}"
-        n = len(p) + same if same < max_tokens else len(p) + max_tokens - 1  # positions both sides agree on
+            if got[s] != want[s]:
+                identical = False
+                gap = float(ref.max() - ref[got[s]])  # how far below the engine's top the artifact's choice is
+                if d <= tol and gap <= tol:
+                    ties.append(f"prompt {b} step {s}: token {got[s]}, the engine {want[s]}, "
+                                f"{gap:.3g} below the engine's top logit")
+                    continue
+                first = first or (f"prompt {b} ({len(p)} tokens): step {s} gives token {got[s]}, the engine "
+                                  f"{want[s]} (the artifact's token {gap:.3g} below the engine's top logit)")
+            elif d > tol:
+                first = first or f"prompt {b}: logits at step {s} (position {len(p) - 1 + s}) differ by {d:.3g}"
+        n = len(p) + max_tokens - 1  # what was fed: the prompt, then the engine's tokens but the last
         pad = P - len(p)
         for i, (k, v) in enumerate(kv):
             for name, ref in (("key", k), ("value", v)):
                 arr = presents[f"present.{i}.{name}"][b, :, pad:pad + n].astype(np.float32)  # (KV, n, D)
-                want = ref[:n].transpose(0, 1).numpy()
-                diff = np.abs(arr - want).max(axis=(0, 2))  # per position
+                want_kv = ref[:n].transpose(0, 1).numpy()
+                diff = np.abs(arr - want_kv).max(axis=(0, 2))  # per position
                 max_kv = max(max_kv, float(diff.max(initial=0.0)))
-                bad = np.nonzero(diff > kv_tol * (i + 1) * max(1.0, float(np.abs(want).max(initial=0.0))))[0]
+                bad = np.nonzero(diff > kv_tol * (i + 1) * max(1.0, float(np.abs(want_kv).max(initial=0.0))))[0]
                 if len(bad) and first is None:
                     first = (f"prompt {b}: present.{i}.{name} (layer {i}) at position {int(bad[0])} differs "
                              f"by {float(diff[bad[0]]):.3g}")
     passed = first is None
     return Verification([len(p) for p in prompts], max_tokens, identical, max_logit, max_kv, logit_tol, kv_tol,
-                        passed, first, [t.tolist() for t in got_tokens])
+                        passed, first, [t.tolist() for t in got_tokens], ties)
 
 
 def check(result: Verification) -> Verification:
