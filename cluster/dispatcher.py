@@ -24,12 +24,13 @@ Failures (actors run with max_restarts=0, max_task_retries=0: the dispatcher own
 - a worker dies (RayActorError: killed, OOM, node lost): as an engine failure.
 - a unit passes its deadline (`unit_timeout_s`, or derived from committed units): a second
   copy is dispatched to another worker and its worker becomes suspect (replaced, its units
-  charged, if it shows no progress within `suspect_timeout_s`); a worker still holding a
-  copy `suspect_timeout_s` after another copy committed is replaced too (uncharged).
-- a worker fails to start: the slot is retried, and given up after `max_start_failures` in a
-  row while other workers run; when no worker can ever start, or no alive Ray node can host
-  one (unless `may_add_nodes`: then it waits for nodes, up to `start_timeout_s`), the run
-  fails (cluster/health.py).
+  charged, if that copy shows no progress of its own within `suspect_timeout_s`; with one
+  worker the replacement runs the unit again); a worker still holding a copy
+  `suspect_timeout_s` after another copy committed is replaced too (uncharged).
+- a worker fails to start, or is not ready within `start_timeout_s`: the slot is retried,
+  and given up after `max_start_failures` in a row while other workers run; when no worker
+  can ever start, or no alive Ray node can host one (unless `may_add_nodes`: then it waits
+  for nodes, up to `start_timeout_s`), the run fails (cluster/health.py).
 
 Unit commits are idempotent (one file per unit index, first commit wins, deterministic
 sampling), so a unit that ran twice yields one committed file.
@@ -125,8 +126,10 @@ class UnitDispatcher:
     def wait_ready(self, timeout_s: float | None = None) -> int:
         """Start the workers and block until every slot's worker is ready (failed starts
         are retried as in `run`), or `timeout_s` passes; returns the number of ready
-        workers. Raises UnitFailed when workers keep failing to start or no node can host
-        one, as `run` does."""
+        workers. Once some worker is ready it waits at most `start_timeout_s` for the
+        others (a slot Ray cannot place keeps starting in the background). Raises
+        UnitFailed when workers keep failing to start or no node can host one, as `run`
+        does."""
         return self.slots.wait_ready(timeout_s)
 
     def load_weights(self, path: str, *, step: int | None = None) -> list[dict]:
@@ -183,6 +186,11 @@ class UnitDispatcher:
             raise RuntimeError("this UnitDispatcher is closed")
         self.slots.weights_lost = ""  # this swap gives the workers known weights again
         self.wait_ready()
+        for w in [w for w in self.slots.slots if w is not None and w.state == WorkerState.STARTING]:
+            # still starting (wait_ready stopped waiting for it): it was created with the old
+            # weights and the swap will not reach it; the fill after the swap starts it again
+            # with the new ones (it holds no units, and its slot is not charged)
+            self.slots.remove(w, "restarted: the pool's weights are swapped while it starts")
         live = self.slots.live()
         if not live:
             raise UnitFailed(f"{what}: no worker is running; last start error: "
@@ -260,7 +268,7 @@ class UnitDispatcher:
             self._wait_and_handle(ray, self._wakeup(now, on_progress is not None), results, on_result)
             now = time.monotonic()
             self._check_deadlines(now)
-            for w, why, charge in self.slots.check_suspects(now, self.unit_timeout()):
+            for w, why, charge in self.slots.check_suspects(now, self.unit_timeout(), self.units.settled):
                 self._replace(w, why, charge=charge)
             self.slots.check_can_run(now)
             if on_progress is not None and now >= next_progress:
@@ -304,6 +312,7 @@ class UnitDispatcher:
                 for c in w.copies.values():
                     if not c.overdue:
                         t = min(t, c.sent + deadline - now)
+            t = min(t, self.slots.next_check(now, deadline))  # a stalled overdue copy is replaced on time
         return max(0.01, t)
 
     def _wait_and_handle(self, ray: Any, timeout: float, results: list, on_result: Callable | None) -> None:
@@ -349,8 +358,9 @@ class UnitDispatcher:
             return
         w.copies.pop(ref, None)
         w.failures_in_row = 0
-        if w.state == WorkerState.SUSPECT:
-            w.state = WorkerState.READY  # it committed: alive
+        # Ready again only if this was its last overdue copy without progress: another unit
+        # committing says nothing about a copy stuck beside it (a hung read, say).
+        self.slots.recheck(w)
         if self.units.commit(c, time.monotonic()):
             results.append(result)
             if on_result is not None:
@@ -358,23 +368,37 @@ class UnitDispatcher:
 
     def _on_unit_error(self, w: WorkerRecord, ref: Any, c: Copy, exc: Any) -> None:
         """A copy's run_unit call raised (RayTaskError `exc`): the unit is charged and queued
-        again; an engine failure replaces the worker, and so do too many failures in a row."""
+        again; an engine failure replaces the worker, and so do too many failures in a row.
+
+        The worker is taken out before the unit is charged: the charge raises UnitFailed on
+        the unit's last attempt, and a broken worker left ready would fail the next run's
+        units. An engine failure replaces the worker even when the copy's unit is settled
+        (committed elsewhere, an earlier run's, an ended call's): the worker is broken all
+        the same."""
         from cluster.worker import EngineLoopError
 
         w.copies.pop(ref, None)
         u = self.units.drop(c)
-        if u is None:
-            return  # a copy of a unit already committed (or of an earlier run)
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
         why = f"on {w.name}: {short_error(cause)}"
         if isinstance(cause, EngineLoopError) or isinstance(exc, EngineLoopError):
-            self.units.retry(u, why, front=True)
-            self._replace(w, f"its engine failed: {short_error(cause, 300)}", charge=True)
+            reason = f"its engine failed: {short_error(cause, 300)}"
+            held = self.slots.remove(w, reason)
+            if u is not None:
+                self.units.retry(u, why, front=True)
+            self.units.lost(held, reason, charge=True)
             return
+        if u is None:
+            return  # a copy of a unit already committed (or of an earlier run)
         w.failures_in_row += 1
+        if w.failures_in_row < self.max_worker_failures:
+            self.units.retry(u, why, avoid=w.name)
+            self.slots.recheck(w)
+            return
+        reason = f"{w.failures_in_row} units failed in a row on it"
+        held = self.slots.remove(w, reason)
         self.units.retry(u, why, avoid=w.name)
-        if w.failures_in_row >= self.max_worker_failures:
-            self._replace(w, f"{w.failures_in_row} units failed in a row on it", charge=False)
+        self.units.lost(held, reason, charge=False)
 
     def _check_deadlines(self, now: float) -> None:
         """A copy past the unit deadline: its unit gets a second copy, its worker becomes suspect."""
@@ -387,8 +411,7 @@ class UnitDispatcher:
             for c in list(w.copies.values()):
                 if c.overdue or now - c.sent <= deadline:
                     continue
-                if self.units.overdue(c, now) and w.state == WorkerState.READY:
-                    self.slots.mark_suspect(w, now)
+                self.slots.watch(w, c, now, open_unit=self.units.overdue(c, now))
 
     # ------------------------------------------------------------------ progress
     def _report(self, done: int) -> dict:
@@ -436,7 +459,7 @@ class UnitDispatcher:
         now = time.monotonic()
         if deadlines:
             self._check_deadlines(now)
-            for w, why, charge in self.slots.check_suspects(now, self.unit_timeout()):
+            for w, why, charge in self.slots.check_suspects(now, self.unit_timeout(), self.units.settled):
                 self._replace(w, why, charge=charge)
         self.slots.check_can_run(now)
 

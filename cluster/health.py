@@ -10,19 +10,26 @@ Worker states (`WorkerState`):
     ready      takes units, `in_flight_per_worker` at a time (2: its engine never drains at
                a unit boundary)
     suspect    one of its units is overdue: gets no new units, is pinged (`progress()`) until
-               it shows progress (generated tokens or finished units grow: back to ready) or
-               the suspect timeout passes (replaced, its units charged)
+               each overdue unit it holds shows progress of its own (back to ready) or one
+               shows none for the suspect timeout (replaced, its units charged)
     replaced   killed; its in-flight units went back to the queue
 
 - pings: progress() replies are kept per worker for the progress report; a worker found dead
   is replaced;
-- suspects: `check_suspects` pings them and says which workers to replace: a suspect without
-  progress for the suspect timeout (charged), a worker still holding a copy that long after
-  another copy of its unit committed (uncharged);
-- starts: a failed start (the constructor raised, the process died before ready, or the
-  engine resolved model dtype "auto" to another dtype than the run's, `refuse_dtype`) costs
-  the slot one attempt; a slot failing `max_start_failures` times in a row is given up while
-  other workers run;
+- suspects: `check_suspects` pings workers holding overdue copies and says which to
+  replace: one whose overdue copy showed no progress for the suspect timeout (charged), a
+  worker still holding a copy that long after another copy of its unit committed
+  (uncharged). Progress is the copy's own, from the worker's progress() "units": the unit
+  moving on (read, in the engine, written) or the engine stepping while it is in it; other
+  units finishing on the same worker prove nothing about it (a read stuck on a filesystem
+  leaves the engine free for them). An overdue copy stays watched after the worker is back
+  to ready, so a unit that moved once and then stopped is caught too, and a pool of one
+  worker, where no second copy can run, gets the unit back through the replacement;
+- starts: a failed start (the constructor raised, the process died before ready, the
+  engine resolved model dtype "auto" to another dtype than the run's, `refuse_dtype`, or
+  it was not ready within `start_timeout_s`: Ray had no room to place it, or its load hung)
+  costs the slot one attempt; a slot failing `max_start_failures` times in a row is given
+  up while other workers run;
 - nodes: when no worker runs, `check_can_run` fails the run once every empty slot is given
   up, or when no alive Ray node can host a worker (cluster/resources.py) unless
   `may_add_nodes` (then it is "waiting for nodes"), and after `start_timeout_s` in any case.
@@ -37,7 +44,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 from cluster.unit import UnitFailed, UnitTask
 
@@ -69,8 +76,6 @@ class WorkerRecord:
     progress: dict = field(default_factory=dict)  # the last progress() reply
     poll_ref: Any = None  # a pending progress() call
     poll_sent: float = 0.0
-    suspect_since: float = 0.0
-    baseline: tuple | None = None  # (generated_tokens, finished_units) at the first reply while suspect
     reason: str = ""  # why it was replaced
 
     @property
@@ -132,6 +137,7 @@ class WorkerSlots:
         self._counter = itertools.count()
         self._actor_cls = None
         self._slot_failures = [0] * num_workers
+        self._late = [False] * num_workers  # the slot's last start was not ready within start_timeout_s
         self._no_worker_since: float | None = None
         self._next_node_check = 0.0
 
@@ -253,24 +259,30 @@ class WorkerSlots:
     # ------------------------------------------------------------------ starts
     def wait_ready(self, timeout_s: float | None = None) -> int:
         """Start the workers and block until every slot's worker is ready or given up, or
-        `timeout_s` passes; returns the number of ready workers. Raises UnitFailed as
-        check_can_run."""
+        `timeout_s` passes; returns the number of ready workers. While some worker is ready
+        it does not wait for a slot whose last start was not ready within start_timeout_s
+        (`check_starts`; Ray had no room for it, say): that slot goes on starting in the
+        background, as in a run, instead of holding every caller (the pool's constructor,
+        each weights swap) until it is given up. Raises UnitFailed as check_can_run."""
         import ray
 
         self.start()
         end = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
+            now = time.monotonic()
+            self.check_can_run(now)  # first: a start past start_timeout_s fails and its slot refills
             self.fill()
             starting = {w.ready_ref: w for w in self.slots if w is not None and w.state == WorkerState.STARTING}
-            now = time.monotonic()
             if not starting or (end is not None and now >= end):
                 return len(self.live())
-            self.check_can_run(now)
-            wait = 2.0 if end is None else max(0.01, min(2.0, end - now))
-            done, _ = ray.wait(list(starting), num_returns=1, timeout=wait)
+            if self.live() and all(self._late[w.slot] for w in starting.values()):
+                return len(self.live())
+            wake = min([2.0] + [w.created + self.start_timeout_s - now for w in starting.values()]
+                       + ([] if end is None else [end - now]))
+            done, _ = ray.wait(list(starting), num_returns=1, timeout=max(0.01, wake))
             for ref in done:
-                self.refs.pop(ref, None)
-                self.on_ready(ray, ref, starting[ref])
+                if self.refs.pop(ref, None) is not None:  # not if its worker was removed meanwhile
+                    self.on_ready(ray, ref, starting[ref])
 
     def on_ready(self, ray: Any, ref: Any, w: WorkerRecord) -> None:
         """`w`'s ready() call returned: it takes units, or its start failed."""
@@ -285,6 +297,7 @@ class WorkerSlots:
             return
         w.state = WorkerState.READY
         self._slot_failures[w.slot] = 0
+        self._late[w.slot] = False
         self.event("ready", f"{w.name} pid {w.info.get('pid')} on {w.info.get('host')}")
 
     def refuse_dtype(self, w: WorkerRecord) -> str | None:
@@ -332,7 +345,10 @@ class WorkerSlots:
                 self.poll(w, now)
 
     def on_poll(self, ray: Any, ref: Any, w: WorkerRecord) -> str | None:
-        """`w`'s progress() call returned; returns why to replace it (charged: it died), or None."""
+        """`w`'s progress() call returned; returns why to replace it (charged: it died), or None.
+        Each overdue copy's mark (its entry in the reply's "units") is compared with the last
+        one: a change is progress of that copy (the first reply after its deadline sets the
+        mark). A suspect whose overdue copies have all shown progress takes units again."""
         from ray.exceptions import RayTaskError
 
         w.poll_ref = None
@@ -344,15 +360,28 @@ class WorkerSlots:
             return f"worker {w.name} died: {short_error(exc)}"
         w.progress = info
         self._record(w.name, info)
-        if w.state == WorkerState.SUSPECT:
-            mark = (int(info.get("generated_tokens", 0)), int(info.get("finished_units", 0)))
-            if w.baseline is None:
-                w.baseline = mark
-            elif mark[0] > w.baseline[0] or mark[1] > w.baseline[1]:
-                w.state = WorkerState.READY
-                log.info("%s is slow but alive (progress since its unit passed the deadline)", w.name)
-                self.event("alive", w.name)
+        now = time.monotonic()
+        marks = info.get("units") or {}
+        for c in w.copies.values():
+            mark = marks.get(c.unit.unit.index) if c.overdue else None
+            if mark is None:  # not overdue, or not on the worker any more (its reply is on its way)
+                continue
+            mark = tuple(mark)
+            if c.mark is not None and mark != c.mark:
+                c.progressed, c.watch_since = True, now
+            c.mark = mark
+        if self.recheck(w):
+            log.info("%s is slow but alive (its overdue units progress)", w.name)
+            self.event("alive", w.name)
         return None
+
+    def recheck(self, w: WorkerRecord) -> bool:
+        """A suspect `w` whose overdue copies have each shown progress since their deadline,
+        or left it, is ready again (returns True then)."""
+        if w.state != WorkerState.SUSPECT or not all(c.progressed for c in w.copies.values() if c.overdue):
+            return False
+        w.state = WorkerState.READY
+        return True
 
     def _record(self, name: str, info: dict) -> None:
         self.progress_by_worker[name] = info
@@ -376,15 +405,23 @@ class WorkerSlots:
             return float(self.suspect_timeout_s)
         return min(60.0, max(10.0, 0.5 * unit_timeout))
 
-    def mark_suspect(self, w: WorkerRecord, now: float) -> None:
-        """One of `w`'s units passed its deadline: no new units until it shows progress."""
-        w.state, w.suspect_since, w.baseline = WorkerState.SUSPECT, now, None
-        self.event("suspect", w.name)
+    def watch(self, w: WorkerRecord, c: Any, now: float, *, open_unit: bool) -> None:
+        """Copy `c` on `w` passed its deadline: it is watched from now on (`check_suspects`);
+        when its unit is still open (`open_unit`), a ready `w` gets no new units until the
+        copy shows progress."""
+        c.watch_since, c.mark, c.progressed = now, None, False
+        if open_unit and w.state == WorkerState.READY:
+            w.state = WorkerState.SUSPECT
+            self.event("suspect", w.name)
         self.poll(w, now)
 
-    def check_suspects(self, now: float, unit_timeout: float) -> list[tuple[WorkerRecord, str, bool]]:
-        """Pings suspects due another progress() call; returns the workers to replace, in slot
-        order, as (worker, why, charge its units)."""
+    def check_suspects(self, now: float, unit_timeout: float,
+                       settled: Callable[[Any], bool]) -> list[tuple[WorkerRecord, str, bool]]:
+        """Pings workers holding overdue copies when due another progress() call; returns the
+        workers to replace, in slot order, as (worker, why, charge its units). An overdue
+        copy without progress for the suspect timeout replaces its worker, charged when the
+        copy's unit is still open (`settled(c.unit)` false): a stuck copy of a unit already
+        settled (an earlier run's, an ended call's) costs the worker's other units nothing."""
         limit = self.suspect_timeout(unit_timeout)
         out: list[tuple[WorkerRecord, str, bool]] = []
         for w in list(self.slots):
@@ -396,19 +433,35 @@ class WorkerSlots:
                 out.append((w, f"still running unit {orphan[0].unit.unit.index} "
                                f"{now - orphan[0].orphaned_at:.0f}s after another copy committed it", False))
                 continue
-            if w.state != WorkerState.SUSPECT:
-                continue
-            if now - w.suspect_since > limit:
-                stuck = sorted(c.unit.unit.index for c in w.copies.values() if c.overdue)
-                out.append((w, f"stalled: no progress within {limit:.0f}s after unit(s) {stuck} passed the "
-                               f"deadline of {unit_timeout:.0f}s", True))
-            elif w.poll_ref is None and now - w.poll_sent >= limit / 5:
+            # orphaned copies are the rule above's, measured from the other copy's commit
+            watched = [c for c in w.copies.values() if c.overdue and c.orphaned_at is None]
+            stuck = [c for c in watched if now - c.watch_since > limit]
+            if stuck:
+                out.append((w, f"stalled: no progress within {limit:.0f}s after unit(s) "
+                               f"{sorted(c.unit.unit.index for c in stuck)} passed the deadline of "
+                               f"{unit_timeout:.0f}s", any(not settled(c.unit) for c in stuck)))
+            elif ((watched or w.state == WorkerState.SUSPECT) and w.poll_ref is None
+                  and now - w.poll_sent >= limit / 5):
                 self.poll(w, now)
         return out
 
+    def next_check(self, now: float, unit_timeout: float) -> float:
+        """Seconds until `check_suspects` has something to do: an overdue copy passing the
+        suspect timeout, or its worker due another ping (inf: nothing watched)."""
+        limit = self.suspect_timeout(unit_timeout)
+        times = []
+        for w in self.slots:
+            watched = [c for c in w.copies.values() if c.overdue and c.orphaned_at is None] if w is not None else []
+            times += [c.watch_since + limit - now for c in watched]
+            if watched and w.poll_ref is None:
+                times.append(w.poll_sent + limit / 5 - now)
+        return min(times, default=float("inf"))
+
     # ------------------------------------------------------------------ nodes
     def check_can_run(self, now: float) -> None:
-        """Raise UnitFailed when no worker can ever run a unit; see the module docstring."""
+        """Fail the starts that took longer than start_timeout_s (`check_starts`), then raise
+        UnitFailed when no worker can ever run a unit; see the module docstring."""
+        self.check_starts(now)
         if self.live():
             self._no_worker_since = None
             self.waiting_for_nodes = ""
@@ -428,6 +481,18 @@ class WorkerSlots:
                 f"no worker became ready within {self.start_timeout_s:.0f}s (resources per worker: {self.needs}"
                 + (f"; {self.waiting_for_nodes}" if self.waiting_for_nodes else "")
                 + (f"; last error: {self.last_start_error}" if self.last_start_error else "") + ")")
+
+    def check_starts(self, now: float) -> None:
+        """A worker starting for longer than start_timeout_s failed to start: its slot loses
+        an attempt (given up after max_start_failures in a row) and is filled again. Without
+        this a slot Ray can never place (too few resources for num_workers) would stay
+        "starting" for ever: nothing else times out while another worker runs."""
+        for w in list(self.slots):
+            if w is not None and w.state == WorkerState.STARTING and now - w.created > self.start_timeout_s:
+                self._late[w.slot] = True  # wait_ready waits for it no more while others run
+                self._start_failed(w, f"worker {w.name} was not ready within {self.start_timeout_s:.0f}s "
+                                      f"(resources per worker: {self.needs}; Ray had no room to place it, "
+                                      f"or its engine load hung)")
 
     def _check_nodes(self) -> None:
         from cluster.resources import feasibility

@@ -14,7 +14,11 @@ thread: every call's units join one queue (`UnitDispatcher.add_units`), the thre
 a job) and hands each committed unit to its call's `on_result`; everything else that
 touches the dispatcher (submit, abort, pause, weights) is a command run on that thread
 between rounds (`call`), so the dispatcher's books have one writer. Rounds wait at most
-`poll_s` for a reply, which bounds how long a command waits.
+`poll_s` for a reply, which bounds how long a command waits. Rounds go on while any worker
+holds a copy, after every call has ended too: a copy left by a failed call, or a second
+copy whose unit committed, is collected (its result ignored: its unit is settled), so the
+worker's slot frees, a broken engine is replaced before the next call, and pause("wait")
+sees the workers idle.
 
 Abort (`abort`): every worker is told the call's unit indices (GenerationWorker.abort_units):
 units in its engine end at once (Engine.abort: finished samples as they are, the others with
@@ -187,10 +191,15 @@ class RolloutRunner:
             thread.join(timeout=10)
 
     # ------------------------------------------------------------------ the loop thread
+    def _copies_out(self) -> bool:
+        """Whether a live worker holds a copy of a unit (the loop thread's view)."""
+        return any(w.copies for w in self.dispatcher.slots.live())
+
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and not self._commands and not self._calls and not self._waiters:
+                while (not self._closed and not self._commands and not self._calls and not self._waiters
+                       and not self._copies_out()):
                     self._cv.wait()
                 if self._closed:
                     for c in self._commands:
@@ -200,17 +209,20 @@ class RolloutRunner:
                 commands, self._commands = self._commands, []
             for c in commands:
                 c.run()
+            failed = False
             try:
                 self._collect_refs()
                 if self._calls:
                     self._settle_aborted()
+                if self._calls or self._copies_out():  # copies of ended calls are collected too
                     self.dispatcher.advance(self._on_result, self.poll_s, dispatch=self._paused is None,
                                             deadlines=self._paused is None)
                 self._check_waiters()
             except BaseException as exc:  # noqa: BLE001 - UnitFailed and the like end every open call
+                failed = True
                 for c in list(self._calls):
                     self._end(c, exc)
-            if self._waiters or (self._calls and not self.dispatcher.slots.refs):
+            if failed or self._waiters or (self._calls and not self.dispatcher.slots.refs):
                 with self._cv:  # nothing to wait on in Ray (paused, or workers gone): no busy loop
                     if not self._commands:
                         self._cv.wait(self.poll_s)
@@ -319,9 +331,10 @@ class RolloutRunner:
         if self._paused == "keep":
             self._on_every_worker("resume_engine")
         held = time.monotonic() - self._paused_at
-        for w in self.dispatcher.slots.live():  # a pause is not a slow unit
+        for w in self.dispatcher.slots.live():  # a pause is not a slow unit, nor a stalled one
             for c in w.copies.values():
                 c.sent += held
+                c.watch_since += held
         self._paused = None
 
     def _check_waiters(self) -> None:

@@ -55,6 +55,11 @@ class Copy:
     sent: float
     overdue: bool = False
     orphaned_at: float | None = None  # another copy committed at this time
+    # while overdue (cluster/health.py): its worker's last progress() mark for it, whether
+    # that mark changed since the deadline, and when it last changed (or the deadline passed)
+    mark: Any = None
+    progressed: bool = False
+    watch_since: float = 0.0
 
 
 @dataclass(slots=True, eq=False)

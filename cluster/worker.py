@@ -135,6 +135,9 @@ class GenerationWorker(RolloutMethods):
         self._stopped = False
         self._finished_requests = 0
         self._finished_units = 0
+        self._steps = 0  # engine steps taken (counted by the engine-loop thread)
+        # unit index -> [stage, its _UnitState once posted], for progress(); guarded by _cv
+        self._stages: dict[int, list[Any]] = {}
         self._tokens = 0  # generated tokens, kept when the engine is dropped
         self._broken: BaseException | None = None  # the engine raised; guarded by _cv
         self._started = time.time()
@@ -158,10 +161,18 @@ class GenerationWorker(RolloutMethods):
         return os.getpid()
 
     def progress(self) -> dict:
+        """Counters of the whole worker, and under "units" where each unit it runs is:
+        {index: [stage, count]}, stage "reading" (task.read_unit), "waiting" (posted, not in
+        the engine yet), "generating" (count: the engine steps taken so far, so it grows
+        while the engine runs) or "writing" (task.write_unit). The driver tells from this
+        whether an overdue unit still moves (cluster/health.py): a worker whose other units
+        progress may still have one stuck in a read or a write."""
         with self._cv:
             active = len(self._units)
             engine = self.engine
             broken = self._broken
+            units = {i: (["generating", self._steps] if state.in_engine else ["waiting", 0])
+                     if stage == "engine" else [stage, 0] for i, (stage, state) in self._stages.items()}
         tokens = self._tokens if engine is None else int(getattr(engine, "num_generated_tokens", 0))
         return {
             "worker": self.name,
@@ -172,6 +183,7 @@ class GenerationWorker(RolloutMethods):
             "finished_requests": self._finished_requests,
             "finished_units": self._finished_units,
             "active_units": active,
+            "units": units,
         }
 
     def engine_state(self) -> dict:
@@ -292,6 +304,17 @@ class GenerationWorker(RolloutMethods):
                 raise EngineLoopError(f"worker {self.name}: engine loop thread died")
 
     def run_unit(self, unit: WorkUnit) -> UnitResult:
+        stage: list[Any] = ["reading", None]  # what progress() reports for this unit
+        with self._cv:
+            self._stages[unit.index] = stage
+        try:
+            return self._run_unit(unit, stage)
+        finally:
+            with self._cv:
+                if self._stages.get(unit.index) is stage:
+                    del self._stages[unit.index]
+
+    def _run_unit(self, unit: WorkUnit, stage: list[Any]) -> UnitResult:
         t0 = time.time()
         requests = self.task.read_unit(unit, self.tokenizer)
         params = self.task.params
@@ -322,11 +345,14 @@ class GenerationWorker(RolloutMethods):
                     self._units.add(state)
                     self._inbox.append((state, good))
                     self._cv.notify_all()
+                stage[:] = ["engine", state]
             self._wait(state.done)
             if state.error is not None:
                 raise EngineLoopError(
                     f"worker {self.name}: engine failed while running unit {unit.index}: {state.error!r}"
                 ) from state.error
+        with self._cv:
+            stage[:] = ["writing", None]
         result = self.task.write_unit(unit, requests, outputs, self.tokenizer)
         if not result.worker:
             result.worker = self.name
@@ -385,7 +411,10 @@ class GenerationWorker(RolloutMethods):
                 for state, reqs in inbox:
                     for rid, req in reqs:
                         eng.add_request(req.prompt_tokens, req.params or self.task.params, req.prompt_id, request_id=rid)
-                finished = eng.step() if eng.has_unfinished_requests() else []
+                finished = []
+                if eng.has_unfinished_requests():
+                    finished = eng.step()
+                    self._steps += 1
                 busy = eng.has_unfinished_requests()
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the units
                 self._break(eng, exc)

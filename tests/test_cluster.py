@@ -94,14 +94,17 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    """Finishes one request per step; a request's 'sample' is its reversed prompt."""
+    """Finishes one request per step; a request's 'sample' is its reversed prompt. A step
+    takes `step_s` (work, not synchronisation) and raises on prompt `poison` (a CUDA error).
+    A checkpoint "swaps in" by its name only (stage_weights, apply_weights)."""
 
-    def __init__(self, dtype=None):
+    def __init__(self, dtype=None, step_s=0.0, poison=None):
         self.tokenizer = FakeTokenizer()
         if dtype is not None:
             self.dtype = dtype
         self.q = []
         self.num_generated_tokens = 0
+        self.step_s, self.poison = step_s, poison
 
     def add_request(self, prompt_tokens, params, prompt_id, request_id=None):
         self.q.append((request_id, prompt_id, list(prompt_tokens)))
@@ -110,9 +113,26 @@ class FakeEngine:
         return bool(self.q)
 
     def step(self):
+        if self.step_s:
+            time.sleep(self.step_s)
         rid, pid, toks = self.q.pop(0)
+        if self.poison is not None and bytes(toks) == self.poison.encode():
+            raise RuntimeError("CUDA error: device-side assert triggered")
         self.num_generated_tokens += len(toks)
         return [FakeOut(rid, pid, toks, [toks[::-1]])]
+
+    def stage_weights(self, path, step=None):
+        return FakeStaged(path, step)
+
+    def apply_weights(self, staged, version=None):
+        return {"path": staged.path, "step": staged.step, "description": "fake", "weight_version": version}
+
+
+@dataclass
+class FakeStaged:
+    path: str
+    step: int | None
+    description: str = "fake"
 
 
 @dataclass
@@ -130,6 +150,9 @@ class FakeTask:
     only in the first worker that tries ("once"). poison_first_worker: every unit fails in
     the first worker process that reads one (its pid is recorded in a marker file).
     hang_unit: the first read of this unit hangs (a stuck filesystem) for 120 s.
+    gate: unit index -> a FIFO the unit's read waits on until the test writes a byte to it
+    (the test holds the FIFO open read-write, so the worker's open never blocks).
+    poison_prompt: the engine raises when it steps this prompt; step_s: seconds per step.
     """
 
     out_dir: str
@@ -139,6 +162,9 @@ class FakeTask:
     poison_first_worker: bool = False
     hang_unit: int | None = None
     first_dtype: str | None = None  # the first worker's engine reports this dtype, later ones "float32"
+    gate: dict = field(default_factory=dict)
+    poison_prompt: str | None = None
+    step_s: float = 0.0
     engine_kwargs: dict = field(default_factory=dict)
     params: FakeParams = field(default_factory=FakeParams)
 
@@ -158,13 +184,19 @@ class FakeTask:
             raise FileNotFoundError("checkpoint /nowhere/model.pt not found")
         if self.first_dtype is not None:
             return FakeEngine(self.first_dtype if self._first("dtype") else "float32")
-        return FakeEngine()
+        return FakeEngine(step_s=self.step_s, poison=self.poison_prompt)
 
     def read_unit(self, unit, tokenizer):
         if self.poison_first_worker and self._first("poisoned"):
             raise OSError(f"stale NFS handle (unit {unit.index})")
         if unit.index == self.hang_unit and self._first("hung"):
             threading.Event().wait(120)  # a hang, not a synchronisation: the test never waits for it
+        if unit.index in self.gate:
+            fd = os.open(self.gate[unit.index], os.O_RDONLY)
+            try:
+                os.read(fd, 1)  # until the test opens the gate
+            finally:
+                os.close(fd)
         mode = self.fail.get(unit.index)
         marker = os.path.join(self.out_dir, f"failed-{unit.index}")
         if mode == "always" or (mode == "once" and not os.path.exists(marker)):
@@ -190,6 +222,13 @@ def _by_value():
 
 def fake_units(n_prompts: int, unit_rows: int) -> list[WorkUnit]:
     return [WorkUnit(i, "mem", a, min(a + unit_rows, n_prompts)) for i, a in enumerate(range(0, n_prompts, unit_rows))]
+
+
+def fifo_gate(path: Path) -> int:
+    """A FIFO for FakeTask.gate, held open read-write by the test (so that a worker's
+    read-only open returns at once); os.write(fd, b"x") opens the gate for one read."""
+    os.mkfifo(path)
+    return os.open(path, os.O_RDWR)
 
 
 # ------------------------------------------------------------------ worker, directly (no Ray)
@@ -386,6 +425,174 @@ def test_overdue_unit_gets_a_second_copy_and_the_first_commit_wins(ray_local, tm
     assert [r.index for r in res].count(2) == 1 and hung_on  # the copy that committed is not the hung one
     lines = [ln for u in units for ln in (tmp_path / f"part-{u.index}.txt").read_text().splitlines()]
     assert lines == [f"{i}\t{p[::-1]}" for i, p in enumerate(prompts)]
+
+
+def test_a_unit_stuck_beside_busy_units_on_the_only_worker_is_run_again(ray_local, tmp_path):
+    """One worker; unit 0's read hangs (a stuck filesystem) and unit 1's read waits at a gate.
+    Both pass unit_timeout_s; no other worker can take a second copy. The gate opens once
+    the worker is suspect, so unit 1 commits on it: that proves nothing about unit 0, and
+    the worker stays suspect (no new units, no "alive") until unit 0 has shown no progress
+    of its own for suspect_timeout_s; then it is replaced and unit 0 runs again on the fresh
+    worker, long before its hang ends. (Before, unit 1's commit made the worker ready again,
+    its overdue unit 0 was never looked at again, and the run waited out the 120 s hang.)"""
+    from cluster.dispatcher import UnitDispatcher
+
+    _by_value()
+    prompts = [f"prompt {i}" for i in range(8)]
+    gate = fifo_gate(tmp_path / "gate")
+    opened: list[str] = []
+    pool = UnitDispatcher(FakeTask(str(tmp_path), prompts, hang_unit=0, gate={1: str(tmp_path / "gate")}),
+                          num_workers=1, num_cpus=1, unit_timeout_s=1, suspect_timeout_s=3)
+
+    def watchdog():
+        if not opened:
+            suspect = [w["name"] for w in pool.workers() if w["state"] == "suspect"]
+            if suspect:
+                opened.append(suspect[0])
+                os.write(gate, b"x")
+        if time.monotonic() - t0 > 30:  # a bound for the test, not a wait: the fix needs about 6 s
+            raise TimeoutError("the run is waiting for the stuck unit 0")
+
+    try:
+        with pool:
+            pool.wait_ready()
+            t0 = time.monotonic()
+            res = pool.run(fake_units(len(prompts), 2), watchdog=watchdog)
+            events = [(k, d) for _, k, d in pool.events]
+    finally:
+        os.close(gate)
+    first = opened[0]
+    assert sorted(r.index for r in res) == [0, 1, 2, 3]
+    assert {r.index: r.worker for r in res}[1] == first  # unit 1 committed on the suspect worker ...
+    assert ("alive", first) not in events  # ... which stayed suspect for its stuck unit 0
+    replaced = [d for k, d in events if k == "replaced"]
+    assert replaced == [f"{first}: stalled: no progress within 3s after unit(s) [0] passed the deadline of 1s"], events
+    assert {r.index: r.worker for r in res}[0] != first
+    lines = [ln for u in fake_units(len(prompts), 2) for ln in (tmp_path / f"part-{u.index}.txt").read_text().splitlines()]
+    assert lines == [f"{i}\t{p[::-1]}" for i, p in enumerate(prompts)]
+
+
+def test_a_slow_unit_that_progresses_keeps_its_worker(ray_local, tmp_path):
+    """A unit generating slowly (its engine steps go on) passes unit_timeout_s on the only
+    worker: the steps are progress of that unit's own, so the worker is "alive" and is not
+    replaced, and the unit commits there (the counterpart of the stuck unit above). (Before,
+    the run loop slept past the pings a suspect timeout this short needs, and replaced it.)"""
+    from cluster.dispatcher import UnitDispatcher
+
+    _by_value()
+    prompts = [f"prompt {i}" for i in range(40)]  # one unit of 40 steps of 0.1 s
+    with UnitDispatcher(FakeTask(str(tmp_path), prompts, step_s=0.1), num_workers=1, num_cpus=1,
+                        unit_timeout_s=1, suspect_timeout_s=2) as pool:
+        pool.wait_ready()
+        res = pool.run(fake_units(len(prompts), len(prompts)))
+        events = [(k, d) for _, k, d in pool.events]
+    name = res[0].worker
+    assert ("suspect", name) in events and ("alive", name) in events, events
+    assert not [d for k, d in events if k == "replaced"], events
+
+
+def test_a_broken_engine_on_a_units_last_attempt_is_replaced(ray_local, tmp_path):
+    """The engine raises on unit 0 (max_unit_attempts 1): the run fails naming it, and the
+    broken worker is replaced all the same, so the next run's healthy units run on a fresh
+    worker. (Before, the unit's last charge raised before the replacement: the broken
+    worker stayed ready and failed the next run's units with "engine failed earlier".)"""
+    from cluster.dispatcher import UnitDispatcher
+
+    _by_value()
+    prompts = ["boom"] + [f"prompt {i}" for i in range(1, 5)]
+    with UnitDispatcher(FakeTask(str(tmp_path), prompts, poison_prompt="boom"), num_workers=1, num_cpus=1,
+                        max_unit_attempts=1) as pool:
+        pool.wait_ready()
+        with pytest.raises(UnitFailed, match=r"unit 0 .* failed 1 times .*engine failed while running unit 0"):
+            pool.run([WorkUnit(0, "mem", 0, 1)])
+        assert pool.workers() == []  # its slot is refilled by the next run
+        res = pool.run([WorkUnit(i, "mem", i, i + 1) for i in range(1, 5)])
+        events = [(k, d) for _, k, d in pool.events]
+    assert sorted(r.index for r in res) == [1, 2, 3, 4]
+    assert [d for k, d in events if k == "replaced"] == [
+        "worker-0: its engine failed: worker worker-0: engine failed while running unit 0: "
+        "RuntimeError('CUDA error: device-side assert triggered')"]
+
+
+def test_a_broken_engine_on_a_settled_units_copy_is_replaced(ray_local, tmp_path):
+    """The engine breaks on a copy whose unit is settled already (its call ended: unit 0
+    failed, and RolloutRunner forgets the call's units): the worker is replaced all the
+    same. (Before, a settled copy's error was ignored whole, and the broken worker stayed
+    ready.) Driven as cluster/rollout.py drives a dispatcher: add_units, advance, forget."""
+    from cluster.dispatcher import UnitDispatcher
+
+    _by_value()
+    gate = fifo_gate(tmp_path / "gate")
+    task = FakeTask(str(tmp_path), ["a", "boom"], fail={0: "always"}, poison_prompt="boom",
+                    gate={1: str(tmp_path / "gate")})
+    pool = UnitDispatcher(task, num_workers=1, num_cpus=1, max_unit_attempts=1)
+    try:
+        pool.wait_ready()
+        pool.add_units([WorkUnit(0, "mem", 0, 1), WorkUnit(1, "mem", 1, 2)])  # both on the worker at once
+        end = time.monotonic() + 20
+        with pytest.raises(UnitFailed, match="cannot read unit 0"):
+            while time.monotonic() < end:
+                pool.advance(lambda r: None, 0.5)
+        assert pool.workers()[0]["units"] == [1]
+        pool.units.forget([0, 1])  # the call ended
+        os.write(gate, b"x")  # unit 1 reads on, and the engine breaks on its prompt
+        end = time.monotonic() + 10
+        while not any(k == "replaced" for _, k, _ in pool.events):
+            assert time.monotonic() < end, "the broken worker was kept"
+            pool.advance(lambda r: None, 0.5)
+        replaced = [d for _, k, d in pool.events if k == "replaced"]
+        assert len(replaced) == 1 and "its engine failed" in replaced[0] and "device-side assert" in replaced[0]
+    finally:
+        pool.close()
+        os.close(gate)
+
+
+def test_a_slot_ray_cannot_place_does_not_hold_wait_ready(ray_local, tmp_path):
+    """Three one-CPU workers on the 2-CPU Ray instance: Ray can never place the third. Once
+    start_timeout_s passes its start counts as failed (its slot starts another), and
+    wait_ready, the GenerationPool constructor's and each weights swap's wait, returns with
+    the ready workers instead of waiting for ever; a later wait_ready does not wait for that
+    slot again. A weights swap restarts a still-starting worker after the swap (it was
+    created with the old weights), and runs use the ready workers. (Before, only a run with
+    no worker at all ever timed out: wait_ready never returned.)"""
+    from cluster.dispatcher import UnitDispatcher
+
+    _by_value()
+    prompts = [f"prompt {i}" for i in range(8)]
+    # 8 s: a fake worker is ready in 1-3 s on 2 busy cores; one slower than that only makes
+    # its slot late too (this test then sees one ready worker, not two)
+    pool = UnitDispatcher(FakeTask(str(tmp_path), prompts), num_workers=3, num_cpus=1, start_timeout_s=8)
+    got: list[int] = []
+
+    def late():
+        return [d for _, k, d in pool.events if k == "replaced" and "was not ready within 8s" in d]
+
+    def starting():
+        return [w["slot"] for w in pool.workers() if w["state"] == "starting"]
+
+    try:
+        waiter = threading.Thread(target=lambda: got.append(pool.wait_ready()), daemon=True)
+        waiter.start()
+        waiter.join(40)  # a bound for the test: the fix returns after about 8 s
+        assert not waiter.is_alive(), "wait_ready() is still waiting for the slot Ray cannot place"
+        # (the books change only inside the dispatcher's calls: these reads agree with each other)
+        assert got and got[0] >= 1 and got[0] + len(starting()) == 3, list(pool.events)
+        assert len(late()) >= len(starting()) >= 1  # each still-starting slot's start timed out
+        before = len(late())
+        assert pool.wait_ready() == got[0]  # at once: no second start timeout is waited for
+        assert len(late()) == before
+        states = pool.load_weights("ckpt-2")
+        assert len(states) == got[0] and all(s["weights"]["path"] == "ckpt-2" for s in states)
+        kinds = [(k, d) for _, k, d in pool.events]
+        swapped = kinds.index(("weights", "ckpt-2 (step None)"))
+        assert any(k == "replaced" and "the pool's weights are swapped" in d for k, d in kinds[:swapped]), kinds
+        assert starting()
+        for slot in starting():  # started again after the swap: with its weights
+            assert any(k == "start" and d.endswith(f"in slot {slot}") for k, d in kinds[swapped:]), kinds
+        res = pool.run(fake_units(len(prompts), 2))
+        assert sorted(r.index for r in res) == [0, 1, 2, 3]
+    finally:
+        pool.close()
 
 
 def test_no_node_can_host_a_worker(ray_local, tmp_path):

@@ -7,6 +7,9 @@ In one process (Engine, the tiny nanochat checkpoint of tests/weights_cases.py):
   without the abort; Engine.continue_request goes on from the aborted tokens and ends with the
   uninterrupted run's tokens.
 
+A RolloutRunner over fake workers (tests/test_cluster.py's): the replies of a call's units
+still on a worker when the call failed are collected after it, so pause("wait") returns.
+
 On a real Ray head (one pool of 2 workers for the module; `base` then `trained` weights):
 - submit() of 64 prompts x 8 samples, 4 prompts running 50x longer than the rest: groups
   (all 8 rows of one prompt) come back while the long samples still run, before half the
@@ -173,6 +176,40 @@ def test_worker_abort_pause_and_weights_while_held(ckpts):
     assert all(r["finish_reason"] == "abort" and set(r["weight_version"]) <= {0} for r in b)
     assert w.progress()["active_units"] == 0
     w.shutdown()
+
+
+# ---------------------------------------------------------------------------------- a runner, fake workers
+def test_pause_wait_collects_the_units_a_failed_call_left_on_a_worker(ray_local, tmp_path):
+    """A call fails (unit 0 cannot be read, max_unit_attempts 1) while its unit 1 still runs
+    on the worker, held at a gate; the gate opens after the call has ended. The runner goes
+    on collecting replies with no call open, so unit 1's copy comes off the worker's books
+    and pause("wait") returns once the worker is idle. (Before, rounds ran only while a
+    call was open: the copy stayed booked and pause("wait") never returned.) Fake workers
+    (tests/test_cluster.py), no torch in them."""
+    import os
+
+    from cluster.dispatcher import UnitDispatcher
+    from cluster.rollout import RolloutRunner
+    from cluster.unit import UnitFailed, WorkUnit
+    from test_cluster import FakeTask, _by_value, fifo_gate
+
+    _by_value()
+    gate = fifo_gate(tmp_path / "gate")
+    task = FakeTask(str(tmp_path), ["a", "b"], fail={0: "always"}, gate={1: str(tmp_path / "gate")})
+    dispatcher = UnitDispatcher(task, num_workers=1, num_cpus=1, max_unit_attempts=1)
+    runner = RolloutRunner(dispatcher)
+    try:
+        dispatcher.wait_ready()
+        call = runner.submit([WorkUnit(0, "mem", 0, 1), WorkUnit(1, "mem", 1, 2)], lambda r: None)
+        assert call.wait(30) and isinstance(call.error, UnitFailed), call.error
+        os.write(gate, b"x")  # unit 1 finishes on the worker now, its call long ended
+        assert runner.pause("wait", timeout_s=10)  # a bound: the fix returns within moments
+        assert runner.call(dispatcher.workers)[0]["units"] == []
+        runner.resume()
+    finally:
+        runner.close()
+        dispatcher.close()
+        os.close(gate)
 
 
 # ---------------------------------------------------------------------------------- a pool
