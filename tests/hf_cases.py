@@ -426,7 +426,7 @@ def write_gguf(path: Path, *, model: str, tokens: list[str], types: list[int], m
                add_bos: bool | None = None, template: str | None = None, arch: str = "llama",
                add_space_prefix: bool | None = None) -> Path:
     """A tiny GGUF file: llama hyperparameters (so transformers can read it), one zero tensor, and
-    the tokenizer metadata given. ids: {"bos": .., "eos": .., "unk": .., "pad": ..}."""
+    the tokenizer metadata given. ids: {"bos": .., "eos": .., "unk": .., "pad": .., "eot": .., "eom": ..}."""
     import gguf
     import numpy as np
 
@@ -448,7 +448,8 @@ def write_gguf(path: Path, *, model: str, tokens: list[str], types: list[int], m
         w.add_token_merges(merges)
     if scores is not None:
         w.add_token_scores(scores)
-    adders = {"bos": w.add_bos_token_id, "eos": w.add_eos_token_id, "unk": w.add_unk_token_id, "pad": w.add_pad_token_id}
+    adders = {"bos": w.add_bos_token_id, "eos": w.add_eos_token_id, "unk": w.add_unk_token_id,
+              "pad": w.add_pad_token_id, "eot": w.add_eot_token_id, "eom": w.add_eom_token_id}
     for key, value in (ids or {}).items():
         adders[key](value)
     if add_bos is not None:

@@ -215,18 +215,22 @@ def smollm2_transformers(smollm2, smollm2_hf_model):
 
 def test_smollm2_config_matches_transformers(smollm2, smollm2_transformers):
     """Every config field the engine uses equals transformers' reading of the metadata (floats
-    compared as the float32 the file holds); and the values are SmolLM2-135M's."""
+    compared as the float32 the file holds); and the values are SmolLM2-135M's. eos_token_id
+    (the stop tokens) is llama.cpp's end-of-generation set instead (src/llama-vocab.cpp,
+    llama_vocab::impl::load): the file's eos <|im_end|> (2, transformers' value), <|endoftext|>
+    (0) by its text, and <reponame> (4), which llama.cpp takes for the FIM repo token."""
     ours, (theirs, _) = smollm2.config, smollm2_transformers
     for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "max_position_embeddings", "vocab_size", "tie_word_embeddings",
-                "bos_token_id", "eos_token_id", "pad_token_id"):
+                "bos_token_id", "pad_token_id"):
         assert ours[key] == theirs[key], key
+    assert ours["eos_token_id"] == [theirs["eos_token_id"], 0, 4]
     for key in ("rms_norm_eps", "rope_theta"):
         assert np.float32(ours[key]) == np.float32(theirs[key]), key
     assert "rope_scaling" not in ours
     assert ours["architectures"] == ["LlamaForCausalLM"]
     assert (ours["hidden_size"], ours["num_hidden_layers"], ours["num_attention_heads"],
-            ours["num_key_value_heads"], ours["vocab_size"], ours["eos_token_id"]) == (576, 30, 9, 3, 49152, 2)
+            ours["num_key_value_heads"], ours["vocab_size"], ours["eos_token_id"]) == (576, 30, 9, 3, 49152, [2, 0, 4])
     assert ours["rms_norm_eps"] == 1e-5 and ours["rope_theta"] == 100000.0
 
 
@@ -578,3 +582,69 @@ def test_big_endian_file(tmp_path):
     writer.close()
     with pytest.raises(CheckpointError, match=r"be.gguf: the GGUF file's byte order is not this machine's"):
         read_gguf(tmp_path / "be.gguf")
+
+
+def _qwen2_with_vocabulary(path: Path, tokens: list[str], types: list[int], merges: list[str]) -> Path:
+    """A 1-layer random qwen2 GGUF whose vocabulary is `tokens` (byte-level, pre deepseek-r1-qwen)."""
+    cfg = Qwen2Config(vocab_size=len(tokens), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_context_length(64)
+    w.add_embedding_length(16)
+    w.add_block_count(1)
+    w.add_feed_forward_length(32)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("deepseek-r1-qwen")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(257)
+    w.add_eos_token_id(258)
+    w.add_add_bos_token(True)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 1)
+    for hf, t in model.state_dict().items():
+        if hf != "lm_head.weight":
+            base, suffix = hf.rsplit(".", 1)
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_vocabulary_with_non_ascii_control_tokens_loads(tmp_path):
+    """A qwen2 GGUF with DeepSeek-R1-Distill-Qwen's control tokens ("<｜User｜>",
+    "<｜begin▁of▁sentence｜>": non-ASCII, written unspelled by llama.cpp's converter) loads: each
+    control token is its own id (llama.cpp, src/llama-vocab.cpp tokenizer_st_partition), so the
+    tokenizer is no larger than the model's vocabulary. A merge that does not fit the tokens is a
+    CheckpointError naming the file and tokenizer.ggml.merges."""
+    from engine.loading.checkpoint import load_checkpoint
+
+    table = gguf_byte_table()
+    tokens = [table[b] for b in range(256)] + ["hi", "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
+                                               "<\uff5cend\u2581of\u2581sentence\uff5c>", "<\uff5cUser\uff5c>",
+                                               "<\uff5cAssistant\uff5c>"]
+    types = [1] * 257 + [3] * 4
+    path = _qwen2_with_vocabulary(tmp_path / "ds.gguf", tokens, types, ["h i"])
+    model, tok = load_checkpoint(path, device="cpu", dtype="float32")
+    assert model.info.vocab_size == tok.vocab_size == len(tokens)
+    assert (tok.bos_token_id, model.info.stop_token_ids) == (257, (258,))
+    assert tok.encode("<\uff5cUser\uff5c>hi<\uff5cAssistant\uff5c>") == [259, 256, 260]
+    bad = _qwen2_with_vocabulary(tmp_path / "bad.gguf", tokens, types, ["h i", "a b"])
+    with pytest.raises(CheckpointError, match=r"bad\.gguf: tokenizer\.ggml\.merges does not fit"):
+        load_checkpoint(bad, device="cpu", dtype="float32")
+
+
+def gguf_byte_table() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (written out here, independent of the engine)."""
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    extra = [b for b in range(256) if b not in bs]
+    return {**{b: chr(b) for b in bs}, **{b: chr(256 + i) for i, b in enumerate(extra)}}

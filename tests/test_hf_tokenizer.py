@@ -253,8 +253,9 @@ def test_bad_directories_are_named_errors(root, tmp_path):
 
 
 def test_tokenizer_load_recognises_the_formats(root, tmp_path):
-    """Tokenizer.load: tokenizer.json directory or file and .gguf -> HFTokenizer; GPT-2 directories
-    (vocab.json + merges.txt without tokenizer.json, or a GPT-2 checkpoint) stay on tiktoken."""
+    """Tokenizer.load: tokenizer.json directory or file and .gguf -> HFTokenizer, a GPT-2
+    checkpoint directory with tokenizer.json too; vocab.json + merges.txt without tokenizer.json
+    stay on tiktoken."""
     d = C.case_dir("qwen2", root)
     assert isinstance(Tokenizer.load(d), HFTokenizer)
     assert isinstance(Tokenizer.load(d / "tokenizer.json"), HFTokenizer)
@@ -268,7 +269,7 @@ def test_tokenizer_load_recognises_the_formats(root, tmp_path):
     (g / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
     assert isinstance(Tokenizer.load(g), HFTokenizer)
     (g / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    assert type(Tokenizer.load(g)) is TiktokenTokenizer
+    assert isinstance(Tokenizer.load(g), HFTokenizer)
     (g / "tokenizer.json").unlink()
     (g / "config.json").unlink()
     assert type(Tokenizer.load(g)) is TiktokenTokenizer
@@ -352,16 +353,28 @@ def test_gguf_chat_ids_match_transformers(smollm2_gguf):
 def test_gguf_written_by_llama_cpp_conventions_matches_transformers(name, root, tmp_path):
     """Byte-level GGUFs with pre "llama-bpe" (BOS added) and "qwen2", and a SentencePiece GGUF
     whose merges come from its scores, tokenize, decode and render chats as transformers' GGUF
-    tokenizer does. The reader may be passed open (shared with a model loader)."""
+    tokenizer does. The reader may be passed open (shared with a model loader).
+    One known difference, where batchgen follows llama.cpp: the SentencePiece tokenizer puts "▁"
+    before every piece of text between special tokens, even one that starts with a space
+    (llama.cpp's `text = ' ' + piece`); transformers only before the first piece and only when
+    it does not start with a space. So there each piece is compared with transformers' ids of
+    " " + piece, which are llama.cpp's."""
     import gguf
     from transformers import AutoTokenizer
 
     path = C.gguf_of_case(name, root, tmp_path / f"{name}.gguf")
     ours = HFTokenizer.from_gguf(gguf.GGUFReader(str(path)))
     ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    specials = re.compile("(" + "|".join(map(re.escape, sorted(ours.special_tokens, key=len, reverse=True))) + ")")
+
+    def llama_cpp_spm(text: str) -> list[int]:
+        pieces = [p for p in specials.split(text) if p]
+        return [i for p in pieces for i in ([ours.special(p)] if p in ours.special_tokens
+                                            else ref.encode(" " + p, add_special_tokens=False))]
+
     for t in all_texts(ours):
         ids = ours.encode(t)
-        assert ids == ref.encode(t, add_special_tokens=False), t
+        assert ids == (llama_cpp_spm(t) if name == "mistral" else ref.encode(t, add_special_tokens=False)), t
         assert ours.decode(ids) == ref.decode(ids)
     assert ours.prepend_bos is (name != "qwen2")
     assert ours.bos_token_id == ref.bos_token_id and ours.eos_token_id == ref.eos_token_id
@@ -372,6 +385,8 @@ def test_gguf_written_by_llama_cpp_conventions_matches_transformers(name, root, 
             with pytest.raises(ValueError, match=re.escape(str(e))):
                 ours.render_chat(conv)
         else:
+            if name == "mistral":
+                want = llama_cpp_spm(ref.apply_chat_template(conv, add_generation_prompt=True, tokenize=False))
             assert ours.render_chat(conv) == want
 
 
@@ -418,3 +433,153 @@ def test_gguf_sentencepiece_space_prefix(tmp_path):
     assert without.encode("a b") == [260, 263]
     assert with_prefix.encode("é") == [259, 3 + 0xC3, 3 + 0xA9]
     assert with_prefix.decode([1, 262, 263]) == "<s> a b" and with_prefix.decode([262, 3 + 0xC3, 3 + 0xA9]) == "aé"
+
+
+# ------------------------------------------------- GGUF: where llama.cpp is the reference
+def _byte_level(path: Path, extra: list[tuple[str, int]], **kwargs) -> Path:
+    """A byte-level GGUF: the 256 byte tokens (NORMAL), then `extra` (text, llama.cpp token type);
+    merges "a b" unless given (so `extra` needs "ab")."""
+    tokens = [byte_to_unicode()[b] for b in range(256)] + [t for t, _ in extra]
+    types = [1] * 256 + [k for _, k in extra]
+    kwargs.setdefault("merges", ["a b"])
+    kwargs.setdefault("pre", "qwen2")
+    return C.write_gguf(path, model="gpt2", tokens=tokens, types=types, **kwargs)
+
+
+def test_gguf_stop_tokens_are_llama_cpp_end_of_generation_set(tmp_path):
+    """The stop tokens of a GGUF (tokenizer and model config alike) are llama.cpp's
+    end-of-generation set (src/llama-vocab.cpp, llama_vocab::impl::load, `special_eog_ids`):
+    eos, the eot/eom keys, the FIM repo token found by its text, and every token spelled like an
+    end of turn (<|endoftext|>, <|eot_id|>, ...) even when its type is NORMAL (llama.cpp then
+    makes it a control token, so its text encodes to it); not <|im_start|>. With <|return|> and
+    <|call|> present (gpt-oss), <|end|> is dropped (and stays a whole-text token)."""
+    from engine.loading.gguf import open_gguf
+    from engine.loading.gguf_config import read_config
+
+    extra = [("<|endoftext|>", 3), ("<|im_start|>", 3), ("<|im_end|>", 3), ("<|eot_id|>", 1), ("<reponame>", 3),
+             ("<|stop|>", 3), ("ab", 1)]
+    path = _byte_level(tmp_path / "eog.gguf", extra, ids={"bos": 257, "eos": 258, "eot": 261})
+    tok = HFTokenizer.from_gguf(path)
+    assert tok.default_stop_token_ids == (258, 256, 259, 260, 261)
+    assert tok.encode("x<|eot_id|>") == [ord("x"), 259] and tok.special("<|eot_id|>") == 259
+    assert pickle.loads(pickle.dumps(tok)).default_stop_token_ids == (258, 256, 259, 260, 261)
+    assert read_config(open_gguf(path), path)[0]["eos_token_id"] == [258, 256, 259, 260, 261]
+
+    harmony = [("<|return|>", 3), ("<|call|>", 3), ("<|end|>", 3), ("<|start|>", 3), ("ab", 1)]
+    path = _byte_level(tmp_path / "harmony.gguf", harmony, ids={"eos": 256})
+    tok = HFTokenizer.from_gguf(path)
+    assert tok.default_stop_token_ids == (256, 257)
+    assert tok.encode("<|end|>") == [258] and tok.special("<|end|>") is None
+    path = _byte_level(tmp_path / "phi.gguf", [("<|end|>", 3), ("<|endoftext|>", 3), ("ab", 1)], ids={"eos": 257})
+    assert HFTokenizer.from_gguf(path).default_stop_token_ids == (257, 256)
+
+
+def test_gguf_sentencepiece_space_before_text_after_special_tokens(tmp_path):
+    """A SentencePiece GGUF with add_space_prefix puts "▁" before every piece of text that starts
+    the input or follows a special token, even one that starts with a space, as llama.cpp does
+    (src/llama-vocab.cpp, llama_vocab::impl::tokenize, LLAMA_VOCAB_TYPE_SPM: `if
+    (add_space_prefix && is_prev_special) text = ' '`); without the flag, nowhere."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581", "H", "i", "Hi", "\u2581Hi",
+                                                                                "\u2581H"]
+    types = [2, 3, 3] + [6] * 256 + [1] * 6
+    scores = [0.0] * 259 + [-1.0, -2.0, -3.0, -4.0, -0.5, -5.0]
+    kwargs = dict(model="llama", tokens=tokens, types=types, scores=scores, ids={"bos": 1, "eos": 2, "unk": 0})
+    tok = HFTokenizer.from_gguf(C.write_gguf(tmp_path / "spm.gguf", **kwargs))
+    hi, space = 263, 259
+    assert tok.encode("Hi") == [hi]
+    assert tok.encode("<s>Hi") == [1, hi]
+    assert tok.encode("Hi</s>Hi") == [hi, 2, hi]
+    assert tok.encode(" Hi") == [space, hi] and tok.encode("</s> Hi") == [2, space, hi]
+    off = HFTokenizer.from_gguf(C.write_gguf(tmp_path / "off.gguf", add_space_prefix=False, **kwargs))
+    assert off.encode("Hi</s>Hi") == [262, 2, 262] and off.encode(" Hi") == [hi]
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "llama3", "tekken", "qwen2", "dbrx"])
+def test_gguf_llama3_family_defaults(pre, tmp_path):
+    """llama.cpp's defaults for the llama3 pre-tokenizer family and tekken (src/llama-vocab.cpp,
+    llama_vocab::impl::load: ignore_merges = true, add_bos = true): a pre-token that is a
+    vocabulary token is that token whatever the merges say ("abc", not "ab" + "c"), and BOS goes
+    before text unless tokenizer.ggml.add_bos_token says otherwise. Other names (qwen2, and dbrx,
+    which splits like llama3) keep the plain defaults: the merges, no BOS."""
+    extra = [("ab", 1), ("bc", 1), ("abc", 1), ("<|begin_of_text|>", 3), ("<|end_of_text|>", 3)]
+    ids = {"bos": 259, "eos": 260}
+    tok = HFTokenizer.from_gguf(_byte_level(tmp_path / "a.gguf", extra, merges=["a b", "b c"], pre=pre, ids=ids))
+    family = pre in ("llama-bpe", "llama3", "tekken")
+    assert tok.encode("abc") == ([258] if family else [256, ord("c")])
+    assert tok.prepend_bos is family
+    off = HFTokenizer.from_gguf(_byte_level(tmp_path / "b.gguf", extra, merges=["a b", "b c"], pre=pre, ids=ids,
+                                            add_bos=False))
+    assert off.prepend_bos is False
+
+
+def test_gguf_non_ascii_control_tokens_keep_their_text_and_ids(tmp_path):
+    """Byte-level CONTROL and USER_DEFINED tokens are raw text at their own ids, as llama.cpp
+    matches them (src/llama-vocab.cpp, tokenizer_st_partition; convert_hf_to_gguf.py writes added
+    tokens unspelled): DeepSeek-R1-Distill-Qwen's "<｜User｜>" encodes to its id, BOS/EOS are
+    the file's ids and the vocabulary is the file's size (so the model loads)."""
+    extra = [("hi", 1), ("<\uff5cbegin\u2581of\u2581sentence\uff5c>", 3),
+             ("<\uff5cend\u2581of\u2581sentence\uff5c>", 3),
+             ("<\uff5cUser\uff5c>", 3), ("<\uff5cAssistant\uff5c>", 3), ("<think é>", 4)]
+    path = _byte_level(tmp_path / "ds.gguf", extra, merges=["h i"], pre="deepseek-r1-qwen",
+                       ids={"bos": 257, "eos": 258}, add_bos=True, arch="qwen2")
+    tok = HFTokenizer.from_gguf(path)
+    assert tok.vocab_size == 256 + len(extra)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.prepend_bos) == (257, 258, True)
+    ids = tok.encode("<\uff5cUser\uff5c>hi<\uff5cAssistant\uff5c><think é>")
+    assert ids == [259, 256, 260, 261]
+    assert tok.decode(ids) == "<\uff5cUser\uff5c>hi<\uff5cAssistant\uff5c><think é>"
+    assert tok.decode_token_bytes(259) == "<\uff5cUser\uff5c>".encode()
+    assert tok.default_stop_token_ids == (258,)  # <｜end▁of▁sentence｜> is also in llama.cpp's list
+
+
+def test_gguf_merges_that_do_not_fit_the_tokens_are_named_errors(tmp_path):
+    """A merge whose result is not a token is a ValueError naming the file and
+    tokenizer.ggml.merges (the tokenizers library raises a bare Exception), which the
+    checkpoint loader turns into its CheckpointError."""
+    path = _byte_level(tmp_path / "badmerge.gguf", [("<|endoftext|>", 3)])
+    with pytest.raises(ValueError, match=r"badmerge\.gguf: tokenizer\.ggml\.merges does not fit "
+                                         r"tokenizer\.ggml\.tokens"):
+        HFTokenizer.from_gguf(path)
+
+
+def test_gpt2_checkpoint_directory_reads_tokenizer_json_like_transformers(tmp_path):
+    """A GPT-2 checkpoint directory saved with added tokens and a chat template (tokenizer.json,
+    tokenizer_config.json, chat_template.jinja beside vocab.json + merges.txt) loads as
+    transformers' AutoTokenizer reads it: the added tokens, "<|endoftext|>" spelled in text and the
+    chat template. Without tokenizer.json the bare pair stays GPT-2 BPE (tiktoken), equal to
+    transformers' GPT-2 tokenizer built from the same pair."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, GPT2Config, GPT2TokenizerFast
+
+    t = Backend(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    t.train_from_iterator(["hello world, the user asked the assistant a question"] * 20, trainer)
+    hf = GPT2TokenizerFast(tokenizer_object=t, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                           unk_token="<|endoftext|>")
+    hf.add_special_tokens({"pad_token": "<|pad|>", "additional_special_tokens": ["<|user|>", "<|assistant|>"]})
+    hf.chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|endoftext|>{% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    d = tmp_path / "gpt2"
+    hf.save_pretrained(d)
+    hf.backend_tokenizer.model.save(str(d))  # vocab.json + merges.txt, as transformers 4.x also wrote
+    GPT2Config(vocab_size=len(hf), n_layer=1, n_head=2, n_embd=8).save_pretrained(d)
+
+    ref, ours = AutoTokenizer.from_pretrained(str(d)), Tokenizer.load(d)
+    assert isinstance(ours, HFTokenizer)
+    for text in ("<|user|>hello<|assistant|>", "hello<|endoftext|> world", "the question, asked"):
+        assert ours.encode(text) == ref.encode(text), text
+    msgs = [{"role": "user", "content": "hello"}]
+    assert ours.render_chat(msgs) == ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                             return_dict=False)
+    assert ours.eos_token_id == ref.eos_token_id == 0
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (d / name).unlink()
+    bare, ref = Tokenizer.load(d), AutoTokenizer.from_pretrained(str(d))
+    assert type(bare) is TiktokenTokenizer
+    for text in ("hello world, the user asked", " a question"):
+        assert bare.encode(text) == ref.encode(text), text

@@ -49,12 +49,16 @@ def prompts(engine):
 
 
 def test_model_and_tokenizer_come_from_the_file(engine):
-    """Shape from the GGUF metadata, stop token <|im_end|> from tokenizer.ggml.eos_token_id,
-    the ChatML template from tokenizer.chat_template."""
+    """Shape from the GGUF metadata; stop tokens llama.cpp's end-of-generation set
+    (src/llama-vocab.cpp, llama_vocab::impl::load): <|im_end|> from tokenizer.ggml.eos_token_id,
+    <|endoftext|> by its text, <reponame> as the FIM repo token; the ChatML template from
+    tokenizer.chat_template."""
     info, tok = engine.model.info, engine.tokenizer
     assert (info.arch, info.n_layer, info.n_kv_head, info.head_dim, info.vocab_size, info.context_len) == \
         ("llama", 30, 3, 64, 49152, 8192)
-    assert engine.default_stop_ids == {tok.special("<|im_end|>")} == {2}
+    stops = {tok.special(t) for t in ("<|im_end|>", "<|endoftext|>", "<reponame>")}
+    assert engine.default_stop_ids == stops == {2, 0, 4}
+    assert tok.eos_token_id == 2 and tok.default_stop_token_ids == (2, 0, 4)
     ids = tok.render_chat([{"role": "user", "content": "Hi"}])
     assert tok.decode(ids).endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 

@@ -214,16 +214,20 @@ def _rope_scaling(get, prefix: str, path: Path) -> dict | None:
 
 
 def _special_tokens(reader: gguf.GGUFReader) -> dict:
-    """bos/eos/pad ids from tokenizer.ggml.*; eos_token_id is a list when the file also names
-    end-of-turn / end-of-message tokens (llama.cpp stops at any of them)."""
+    """bos/eos/pad ids from tokenizer.ggml.*; eos_token_id is llama.cpp's end-of-generation set
+    (engine/tokenizers/gguf_tokenizer.py `end_of_generation`, after src/llama-vocab.cpp
+    llama_vocab::impl::load: eos/eot/eom, the FIM pad/rep/sep tokens, and every token spelled
+    like an end of turn such as <|im_end|> or <|endoftext|>), a list when it has several ids."""
+    from engine.tokenizers.gguf_tokenizer import end_of_generation
+
     out = {}
     bos = metadata_value(reader, "tokenizer.ggml.bos_token_id")
     pad = metadata_value(reader, "tokenizer.ggml.padding_token_id")
     if bos is not None:
         out["bos_token_id"] = bos
-    eos = [v for k in ("eos", "eot", "eom")
-           if (v := metadata_value(reader, f"tokenizer.ggml.{k}_token_id")) is not None]
-    eos = list(dict.fromkeys(eos))
+    tokens = metadata_value(reader, "tokenizer.ggml.tokens") or []
+    types = metadata_value(reader, "tokenizer.ggml.token_type") or []
+    eos, _ = end_of_generation(list(tokens), list(types), lambda key: metadata_value(reader, key))
     if eos:
         out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     if pad is not None:

@@ -40,9 +40,9 @@ class Tokenizer(ABC):
     @staticmethod
     def load(path: str | Path) -> Tokenizer:
         """Load from what `path` holds:
-        - a directory with vocab.json + merges.txt and no tokenizer.json, or a GPT-2 checkpoint
-          directory (config.json with model_type "gpt2"): GPT-2 BPE (tiktoken); a vocab.json
-          file with merges.txt beside it, likewise;
+        - a directory with vocab.json + merges.txt and no tokenizer.json: GPT-2 BPE (tiktoken);
+          a vocab.json file with merges.txt beside it, likewise (a directory that also has
+          tokenizer.json, a GPT-2 checkpoint included, is a Hugging Face one: see below);
         - a directory with tokenizer.pkl, or a .pkl file: nanochat (tiktoken);
         - a .tiktoken ranks file (tiktoken);
         - a directory with tokenizer.json, or a tokenizer.json file: an

@@ -63,13 +63,17 @@ class HFTokenizer:
         chat_template: the Jinja source, a {name: source} dict (its "default" is used), or None.
         clean_up_tokenization_spaces: transformers' decode() flag (ignored for BPE models, as there).
         name: where it came from, for messages.
+        stop_token_ids: the tokens that end generation when a request names none; None: the
+            eos token alone. (GGUF files: llama.cpp's end-of-generation set, see
+            engine/tokenizers/gguf_tokenizer.py `end_of_generation`.)
     Raises ValueError naming the token for a special token the backend does not know, or a
     post-processor that puts something other than the BOS token before the text.
     """
 
     def __init__(self, backend: Backend, *, special_tokens_map: Mapping[str, str],
                  chat_template: str | Mapping[str, str] | None = None,
-                 clean_up_tokenization_spaces: bool = False, name: str = "tokenizer.json"):
+                 clean_up_tokenization_spaces: bool = False, name: str = "tokenizer.json",
+                 stop_token_ids: Any = None):
         self.backend = backend
         self.name = name
         self._map = {k: v for k, v in special_tokens_map.items() if v is not None}
@@ -86,6 +90,7 @@ class HFTokenizer:
         self._specials = {tok.content: i for i, tok in sorted(added.items()) if tok.special}
         self._bos = self._id("bos_token")
         self._eos = self._id("eos_token")
+        self._stops = None if stop_token_ids is None else tuple(int(i) for i in stop_token_ids)
         self._prepend_bos = self._probe_bos()
         decoder = backend.decoder.__getstate__().decode() if backend.decoder is not None else ""
         self._byte_level = '"ByteLevel"' in decoder
@@ -114,7 +119,8 @@ class HFTokenizer:
                 f"eos={self._map.get('eos_token')!r}, chat={self.has_chat_format})")
 
     def __reduce__(self):
-        return (_restore, (self.backend.to_str(), dict(self._map), self._template_source, self._cleanup, self.name))
+        return (_restore, (self.backend.to_str(), dict(self._map), self._template_source, self._cleanup, self.name,
+                           self._stops))
 
     # ------------------------------------------------------------------ loaders
     @classmethod
@@ -160,7 +166,10 @@ class HFTokenizer:
 
     @property
     def default_stop_token_ids(self) -> tuple[int, ...]:
-        """(eos_token_id,), or () without an eos token. The model's config may add more."""
+        """The stop tokens given at construction (a GGUF file's end-of-generation set), else
+        (eos_token_id,), or () without an eos token. The model's config may add more."""
+        if self._stops is not None:
+            return self._stops
         return () if self._eos is None else (self._eos,)
 
     @property
@@ -264,10 +273,12 @@ class HFTokenizer:
                                     date=date, tools=tools or None)
 
 
-def _restore(backend_json: str, special_tokens_map: dict, chat_template: Any, cleanup: bool, name: str) -> HFTokenizer:
+def _restore(backend_json: str, special_tokens_map: dict, chat_template: Any, cleanup: bool, name: str,
+             stop_token_ids: tuple[int, ...] | None = None) -> HFTokenizer:
     # `cleanup` is the effective flag (already False for BPE), so passing it back is exact.
     return HFTokenizer(Backend.from_str(backend_json), special_tokens_map=special_tokens_map,
-                       chat_template=chat_template, clean_up_tokenization_spaces=cleanup, name=name)
+                       chat_template=chat_template, clean_up_tokenization_spaces=cleanup, name=name,
+                       stop_token_ids=stop_token_ids)
 
 
 __all__ = ["HFTokenizer", "ChatTemplateError"]

@@ -3,7 +3,6 @@
 this module when it is called, so this module, and the tokenizers it builds, never import it."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +20,10 @@ def load_tokenizer(path: str | Path) -> TiktokenTokenizer | HFTokenizer:
     if p.is_dir():
         has_gpt2_files = (p / "vocab.json").is_file() and (p / "merges.txt").is_file()
         has_hf = (p / "tokenizer.json").is_file()
-        if has_gpt2_files and (not has_hf or _is_gpt2_checkpoint(p)):
+        # tokenizer.json wins over vocab.json + merges.txt, GPT-2 checkpoints included: it (with
+        # tokenizer_config.json) carries the added tokens and the chat template that the bare pair
+        # lacks, and it is what transformers' AutoTokenizer reads from such a directory.
+        if has_gpt2_files and not has_hf:
             return TiktokenTokenizer.from_gpt2_files(p / "vocab.json", p / "merges.txt")
         if (p / "tokenizer.pkl").is_file():
             return TiktokenTokenizer.from_pickle(p / "tokenizer.pkl")
@@ -59,11 +61,3 @@ def find_nanochat_tokenizer(checkpoint_dir: str | Path) -> TiktokenTokenizer:
     raise FileNotFoundError("no nanochat tokenizer found; tried " + ", ".join(repr(str(p)) for p in tried)
                             + " (pass an explicit tokenizer path)")
 
-
-def _is_gpt2_checkpoint(directory: Path) -> bool:
-    """True for a Hugging Face GPT-2 checkpoint directory (config.json with model_type "gpt2")."""
-    try:
-        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("model_type") == "gpt2"
