@@ -13,8 +13,10 @@ Order of work (every check that can refuse the job happens before Ray starts):
 2. the output lease (jobs/outputs/lease.py): another live driver on the same output stops
    this one (OutputError, exit 2) before it touches anything;
 3. OutputDir.prepare: new / resume / overwrite, fingerprint check (OutputError, exit 2);
-4. skip committed units (resume), remove temp files of interrupted writes, stage input
-   files whose row groups are too large for their units (jobs/inputs/staging.py);
+4. skip committed units (resume), remove temp files and probes of interrupted writes and
+   damaged part files (empty or cut short, as a power loss can leave them: their units run
+   again), stage input files whose row groups are too large for their units
+   (jobs/inputs/staging.py);
 5. connect Ray: cluster.address None starts a private local instance sized for the workers
    with the GPUs Ray detects (shut down at the end); "auto", "host:port" or "ray://..."
    joins a cluster (left running). A Ray instance already initialised in this process is
@@ -158,7 +160,9 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
         mode = out.prepare(plan, spec, overwrite=overwrite)
         save_hash_cache(out, cache)
         out.cleanup_temp_files()
-        committed = out.committed_units()
+        # a part with no Parquet footer (e.g. linked before a power loss dropped its data) is
+        # not committed, and must go for its unit's commit (a link) to succeed again
+        committed = out.committed_units(remove_damaged=True)
         todo = [u for u in plan.units if u.index not in committed]
         log.info("job %s: %d prompts, %d units (%d committed, %d to run), output %s (%s)%s", plan.fingerprint[:12],
                  plan.num_prompts, len(plan.units), len(plan.units) - len(todo), len(todo), out.shown, mode,
@@ -246,8 +250,17 @@ def _finish(out: Any, plan: Any, units_this_run: int, tokens_this_run: int, stag
         "wall_s": round(wall, 3),
         "tokens_per_s_this_run": round(tokens_this_run / wall, 1) if wall > 0 else 0.0,
     }
-    if st["units_done"] != st["units_total"]:  # pragma: no cover - the dispatcher returned without error
-        raise JobFailed(f"{st['units_total'] - st['units_done']} units missing after the run; rerun to resume")
+    if st["units_done"] != st["units_total"]:
+        # parts the start of the run took for committed (they end in a Parquet footer) that
+        # status cannot read: name them, since a rerun alone would not rewrite them
+        bad = st["unreadable_units"]
+        missing = st["units_total"] - st["units_done"]
+        if bad:
+            shown = "; ".join(bad[:5]) + ("; ..." if len(bad) > 5 else "")
+            raise JobFailed(f"{missing} units missing after the run: {len(bad)} part files cannot be read "
+                            f"({shown}). A part that is damaged, not merely unreachable, can be deleted: a rerun "
+                            f"then runs its unit again")
+        raise JobFailed(f"{missing} units missing after the run; rerun to resume")
     out.mark_success(summary)
     return summary
 

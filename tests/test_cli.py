@@ -58,6 +58,18 @@ def test_prepare_chat_with_id_column(tmp_path):
     (['{"q": "a", "id": 1}', '{"q": "b", "id": 1}'], ["--id-column", "id"], "in.jsonl:2: duplicate id 1 (also on line 1)"),
     (['{"q": "a", "id": 1}', '{"q": "b"}'], ["--id-column", "id"], "in.jsonl:2: id field 'id' is missing"),
     (['{"q": "a", "k": 1}', '{"q": "b", "k": "x"}'], [], "field 'k' has values of different types"),
+    # ids `run` would refuse (a bool or float id column), or that collide as keys (True == 1)
+    (['{"q": "a", "id": true}', '{"q": "b", "id": false}'], ["--id-column", "id"],
+     "in.jsonl:1: id field 'id' is true (bool); ids must be strings or integers"),
+    (['{"q": "a", "id": 1}', '{"q": "b", "id": true}'], ["--id-column", "id"],
+     "in.jsonl:2: id field 'id' is true (bool)"),
+    (['{"q": "a", "id": 1.5}'], ["--id-column", "id"], "in.jsonl:1: id field 'id' is 1.5 (float)"),
+    (['{"q": "a", "id": 1e300}'], ["--id-column", "id"], "in.jsonl:1: id field 'id' is 1e+300 (float)"),
+    (['{"q": "a", "id": NaN}'], ["--id-column", "id"], "in.jsonl:1: id field 'id' is missing, null, not finite"),
+    (['{"q": "a", "id": "x"}', '{"q": "b", "id": 2}'], ["--id-column", "id"],
+     "in.jsonl:2: id field 'id' is 2 (int), but line 1 has a str id"),
+    (['{"q": "a", "id": 1}', '{"q": "b", "id": 1.0}'], ["--id-column", "id"],
+     "in.jsonl:2: duplicate id 1 (also on line 1)"),
 ])
 def test_prepare_errors_exit_2(tmp_path, capsys, lines, args, fragment):
     src = write_jsonl(tmp_path / "in.jsonl", lines)
@@ -65,6 +77,22 @@ def test_prepare_errors_exit_2(tmp_path, capsys, lines, args, fragment):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and fragment in err, err
     assert not (tmp_path / "p.parquet").exists()
+
+
+def test_prepare_integral_float_ids_become_integers_that_run_takes(tmp_path):
+    """`prepare --id-column` writes only id columns `run` takes: integral floats (3.0, as tools
+    that write every number as a float do) become integers, and the file plans with that id
+    column (before the fix the column was double, which plan and run refuse)."""
+    from jobs.plan.planner import plan_job
+    from jobs.spec import JobSpec
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"q": "a", "id": 3.0}, {"q": "b", "id": 4}, {"q": "c", "id": -2.0}])
+    assert main(["prepare", str(src), str(tmp_path / "p.parquet"), "--column", "q", "--id-column", "id"]) == 0
+    t = pq.read_table(tmp_path / "p.parquet")
+    assert str(t.schema.field("id").type) == "int64" and t.column("id").to_pylist() == [3, 4, -2]
+    spec = JobSpec.from_dict({"input": {"path": str(tmp_path / "p.parquet"), "id_column": "id"},
+                              "output": {"path": str(tmp_path / "out")}}, "job.yaml")
+    assert plan_job(spec).num_prompts == 3
 
 
 def test_prepare_missing_file(tmp_path, capsys):

@@ -215,6 +215,34 @@ def test_manifest_contents(tmp_path):
     assert m["files"][0]["num_rows"] == 10 and m["batchgen_version"] and m["created"]
 
 
+def test_passthrough_declared_non_nullable_in_first_file_takes_nulls_of_later_files(tmp_path):
+    """A passthrough column the first input file declares non-nullable, with a null in a later
+    file: every unit commits (the output's passthrough field is nullable), verify is clean,
+    the manifest's output_schema text is what it was before the fix, and a part written
+    before it (the column non-nullable) still verifies and resumes."""
+    d = tmp_path / "in"
+    d.mkdir()
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": [1, 2]},
+                            schema=pa.schema([("prompt", pa.string()),
+                                              pa.field("answer", pa.int64(), nullable=False)])),
+                   d / "a.parquet")
+    pq.write_table(pa.table({"prompt": ["c", "d"], "answer": pa.array([3, None], pa.int64())}), d / "b.parquet")
+    spec, plan, task, od = make_job(tmp_path, input__path=str(d), cluster__unit_rows=2)
+    run_all(spec, plan, task, od)  # before the fix: unit 1 raised "declared non-nullable but contains nulls"
+    assert od.committed_units() == {0, 1} and od.verify() == []
+    assert pq.read_table(Path(od.path) / part_name(1)).column("answer").to_pylist() == [3, 3, None, None]
+    # the manifest's schema text ignores top-level nullability: an output written before the fix
+    # (its field non-nullable) has the same manifest and fingerprint, so it resumes
+    m = json.loads((Path(od.path) / MANIFEST).read_text())
+    assert ["answer", "int64"] in m["output_schema"]
+    old = pq.read_table(Path(od.path) / part_name(0))
+    i = old.schema.get_field_index("answer")
+    old_schema = old.schema.set(i, old.schema.field(i).with_nullable(False))
+    pq.write_table(old.cast(old_schema), Path(od.path) / part_name(0))
+    assert not pq.read_schema(Path(od.path) / part_name(0)).field("answer").nullable
+    assert od.verify() == [] and od.prepare(plan, spec) == "resume"
+
+
 def corrupt(kind, tmp_path, od, plan, task):
     out = Path(od.path)
     if kind == "rows":
@@ -367,3 +395,192 @@ def test_stop_reason_column_and_text(tmp_path):
         ("Hi", "!", "stop", 3), ("ok", "\n\n", "stop", 5), ("Hi", None, "length", 2)]
     assert rows[0]["tokens"][-1] == stop_id and rows[0]["mask"][-1] == 1 and rows[0]["logprobs"][-1] == -0.5
     assert res.generated_tokens == 2 * (3 + 5 + 2)
+
+
+# ------------------------------------------------------------------ run_job without Ray
+
+class InlineDispatcher:
+    """cluster.dispatcher.UnitDispatcher without Ray: each unit runs in this process with
+    fake_outputs (no engine), so run_job's resume and cleanup paths are tested in a second."""
+
+    def __init__(self, task, **kw):
+        self.task = task
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def run(self, units, on_result=None, on_progress=None, watchdog=None):
+        results = []
+        for u in units:
+            results.append(run_unit(self.task, u))
+            if on_result:
+                on_result(results[-1])
+        return results
+
+
+@pytest.fixture
+def run_inline(monkeypatch):
+    import cluster.dispatcher
+    import jobs.runner
+
+    monkeypatch.setattr(cluster.dispatcher, "UnitDispatcher", InlineDispatcher)
+    monkeypatch.setattr(jobs.runner, "connect_ray", lambda spec: False)
+    return lambda spec: jobs.runner.run_job(spec, progress=False, echo=False)
+
+
+def test_resume_reruns_units_whose_part_is_empty_or_cut_short(tmp_path, run_inline, caplog):
+    """A part left empty or cut short (linked before a power loss dropped its data) is not
+    committed: resume removes it, logging its name, and runs its unit again, so the job
+    finishes with the same rows (before the fix every rerun failed "units missing")."""
+    import logging
+
+    spec, plan, task, od = make_job(tmp_path)
+    assert run_inline(spec) == 0
+    out = Path(od.path)
+    want = {i: pq.read_table(out / part_name(i)) for i in range(3)}
+    (out / part_name(1)).write_bytes(b"")
+    data = (out / part_name(2)).read_bytes()
+    (out / part_name(2)).write_bytes(data[: len(data) - 100])
+    os.remove(out / SUCCESS)
+    assert od.committed_units() == {0}
+    assert [rel for rel, _ in od.damaged_parts()] == [part_name(1), part_name(2)]
+    with caplog.at_level(logging.WARNING, logger="batchgen"):
+        assert run_inline(spec) == 0
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert f"{part_name(1)} is damaged, empty file" in logged
+    assert f"{part_name(2)} is damaged, no Parquet footer" in logged
+    assert od.committed_units() == {0, 1, 2} and od.damaged_parts() == [] and od.verify() == []
+    for i in (1, 2):
+        assert pq.read_table(out / part_name(i)).equals(want[i])
+    assert od.status()["summary"]["units_this_run"] == 2
+
+
+def test_a_part_whose_footer_cannot_be_read_is_named_when_the_run_ends(tmp_path, run_inline):
+    """A part that ends like a Parquet file but whose footer is garbage is taken for committed
+    at the start; the end of the run cannot read it and fails naming the file and what to do
+    (before: "1 units missing after the run; rerun to resume", forever)."""
+    from jobs.errors import JobFailed
+
+    spec, plan, task, od = make_job(tmp_path)
+    assert run_inline(spec) == 0
+    p = Path(od.path) / part_name(1)
+    data = bytearray(p.read_bytes())
+    footer_len = int.from_bytes(data[-8:-4], "little")
+    data[-8 - footer_len:-8] = b"\xff" * footer_len  # the footer's bytes, its length and magic kept
+    p.write_bytes(bytes(data))
+    os.remove(Path(od.path) / SUCCESS)
+    with pytest.raises(JobFailed, match=r"(?s)part files cannot be read \(part-000001\.parquet: .*can be deleted: "
+                                        r"a rerun then runs its unit again") as e:
+        run_inline(spec)
+    assert e.value.exit_code == 1
+
+
+def test_commit_fsyncs_the_file_before_its_link_and_the_directory_after(tmp_path, monkeypatch):
+    """A local commit (a part, the lease) and a replacement (manifest, _SUCCESS, heartbeats)
+    fsync the temporary file before the link or rename that makes it visible, and the
+    directory after: a power loss cannot leave the final name on an empty file."""
+    import stat
+
+    from jobs.outputs import commit
+
+    events = []
+    real_fsync, real_link, real_replace = os.fsync, os.link, os.replace
+
+    def fsync(fd):
+        events.append("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(commit.os, "fsync", fsync)
+    monkeypatch.setattr(commit.os, "link", lambda a, b: (events.append("link"), real_link(a, b))[1])
+    monkeypatch.setattr(commit.os, "replace", lambda a, b: (events.append("replace"), real_replace(a, b))[1])
+    import pyarrow.fs as pafs
+
+    commit.write_part(str(tmp_path), 0, pa.table({"x": [1]}))
+    assert events == ["fsync file", "link", "fsync dir"]
+    events.clear()
+    commit.replace_whole(pafs.LocalFileSystem(), str(tmp_path / "_SUCCESS"), b"{}")
+    assert events == ["fsync file", "replace", "fsync dir"]
+    assert sorted(os.listdir(tmp_path)) == ["_SUCCESS", part_name(0)]
+
+
+def test_leftovers_of_a_crash_are_batchgens_own_and_removed(tmp_path, run_inline):
+    """Files a crash can leave (a lease being created, a manifest or heartbeat being replaced,
+    the writability and S3 conditional-write probes) neither make a directory without a
+    manifest count as holding unrelated files, nor make verify fail after a resume: run
+    removes them. A user's file with a similar name is still refused and never deleted
+    (before the fix: run refused the directory, verify reported "unexpected file" forever)."""
+    spec, plan, task, od = make_job(tmp_path)
+    out = Path(od.path)
+    (out / "_batchgen").mkdir(parents=True)
+    crash = ["_batchgen/.tmp-lease-0123abcd.json", "_batchgen/.tmp-" + "e" * 32]
+    for rel in crash:
+        (out / rel).write_text("{}")
+    od.check_no_unrelated_files()  # what `run` and `plan` check before the lease
+    assert run_inline(spec) == 0
+    assert not any((out / rel).exists() for rel in crash)
+    probes = [".batchgen-probe-" + "a" * 32, ".batchgen-probe-if-none-match-" + "b" * 32,
+              "_batchgen/.batchgen-probe-if-none-match-" + "c" * 32]
+    for rel in probes:
+        (out / rel).write_text("probe")
+    os.remove(out / SUCCESS)
+    problems = od.verify()
+    assert [p.split(":")[0] for p in problems] == probes[:2] and all("orphan temporary file" in p for p in problems)
+    assert od.status()["temp_files"] == 3
+    assert run_inline(spec) == 0
+    assert not any((out / rel).exists() for rel in probes) and od.verify() == []
+    # exact names only: a user's ".tmp-notes" is neither taken for batchgen's nor removed
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / ".tmp-notes").write_text("mine")
+    spec2, plan2, _, od2 = make_job(tmp_path, output__path=str(other))
+    with pytest.raises(OutputError, match=r"not empty and has no batchgen manifest \(1 files: \.tmp-notes\)"):
+        run_inline(spec2)
+    assert (other / ".tmp-notes").read_text() == "mine"
+
+
+def test_cleanup_spares_the_temporary_file_of_a_write_in_flight(tmp_path, monkeypatch):
+    """The driver cleans up leftovers while its lease's heartbeat thread may be replacing
+    lease.json through a `_batchgen/.tmp-<uuid>` file: cleanup never removes that one (the
+    heartbeat would then fail), only leftovers of earlier crashes."""
+    from jobs.outputs import output_dir
+
+    spec, plan, task, od = make_job(tmp_path)
+    od.prepare(plan, spec)
+    old = Path(od.path) / "_batchgen" / (".tmp-" + "d" * 32)
+    old.write_text("left by a crash")
+    real = output_dir.replace_whole
+    seen = {}
+
+    def replace_whole(fs, final, data, tmp_name=None):
+        parent = final.rsplit("/", 1)[0]
+        Path(parent, tmp_name).write_bytes(data)  # the temporary file exists, not yet renamed
+        seen["removed"] = od.cleanup_temp_files()
+        seen["kept"] = Path(parent, tmp_name).exists()
+        os.remove(Path(parent, tmp_name))
+        real(fs, final, data, tmp_name=tmp_name)
+
+    monkeypatch.setattr(output_dir, "replace_whole", replace_whole)
+    od.write_text("_batchgen/lease.json", "{}")
+    assert seen == {"removed": 1, "kept": True} and not old.exists()
+    assert (Path(od.path) / "_batchgen" / "lease.json").read_text() == "{}"
+
+
+def test_writability_probe_removed_by_a_cleaning_driver_still_counts_as_written(tmp_path, monkeypatch):
+    """The driver holding the lease removes probes a crash left; a second driver's probe,
+    written just then, may vanish before that driver removes it itself. The directory took
+    the write, so it is writable: no "not writable" error (the lease then decides)."""
+    from jobs.outputs import output_dir
+
+    real = output_dir.put_whole
+
+    def put_then_cleaned_up(fs, path, data):
+        real(fs, path, data)
+        os.remove(path)  # the lease holder's cleanup_temp_files, at that moment
+
+    monkeypatch.setattr(output_dir, "put_whole", put_then_cleaned_up)
+    spec, plan, task, od = make_job(tmp_path)
+    od.ensure_writable()
+    assert os.listdir(od.path) == []

@@ -192,3 +192,36 @@ def test_two_drivers_creating_the_lease_on_s3_at_once(proxy_for):
     assert e.value.exit_code == 2
     assert a.read()["token"] == a.token
     a.release()
+
+
+def test_a_probe_removed_between_its_puts_by_a_cleaning_driver_is_retried(proxy_for, s3, monkeypatch, caplog):
+    """The conditional-write probe of a driver (or of a worker of a taken-over one) may be
+    removed between its two PUTs by the driver holding the lease, which cleans up probes a
+    crash left: the second PUT then succeeds on a store that honours If-None-Match. The probe
+    is tried once more under a new name, so the store is not wrongly taken for one without
+    conditional writes (no warning, commits stay conditional); no probe object is left."""
+    import types
+
+    from pyarrow import fs as pafs
+
+    from jobs.outputs import commit
+    from jobs.outputs.output_dir import OutputDir
+
+    options, _ = s3
+    proxy, out = proxy_for(strip=False, name="probe-removed")
+    names = iter(["a" * 32, "b" * 32, "c" * 32])
+    monkeypatch.setattr(commit, "uuid", types.SimpleNamespace(uuid4=lambda: types.SimpleNamespace(hex=next(names))))
+    first = f"{commit.PROBE_PREFIX}if-none-match-{'a' * 32}"
+    fs, base = uri.filesystem_for(f"s3://bkt/commits/probe-removed?{options}")  # the store itself, not the proxy
+
+    def remove_before_the_second_put():
+        proxy.before_put["/" + first] = lambda: fs.delete_file(f"{base}/{first}")
+
+    proxy.before_put["/" + first] = remove_before_the_second_put
+    with caplog.at_level(logging.WARNING):
+        OutputDir(out).ensure_writable()
+    assert not [r for r in caplog.records if "If-None-Match" in r.getMessage()], caplog.records
+    probe_puts = [p.rsplit("/", 1)[1] for p, _ in proxy.puts if commit.PROBE_PREFIX + "if" in p]
+    assert probe_puts == [first, first] + [f"{commit.PROBE_PREFIX}if-none-match-{'b' * 32}"] * 2
+    left = [i.path for i in fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))]
+    assert left == [], left

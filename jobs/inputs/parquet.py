@@ -106,7 +106,12 @@ class ParquetReader:
         pt_schema = files[0].schema if files else pa.schema([])
         return InputScan(root=root, files=files, units=[u for its in file_units for u in its],
                          fingerprint_files=[[f.name, f.size, f.num_rows, f.content] for f in files],
-                         passthrough_fields=[pt_schema.field(c) for c in spec.input.passthrough],
+                         # nullable whatever the first file declares: the files only agree on the
+                         # columns' types (type_str has no top-level nullability), and a later
+                         # file's null in a column declared non-nullable would make every write
+                         # of its units fail. The manifest's output_schema (type_str) is the same.
+                         passthrough_fields=[pt_schema.field(c).with_nullable(True)
+                                             for c in spec.input.passthrough],
                          rows_decoded=rows_decoded, expected_rows=expected, warnings=warnings)
 
     def read_unit(self, unit: WorkUnit, tokenizer: Any, params: Any) -> tuple[list[UnitRequest], int]:

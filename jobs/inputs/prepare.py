@@ -6,9 +6,11 @@
 The prompt field becomes `prompt` (text) or `messages` = [{role: "user", content}] (chat);
 the other scalar fields (str, int, float, bool, null; non-finite floats become null) are
 kept as columns (e.g. GSM8K's `answer`, for input.passthrough); lists and objects are
-dropped. Blank lines are skipped. The file is written with `row_group_rows`-row groups
-(match the job's cluster.unit_rows, so that no file needs staging, jobs/inputs/staging.py),
-through a temporary file and a rename.
+dropped. Ids (--id-column) must be strings or integers, all of one kind (a float with an
+integral value, 3.0, is taken as the integer 3); a missing, null, bool or fractional id is an
+InputError naming the line. Blank lines are skipped. The file is written with
+`row_group_rows`-row groups (match the job's cluster.unit_rows, so that no file needs
+staging, jobs/inputs/staging.py), through a temporary file and a rename.
 """
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ def prepare_jsonl(input_path: str, output_path: str, column: str = "prompt", id_
 
     Raises InputError (exit code 2) for a missing file, a line that is not a JSON object
     (naming the line number), a line without the prompt field, a prompt that is not a
-    string, duplicate or missing ids, or a field whose type changes between lines, and for
-    row_group_rows < 1; OutputError when the file cannot be written.
+    string, an id that is missing, duplicate, not a string or an integer, or of another kind
+    than the others, or a field whose type changes between lines, and for row_group_rows < 1;
+    OutputError when the file cannot be written.
     """
     if row_group_rows < 1:
         raise InputError(f"--row-group-rows must be >= 1, got {row_group_rows}")
@@ -90,8 +93,10 @@ def _read_rows(input_path: str, column: str, target: str, fmt: str) -> tuple[lis
 
 
 def _add_ids(rows: list[dict[str, Any]], extra: dict[str, None], id_column: str, input_path: str) -> None:
-    """Check the id field (present and unique on every line), or create it from line
-    numbers (1-based) when no line has it."""
+    """Check the id field (present, a string or an integer, one kind on every line, unique), or
+    create it from line numbers (1-based) when no line has it. A float with an integral value
+    (3.0, as tools that write every number as a float do) becomes the integer; `run` takes
+    string and integer id columns only, so anything else is refused here, naming the line."""
     have = [r for r in rows if id_column in r]
     if not have:
         for r in rows:
@@ -99,12 +104,29 @@ def _add_ids(rows: list[dict[str, Any]], extra: dict[str, None], id_column: str,
         extra.setdefault(id_column)
         return
     seen: dict[Any, int] = {}
+    kind: tuple[type, int] | None = None  # (str or int, the first line with an id)
     for r in rows:
         v = r.get(id_column)
+        where = f"{input_path}:{r['_line']}"
         if v is None:
-            raise InputError(f"{input_path}:{r['_line']}: id field {id_column!r} is missing or null")
+            # (_read_rows made NaN and infinities null, and dropped lists and objects)
+            raise InputError(f"{where}: id field {id_column!r} is missing, null, not finite, a list or an object; "
+                             f"ids must be strings or integers")
+        if isinstance(v, float) and v.is_integer() and abs(v) <= 2 ** 53:
+            v = r[id_column] = int(v)  # 3.0 -> 3; above 2**53 a float no longer holds the integer written
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            # bools: True == 1 as a key, and `run` refuses a bool id column; floats: ids must be exact
+            raise InputError(f"{where}: id field {id_column!r} is {json.dumps(v)} ({type(v).__name__}); "
+                             f"ids must be strings or integers")
+        if not isinstance(v, str) and not -2 ** 63 <= v < 2 ** 64:
+            raise InputError(f"{where}: id field {id_column!r} is {v}, outside the 64-bit integer range")
+        if kind is None:
+            kind = (type(v), r["_line"])
+        elif type(v) is not kind[0]:
+            raise InputError(f"{where}: id field {id_column!r} is {json.dumps(v)} ({type(v).__name__}), but line "
+                             f"{kind[1]} has a {kind[0].__name__} id; ids must all be strings or all integers")
         if v in seen:
-            raise InputError(f"{input_path}:{r['_line']}: duplicate id {v!r} (also on line {seen[v]})")
+            raise InputError(f"{where}: duplicate id {v!r} (also on line {seen[v]})")
         seen[v] = r["_line"]
 
 

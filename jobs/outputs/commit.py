@@ -21,9 +21,15 @@ The output lease is created the same way (jobs/outputs/lease.py).
 
 Replacements (`replace_whole`: the manifest, _SUCCESS, the lease's heartbeats): a temporary
 file and a rename locally, one PUT on an object store.
+
+Locally the temporary file is fsynced before its link or rename, and the directory after:
+otherwise a power loss can leave the new name pointing at an empty or partial file (ext4's
+delayed allocation, XFS), a "committed" unit that cannot be read. (A part damaged anyway is
+found on resume and its unit run again: OutputDir.committed_units(remove_damaged=True).)
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -38,7 +44,7 @@ import pyarrow.parquet as pq
 
 from jobs import uri
 from jobs.errors import OutputError
-from jobs.outputs.layout import part_name
+from jobs.outputs.layout import PROBE_PREFIX, part_name
 
 log = logging.getLogger("batchgen")
 
@@ -75,6 +81,38 @@ def put_whole(fs: pafs.FileSystem, path: str, data: bytes | pa.Buffer) -> None:
     f.close()
 
 
+# fsync refused because the file or filesystem cannot sync (not a failed write): nothing to do
+_NO_SYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
+
+
+def _write_synced(path: str, data: pa.Buffer | bytes) -> None:
+    """Write `data` to the new local file `path` and fsync it, so that a link or rename made
+    afterwards never names a file whose data a power loss dropped."""
+    with open(path, "wb") as f:
+        f.write(memoryview(data))
+        f.flush()
+        try:
+            os.fsync(f.fileno())
+        except OSError as e:
+            if e.errno not in _NO_SYNC:
+                raise
+
+
+def _fsync_dir(path: str) -> None:
+    """fsync directory `path`, making a name just linked or renamed into it durable. Best
+    effort: some filesystems cannot open or sync a directory; the file's data is synced."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def commit_file(fs: pafs.FileSystem, final: str, data: pa.Buffer | bytes, tmp_prefix: str) -> bool:
     """Make `final` hold `data` unless it exists already (first commit wins); returns whether
     this call committed it. See the module docstring for how, per filesystem; a local
@@ -91,8 +129,7 @@ def commit_file(fs: pafs.FileSystem, final: str, data: pa.Buffer | bytes, tmp_pr
     parent = final.rsplit("/", 1)[0]
     tmp = join(parent, f"{tmp_prefix}-{uuid.uuid4().hex}{os.path.splitext(final)[1]}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(memoryview(data))
+        _write_synced(tmp, data)
         try:
             os.link(tmp, final)
             committed = True
@@ -102,6 +139,8 @@ def commit_file(fs: pafs.FileSystem, final: str, data: pa.Buffer | bytes, tmp_pr
             committed = not os.path.exists(final)
             if committed:
                 os.replace(tmp, final)
+        if committed:
+            _fsync_dir(parent)
         return committed
     finally:
         try:
@@ -110,17 +149,18 @@ def commit_file(fs: pafs.FileSystem, final: str, data: pa.Buffer | bytes, tmp_pr
             pass
 
 
-def replace_whole(fs: pafs.FileSystem, final: str, data: bytes) -> None:
-    """Replace `final` with `data`, whole (see the module docstring); creates its directory."""
+def replace_whole(fs: pafs.FileSystem, final: str, data: bytes, tmp_name: str | None = None) -> None:
+    """Replace `final` with `data`, whole (see the module docstring); creates its directory.
+    tmp_name: the local temporary file's name in that directory (default `.tmp-<uuid>`)."""
     parent = final.rsplit("/", 1)[0]
     fs.create_dir(parent, recursive=True)
     if not uri.is_local(fs):
         put_whole(fs, final, data)
         return
-    tmp = join(parent, f".tmp-{uuid.uuid4().hex}")
-    with fs.open_output_stream(tmp) as f:
-        f.write(data)
+    tmp = join(parent, tmp_name or f".tmp-{uuid.uuid4().hex}")
+    _write_synced(tmp, data)
     os.replace(tmp, final)
+    _fsync_dir(parent)
 
 
 def write_part(output_path: str, index: int, table: pa.Table) -> str:
@@ -226,11 +266,14 @@ def _put_if_absent(client: Any, final: str, data: pa.Buffer | bytes) -> bool:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+SECOND_PUT_SUCCEEDED = "a second conditional PUT of the same new object succeeded"
+
+
 def _probe(client: Any, final: str) -> str | None:
     """None if the store honours If-None-Match on PUT, else why not: writes a probe object
     next to `final` twice, conditionally (the second must be refused), then removes it."""
     bucket, key = final.split("/", 1)
-    probe = f"{key.rsplit('/', 1)[0] + '/' if '/' in key else ''}.batchgen-probe-if-none-match-{uuid.uuid4().hex}"
+    probe = f"{key.rsplit('/', 1)[0] + '/' if '/' in key else ''}{PROBE_PREFIX}if-none-match-{uuid.uuid4().hex}"
     try:
         for attempt in ("first", "second"):
             try:
@@ -240,7 +283,7 @@ def _probe(client: Any, final: str) -> str | None:
                 if attempt == "second" and (code == "PreconditionFailed" or status == 412):
                     return None
                 return f"a conditional PUT was refused: {code or type(e).__name__} {status or ''}".rstrip()
-        return "a second conditional PUT of the same new object succeeded"
+        return SECOND_PUT_SUCCEEDED
     finally:
         try:
             client.delete_object(Bucket=bucket, Key=probe)
@@ -280,6 +323,11 @@ def conditional_writes(fs: pafs.FileSystem, final: str) -> Any:
             if client is not None:
                 try:
                     why = _probe(client, final)
+                    if why == SECOND_PUT_SUCCEEDED:
+                        # once more under a new name: a driver cleaning up leftovers of a crash
+                        # (OutputDir.cleanup_temp_files) may have removed the probe between the
+                        # PUTs; a store that ignores the header lets the second PUT through again
+                        why = _probe(client, final)
                 except Exception as e:  # noqa: BLE001 - the store could not be asked: as if it refused
                     why = f"the probe failed: {e}"
                 if why is not None:

@@ -16,6 +16,9 @@ another job's output (the message names the keys whose values differ) or unrelat
 from __future__ import annotations
 
 import json
+import logging
+import os
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -28,9 +31,13 @@ import pyarrow.parquet as pq
 from jobs import uri
 from jobs.errors import OutputError
 from jobs.outputs.commit import canonical_output, conditional_writes, join, put_whole, replace_whole, resolve_output
-from jobs.outputs.layout import CACHE_FILE, LEASE, MANIFEST, PART_RE, SUCCESS, TMP_RE, part_name
+from jobs.outputs.layout import CACHE_FILE, LEASE, LEFTOVER_RE, MANIFEST, PART_RE, PROBE_PREFIX, SUCCESS, part_name
 from jobs.outputs.schema import COUNT_KEYS, META_COUNTS, batchgen_version, output_schema, type_str
 from jobs.outputs.verify import READ_THREADS, OutputChecks
+
+log = logging.getLogger("batchgen")
+PARQUET_MAGIC = b"PAR1"
+CHECK_CHUNK = 256  # part files per task when their tails are checked (committed_units)
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -82,6 +89,10 @@ class OutputDir(OutputChecks):
         self.path = canonical_output(str(path))
         self.shown = uri.redact(self.path)  # for messages: no credentials
         self.fs, self.base = resolve_output(str(path))
+        # temporary files this object is writing now (_write_atomic: the lease's heartbeats run
+        # in a thread while the driver cleans up leftovers): never taken for leftovers
+        self._writing: set[str] = set()
+        self._writing_lock = threading.Lock()
 
     # ------------------------------------------------------------ helpers
     def _p(self, name: str) -> str:
@@ -100,7 +111,19 @@ class OutputDir(OutputChecks):
 
     def _write_atomic(self, name: str, text: str) -> None:
         """Replace `name` whole: a temporary file and a rename locally, one PUT on a store."""
-        replace_whole(self.fs, self._p(name), text.encode("utf-8"))
+        tmp = f".tmp-{uuid.uuid4().hex}"
+        rel = f"{name.rsplit('/', 1)[0]}/{tmp}" if "/" in name else tmp
+        with self._writing_lock:  # registered before the file exists, dropped once it is renamed
+            self._writing.add(rel)
+        try:
+            replace_whole(self.fs, self._p(name), text.encode("utf-8"), tmp_name=tmp)
+        finally:
+            with self._writing_lock:
+                self._writing.discard(rel)
+
+    def _in_flight(self, rel: str) -> bool:
+        with self._writing_lock:
+            return rel in self._writing
 
     def read_text(self, name: str) -> str | None:
         """The text of `name` (relative to the directory), or None if it does not exist."""
@@ -159,12 +182,13 @@ class OutputDir(OutputChecks):
     def _remove_batchgen_files(self) -> None:
         keep = (LEASE, CACHE_FILE)  # this driver's lease; hashes keyed by file
         for rel, _ in self._entries():
-            name = rel.split("/")[-1]
-            if rel in keep:
+            if rel in keep or self._in_flight(rel):  # (a heartbeat being written)
                 continue
-            if rel.startswith("_batchgen/") or rel == SUCCESS or PART_RE.match(rel) or TMP_RE.match(rel) \
-                    or (name.startswith(".tmp-") and "/" not in rel):
-                self.fs.delete_file(self._p(rel))
+            if rel.startswith("_batchgen/") or rel == SUCCESS or PART_RE.match(rel) or LEFTOVER_RE.match(rel):
+                try:
+                    self.fs.delete_file(self._p(rel))
+                except FileNotFoundError:  # a temporary file renamed or removed meanwhile
+                    pass
 
     # ------------------------------------------------------------ lifecycle
     def check_can_be_directory(self) -> None:
@@ -193,14 +217,15 @@ class OutputDir(OutputChecks):
 
     def check_no_unrelated_files(self) -> None:
         """For a directory without a manifest: raise OutputError (exit code 2) when it holds
-        files that are not batchgen's (any but an output lease and the checkpoint hash cache),
+        files that are not batchgen's (any but an output lease, the checkpoint hash cache and
+        batchgen's temporary files and probes, which a crash may leave: layout.LEFTOVER_RE),
         which `run` refuses to write beside without --overwrite. Reads only (`batchgen plan`)."""
         entries = self._unrelated_entries()
         if entries:
             raise self._unrelated_error(entries)
 
     def _unrelated_entries(self) -> list[str]:
-        return [rel for rel, _ in self._entries() if rel not in (LEASE, CACHE_FILE)]
+        return [rel for rel, _ in self._entries() if rel not in (LEASE, CACHE_FILE) and not LEFTOVER_RE.match(rel)]
 
     def _unrelated_error(self, entries: list[str]) -> OutputError:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
@@ -220,10 +245,13 @@ class OutputDir(OutputChecks):
         info = self.fs.get_file_info(self.base)
         if info.type == pafs.FileType.File:
             raise OutputError(f"output.path {shown}: is a file, expected a directory")
-        probe = f".batchgen-probe-{uuid.uuid4().hex}"
+        probe = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
         try:
             put_whole(self.fs, self._p(probe), b"probe")
-            self.fs.delete_file(self._p(probe))
+            try:
+                self.fs.delete_file(self._p(probe))
+            except FileNotFoundError:
+                pass  # written, which is what this checks; a driver holding the lease removed it
         except (OSError, pa.ArrowException) as e:
             raise OutputError(f"output.path {shown}: directory is not writable: {e}") from None
         if not uri.is_local(self.fs):
@@ -290,17 +318,86 @@ class OutputDir(OutputChecks):
                        "row_end": u.row_end, "expected_rows": plan.unit_rows(u, n)} for u in plan.units],
         }
 
-    def committed_units(self) -> set[int]:
-        """Indices of the units whose part file is present (committed)."""
-        return {int(m.group(1)) for rel, _ in self._entries() if (m := PART_RE.match(rel))}
+    def committed_units(self, remove_damaged: bool = False) -> set[int]:
+        """Indices of the units whose part file is committed: present and, on a local
+        filesystem, not damaged (see damaged_parts). remove_damaged: also remove the damaged
+        parts, each logged by name, so that their units run again (a unit's rows are a
+        function of the job; its commit, a link, could never replace the damaged file). Only
+        under the output lease: a commit makes a part visible once it is whole, so a damaged
+        part is never one still being written."""
+        committed, damaged = self._check_parts()
+        for rel, why in damaged if remove_damaged else []:
+            log.warning("%s: part file %s is damaged, %s: removing it; its unit runs again", self.shown, rel, why)
+            try:
+                self.fs.delete_file(self._p(rel))
+            except FileNotFoundError:
+                pass
+        return committed
+
+    def damaged_parts(self) -> list[tuple[str, str]]:
+        """(relative name, what is wrong) of the part files that cannot be Parquet files: on a
+        local filesystem, empty or not ending in a Parquet footer (its length and magic
+        bytes), as a power loss can leave a part linked before its data reached the disk
+        (commit.py fsyncs it first; not every filesystem honours that). On an object store a
+        part is one PUT, whole or absent: only an empty one is listed."""
+        return self._check_parts()[1]
+
+    def _check_parts(self) -> tuple[set[int], list[tuple[str, str]]]:
+        """(committed unit indices, damaged parts). The sizes come with the listing; locally
+        each part's last 8 bytes are read too, never its footer: 40,000 parts take under a
+        second, listing included (status, reading footers: 16 s), read in threads over
+        chunks of files, which hide a network filesystem's latency without a task per file."""
+        parts = [(rel, int(m.group(1)), info.size) for rel, info in self._entries() if (m := PART_RE.match(rel))]
+        local = uri.is_local(self.fs)
+
+        def damage(part: tuple[str, int, int | None]) -> str | None:
+            """What is wrong with a part; None for a committed one, "" for one gone meanwhile."""
+            rel, _, size = part
+            if size == 0:
+                return "empty file (0 bytes)"
+            if not local:
+                return None  # one PUT: whole or absent
+            try:
+                fd = os.open(self._p(rel), os.O_RDONLY)
+            except FileNotFoundError:
+                return ""
+            except OSError:
+                return None  # never judged (nor removed) on a failed read: status and verify report it
+            try:
+                size = os.fstat(fd).st_size
+                if size < 12:
+                    return f"{size} bytes, too small for a Parquet file" if size else "empty file (0 bytes)"
+                tail = os.pread(fd, 8, size - 8)
+            except OSError:
+                return None
+            finally:
+                os.close(fd)
+            footer_len = int.from_bytes(tail[:4], "little")
+            if tail[4:] != PARQUET_MAGIC or footer_len + 12 > size:
+                return f"no Parquet footer at its end ({size} bytes: cut short, or its data never reached the disk)"
+            return None
+
+        chunks = [parts[i:i + CHECK_CHUNK] for i in range(0, len(parts), CHECK_CHUNK)]
+        with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(chunks)))) as ex:
+            verdicts = [v for chunk in ex.map(lambda c: [damage(p) for p in c], chunks) for v in chunk]
+        committed = {idx for (_, idx, _), why in zip(parts, verdicts) if why is None}
+        return committed, [(rel, why) for (rel, _, _), why in zip(parts, verdicts) if why]
 
     def temp_files(self) -> list[str]:
-        """Relative paths of leftover temporary files (interrupted writes)."""
-        return [rel for rel, _ in self._entries() if "/" not in rel and rel.startswith(".tmp-")]
+        """Relative paths of leftover temporary files and probes (interrupted writes:
+        layout.LEFTOVER_RE), less those this object is writing now."""
+        return [rel for rel, _ in self._entries() if LEFTOVER_RE.match(rel) and not self._in_flight(rel)]
 
     def cleanup_temp_files(self) -> int:
-        """Remove leftover temporary files; returns how many. Call only when no worker of this
-        job is writing (at job start)."""
+        """Remove leftover temporary files and probes; returns how many.
+
+        Call only under the output lease while no worker of this job writes (before its units
+        start, after they end). Nothing else writes them then: this driver's heartbeats are
+        skipped (_writing); another driver writes only a probe and, on S3, a conditional-write
+        probe before it meets the lease and is refused, and both survive losing it (its probe
+        counts as written; the conditional one is retried under a new name); and another
+        driver creating the lease as this one took it is refused either way (its link finds
+        the lease, or fails for lack of its temporary file)."""
         n = 0
         for rel in self.temp_files():
             try:

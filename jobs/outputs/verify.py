@@ -2,9 +2,9 @@
 
 Checks: manifest present and readable; every part file readable, with the manifest's
 schema, this job's fingerprint, its own unit index and the expected row count; no
-(prompt_id, sample_index) twice, within a file or across units; no orphan temporary files;
-no unexpected files; no _SUCCESS while units are missing. Files are read in parallel; a
-40,000-file output holds one 64-bit key per prompt (jobs/ids.py), not every row.
+(prompt_id, sample_index) twice, within a file or across units; no orphan temporary files
+or probes; no unexpected files; no _SUCCESS while units are missing. Files are read in
+parallel; a 40,000-file output holds one 64-bit key per prompt (jobs/ids.py), not every row.
 
 `OutputChecks` is mixed into jobs.outputs.output_dir.OutputDir: it reads the directory
 through OutputDir's helpers (`fs`, `_p`, `_entries`, `_exists`, `read_manifest`).
@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from jobs.errors import OutputError
 from jobs.ids import find_duplicates, keys_of
-from jobs.outputs.layout import MANIFEST, PART_RE, SUCCESS, part_name
+from jobs.outputs.layout import LEFTOVER_RE, MANIFEST, PART_RE, SUCCESS, part_name
 from jobs.outputs.schema import META_FINGERPRINT, META_UNIT, type_str
 
 READ_THREADS = 16
@@ -111,7 +111,7 @@ class OutputChecks:
         for rel, _ in self._entries():
             if rel.startswith("_batchgen/") or rel == SUCCESS:
                 continue
-            if "/" not in rel and rel.startswith(".tmp-"):
+            if LEFTOVER_RE.match(rel):  # a temporary file or a probe
                 problems.append(f"{rel}: orphan temporary file (an interrupted write; resuming the job removes it)")
                 continue
             mm = PART_RE.match(rel)
