@@ -71,9 +71,11 @@ class Engine:
             worker's share of its node: cluster/worker.py `node_share`).
         batch_invariant: on CPU, make every sample's logits, and so its tokens and logprobs,
             bit-identical whatever batch it runs in (engine/kernels/attention.py; the projections are
-            oneDNN's batch-invariant kernels either way). False runs the batched attention
-            path that GPUs use; tokens then match except at rare near-ties (logits move by
-            about 1e-7). GPUs are not batch-invariant in either mode.
+            oneDNN's batch-invariant kernels either way). With the compiled kernels it changes
+            nothing (they are invariant by construction); on torch's fallback, False prefills
+            the batch in one SDPA call and decodes with torch's kernel in its own blocking, so
+            tokens match except at rare near-ties (logits move by about 1e-7)
+            (engine/kernels/attention_backend.py). GPUs are not batch-invariant in either mode.
         prefix_sharing: samples of a prompt attend to its stored KV, read once per prompt
             per step for all of them (cascade attention); False gives each sample its own
             copy of the prompt's KV (more memory, more reads; the logits differ in the last
