@@ -169,6 +169,15 @@ def scripted(monkeypatch):
 PARAMS = SamplingParams(num_samples=1, max_tokens=100, temperature=1.0, seed=3, stop_token_ids=[])
 
 
+def gated_add(gate: threading.Event):
+    """An `add(a, b)` tool that blocks until `gate` opens (at most 30 s): a call that stays
+    running while the test steps the engine, without sleeps."""
+    def gated(a: int, b: int) -> str:
+        gate.wait(30)
+        return str(a + b)
+    return gated
+
+
 def chat(tok, prompt="What is 2+3?", tools=None):
     return tok.render_chat([{"role": "user", "content": prompt}], tools=tools)
 
@@ -309,10 +318,7 @@ def test_a_waiting_sample_holds_no_one_back_and_its_tokens_do_not_change(parts, 
     by position and a row's logits do not depend on its batch."""
     model, tok = parts
     gate = threading.Event()
-
-    def gated(a: int, b: int) -> str:
-        gate.wait(30)
-        return str(a + b)
+    gated = gated_add(gate)
 
     params = SamplingParams(num_samples=1, max_tokens=100, temperature=1.0, top_k=40, seed=7, stop_token_ids=[])
 
@@ -511,10 +517,7 @@ def test_compaction_moves_every_cached_position_of_a_continuation_waiting_for_it
     bit-identical to those of the same continuation without the compaction."""
     model, tok = parts
     gate = threading.Event()
-
-    def gated(a: int, b: int) -> str:
-        gate.wait(30)
-        return str(a + b)
+    gated = gated_add(gate)
 
     params = SamplingParams(num_samples=1, max_tokens=80, temperature=1.0, top_k=40, seed=7, stop_token_ids=[])
 
