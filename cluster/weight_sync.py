@@ -57,13 +57,24 @@ Replace = Callable[[WorkerRecord, str], None]
 def stage_everywhere(live: list[WorkerRecord], path: str, step: int | None, keeps: str,
                      replace: Replace) -> dict[WorkerRecord, dict]:
     """Every worker of `live` checks checkpoint `path`; returns {worker: its stage_weights()
-    reply} when all of them could. Raises WeightsRefused (after every worker dropped what it
+    reply} when all of them could, every reply of the same step (step None: the newest any
+    worker found, staged again everywhere when they found different ones). Raises WeightsRefused (after every worker dropped what it
     staged) when one refused it or all died; `keeps` names the weights they keep, for the
     message."""
     staged = _everyone_agrees({w.handle.stage_weights.remote(path, step): w for w in live},
                               f"load_weights({path!r})", keeps, replace)
     if isinstance(staged, str):
         raise WeightsRefused(staged)
+    steps = {reply["step"] for reply in staged.values()}
+    if step is None and len(steps) > 1 and None not in steps:
+        # Each worker took the newest step it saw, and a trainer saved a newer one between
+        # their listings: stage that one everywhere (it is on disk, one worker read it), so
+        # every engine swaps in the same weights and the pool records the step they hold.
+        newest = max(steps)
+        staged = _everyone_agrees({w.handle.stage_weights.remote(path, newest): w for w in staged},
+                                  f"load_weights({path!r}, step={newest})", keeps, replace)
+        if isinstance(staged, str):
+            raise WeightsRefused(staged)
     return staged
 
 

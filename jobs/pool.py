@@ -192,7 +192,8 @@ class GenerationPool:
         tensor by tensor (a GGUF file: whole). Its tokenizer is not read (the pool keeps the
         config's). Afterwards `generate` equals a job on the new checkpoint, bit for bit;
         workers replaced later load it too; weight_version counts one more.
-        step: for a nanochat directory (default: its highest step now).
+        step: for a nanochat directory (default: its highest step now; every worker loads
+            the same one, the newest any of them found, even while a trainer saves another).
         Returns each worker's state ({"worker", "pid", "weights", "kv_cache_ptr", ...}).
         Raises cluster.weight_sync.WeightsRefused naming the worker and what does not fit (every
         worker keeps its weights) and UnitFailed when no worker runs."""

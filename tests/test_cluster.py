@@ -5,6 +5,7 @@ The jobs are tiny (demo model, a few prompts, max_tokens 4) so the module stays 
 """
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -122,6 +123,14 @@ class FakeEngine:
         return [FakeOut(rid, pid, toks, [toks[::-1]])]
 
     def stage_weights(self, path, step=None):
+        if step is None and path.startswith("saving:"):  # a trainer saving steps 1, 2, ...: each
+            for n in itertools.count(1):                  # call finds one step newer than the last
+                try:
+                    os.close(os.open(os.path.join(path[len("saving:"):], str(n)), os.O_CREAT | os.O_EXCL))
+                    step = n
+                    break
+                except FileExistsError:
+                    continue
         return FakeStaged(path, step)
 
     def apply_weights(self, staged, version=None):
@@ -593,6 +602,21 @@ def test_a_slot_ray_cannot_place_does_not_hold_wait_ready(ray_local, tmp_path):
         assert sorted(r.index for r in res) == [0, 1, 2, 3]
     finally:
         pool.close()
+
+
+def test_workers_that_find_different_newest_steps_all_load_the_newest(ray_local, tmp_path):
+    """load_weights(path) without a step: each worker takes the newest step it finds, and a
+    trainer saving meanwhile makes them find different ones (here the fake's listing finds a
+    newer step at every call). The pool stages the newest of them everywhere: every worker
+    holds the same step, the one the pool records. (Before, each swapped in its own.)"""
+    from cluster.dispatcher import UnitDispatcher
+
+    _by_value()
+    with UnitDispatcher(FakeTask(str(tmp_path), ["a"]), num_workers=2, num_cpus=1) as pool:
+        assert pool.wait_ready() == 2
+        states = pool.load_weights(f"saving:{tmp_path}")
+        assert [s["weights"]["step"] for s in states] == [2, 2]
+        assert pool.weights.step == 2
 
 
 def test_no_node_can_host_a_worker(ray_local, tmp_path):
