@@ -434,8 +434,11 @@ def run_inline(monkeypatch):
 def test_resume_reruns_units_whose_part_is_empty_or_cut_short(tmp_path, run_inline, caplog):
     """A part left empty or cut short (linked before a power loss dropped its data) is not
     committed: resume removes it, logging its name, and runs its unit again, so the job
-    finishes with the same rows (before the fix every rerun failed "units missing")."""
+    finishes with the same rows (before the fix every rerun failed "units missing"); `plan`
+    names them beforehand."""
     import logging
+
+    from jobs.plan.report import describe_plan
 
     spec, plan, task, od = make_job(tmp_path)
     assert run_inline(spec) == 0
@@ -447,6 +450,9 @@ def test_resume_reruns_units_whose_part_is_empty_or_cut_short(tmp_path, run_inli
     os.remove(out / SUCCESS)
     assert od.committed_units() == {0}
     assert [rel for rel, _ in od.damaged_parts()] == [part_name(1), part_name(2)]
+    report, code = describe_plan(spec)  # `plan` says what `run` will do with them
+    assert code == 0 and "resume, 1 of 3 units committed; 2 part file(s) damaged, which `run` removes" in report
+    assert f"{part_name(1)} (empty file (0 bytes))" in report
     with caplog.at_level(logging.WARNING, logger="batchgen"):
         assert run_inline(spec) == 0
     logged = " ".join(r.getMessage() for r in caplog.records)

@@ -325,7 +325,7 @@ class OutputDir(OutputChecks):
         function of the job; its commit, a link, could never replace the damaged file). Only
         under the output lease: a commit makes a part visible once it is whole, so a damaged
         part is never one still being written."""
-        committed, damaged = self._check_parts()
+        committed, damaged = self.check_parts()
         for rel, why in damaged if remove_damaged else []:
             log.warning("%s: part file %s is damaged, %s: removing it; its unit runs again", self.shown, rel, why)
             try:
@@ -340,12 +340,12 @@ class OutputDir(OutputChecks):
         bytes), as a power loss can leave a part linked before its data reached the disk
         (commit.py fsyncs it first; not every filesystem honours that). On an object store a
         part is one PUT, whole or absent: only an empty one is listed."""
-        return self._check_parts()[1]
+        return self.check_parts()[1]
 
-    def _check_parts(self) -> tuple[set[int], list[tuple[str, str]]]:
-        """(committed unit indices, damaged parts). The sizes come with the listing; locally
-        each part's last 8 bytes are read too, never its footer: 40,000 parts take under a
-        second, listing included (status, reading footers: 16 s), read in threads over
+    def check_parts(self) -> tuple[set[int], list[tuple[str, str]]]:
+        """(committed unit indices, damaged parts as damaged_parts lists them), from one look
+        at the parts. The sizes come with the listing; locally each part's last 8 bytes are
+        read too, never its footer: 40,000 parts take under a second, listing included (status, reading footers: 16 s), read in threads over
         chunks of files, which hide a network filesystem's latency without a task per file."""
         parts = [(rel, int(m.group(1)), info.size) for rel, info in self._entries() if (m := PART_RE.match(rel))]
         local = uri.is_local(self.fs)

@@ -64,8 +64,11 @@ def describe_plan(spec: Any) -> tuple[str, int]:
         code = 2
     if manifest is not None:
         if manifest.get("fingerprint") == plan.fingerprint:
-            done = len(out.committed_units())
-            lines.append(f"output:        {out.shown}: resume, {done:,} of {len(plan.units):,} units committed")
+            done, damaged = out.check_parts()
+            lines.append(f"output:        {out.shown}: resume, {len(done):,} of {len(plan.units):,} units committed"
+                         + (f"; {len(damaged):,} part file(s) damaged, which `run` removes and runs again: "
+                            + ", ".join(f"{rel} ({why})" for rel, why in damaged[:5])
+                            + (", ..." if len(damaged) > 5 else "") if damaged else ""))
         else:
             diffs = describe_differences(manifest.get("fingerprint_data") or {}, plan.fingerprint_data)
             lines.append(f"output:        {out.shown}: holds another job's output (fingerprint "
