@@ -127,13 +127,6 @@ def _local_path(v: str | None) -> str | None:
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:(0|[1-9][0-9]*))?")
 
 
-def device_problem(device: Any) -> str | None:
-    """Why `device` is not a model.device value (None when it is one)."""
-    if isinstance(device, str) and DEVICE_RE.fullmatch(device):
-        return None
-    return f"must be auto, cpu, cuda or cuda:N (N: a GPU index), got {device!r}"
-
-
 def _fill_default(model: BaseModel, name: str, value: Any) -> None:
     """Set a default that depends on another key without marking `name` as given: pydantic
     counts every assignment in model_fields_set, and JobSpec.given_dict (what load_job_spec
@@ -172,9 +165,8 @@ class ModelSpec(_Section):
     def _device(cls, v: str) -> str:
         # refused here, before any work: a worker would otherwise fail in torch.device after
         # the output directory was written
-        why = device_problem(v)
-        if why is not None:
-            raise ValueError(why)
+        if not DEVICE_RE.fullmatch(v):
+            raise ValueError(f"must be auto, cpu, cuda or cuda:N (N: a GPU index), got {v!r}")
         return v
 
     @field_validator("max_seq_len")
