@@ -207,15 +207,12 @@ def _end_tokens(m, source: Path | None, fmt: str) -> tuple[list[int], int | None
     or None; why there are none, when there are none). The same source as
     `Engine.default_stop_ids`: the checkpoint's own (ModelInfo.stop_token_ids), else the
     tokenizer's default_stop_token_ids, the tokenizer found as load_checkpoint finds it."""
-    from engine.loading.checkpoint import TINY_RANDOM
-    from engine.tokenizers.base import Tokenizer
-    from engine.tokenizers.hf_tokenizer import HFTokenizer
+    from engine.loading.checkpoint import TINY_RANDOM, checkpoint_tokenizer
 
     tok, why = None, "no tokenizer: an in-memory model"
     if source is not None or fmt == TINY_RANDOM:
         try:
-            tok = (Tokenizer.demo() if fmt == TINY_RANDOM else HFTokenizer.from_gguf(source) if fmt == "gguf"
-                   else Tokenizer.find_nanochat(source) if fmt == "nanochat" else Tokenizer.load(source))
+            tok = checkpoint_tokenizer(source, fmt)
         except (OSError, ValueError) as e:  # a checkpoint without a readable tokenizer: ids only
             why = f"the checkpoint's tokenizer cannot be read: {e}"
     ids = list(m.info.stop_token_ids) or (list(tok.default_stop_token_ids) if tok is not None else [])

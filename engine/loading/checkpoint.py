@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -138,6 +139,22 @@ def _hf_format(config_path: Path) -> str:
     raise CheckpointError(f"{config_path}: {name} is not supported; supported: {supported}")
 
 
+def checkpoint_tokenizer(path: str | Path, fmt: str, gguf_reader: Any = None) -> Tokenizer:
+    """The tokenizer checkpoint `path` of format `fmt` (detect_format) carries: the demo one for
+    tiny-random, a GGUF file's metadata (`gguf_reader`: the file already open, else `path`),
+    nanochat's tokenizer.pkl where Tokenizer.find_nanochat finds it, else the directory's files
+    (Tokenizer.load). Raises what those readers raise (OSError, ValueError)."""
+    if fmt == TINY_RANDOM:
+        return Tokenizer.demo()
+    if fmt == "gguf":
+        from engine.tokenizers.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer.from_gguf(gguf_reader if gguf_reader is not None else path)
+    if fmt == "nanochat":
+        return Tokenizer.find_nanochat(Path(path))
+    return Tokenizer.load(Path(path))
+
+
 def load_checkpoint(path: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
                     tokenizer: str | Path | None = None, step: int | None = None) -> tuple[CausalLM, Tokenizer]:
     """Load (model, tokenizer) from `path` (see the module docstring for formats and errors).
@@ -148,24 +165,17 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "auto", dtype
     dt = resolve_dtype(dtype, dev)
     fmt = detect_format(path)
     if fmt == TINY_RANDOM:
-        tok = Tokenizer.load(tokenizer) if tokenizer is not None else Tokenizer.demo()
+        tok = Tokenizer.load(tokenizer) if tokenizer is not None else checkpoint_tokenizer(path, fmt)
         model, _ = _load_model(fmt, path, dev, dt, step, tok.vocab_size)
     elif fmt == "gguf":
-        from engine.tokenizers.hf_tokenizer import HFTokenizer
-
         model, reader = _load_model(fmt, path, dev, dt, step, None)
         try:
-            tok = Tokenizer.load(tokenizer) if tokenizer is not None else HFTokenizer.from_gguf(reader)
+            tok = Tokenizer.load(tokenizer) if tokenizer is not None else checkpoint_tokenizer(path, fmt, reader)
         except ValueError as e:
             raise CheckpointError(str(e)) from None
     else:
         model, _ = _load_model(fmt, path, dev, dt, step, None)
-        if tokenizer is not None:
-            tok = Tokenizer.load(tokenizer)
-        elif fmt == "nanochat":
-            tok = Tokenizer.find_nanochat(Path(path))
-        else:
-            tok = Tokenizer.load(Path(path))
+        tok = Tokenizer.load(tokenizer) if tokenizer is not None else checkpoint_tokenizer(path, fmt)
     if tok.vocab_size > model.info.vocab_size:
         raise CheckpointError(
             f"{resolve_builtin(path)}: tokenizer has {tok.vocab_size} tokens but the model's vocabulary is "
