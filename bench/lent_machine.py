@@ -35,9 +35,14 @@ Rates measured side by side are below what the CPU gives one process alone (shar
 bandwidth); read the ratios taken within one process. A stand-in never stops early, so
 compare it with itself only.
 
-    python bench/lent_machine.py prepare [--dir .dev/lent] [--llama]   # here
+    python bench/lent_machine.py prepare [--dir .dev/lent] [--llama] [--base REV]   # here
     device run, carry [".dev/lent"], timeout_s 600:
-        python3 bench/lent_machine.py run [--dir .dev/lent]         # there; summary and logs in $OUT
+        python3 bench/lent_machine.py run [--dir .dev/lent] [--budget S] [--only NAME,...]   # there
+
+`--base REV` puts that revision's engine/ in the folder (bench_gemm then times its library
+against this checkout's in the same rounds, `gemm_base_*`); `--only` runs the named jobs
+(the logs' names) and the experiments, for a second call with the minutes the first left;
+every `exp/*.py` in the folder is a throwaway experiment, run as a job of its own (`exp_*`).
 
 `run` takes about 9 minutes on 16 cores (each part has its own timeout; the whole stays
 under `--budget` seconds, 530 by default) and needs no network.
@@ -125,6 +130,15 @@ def _llama_wheel(out: Path) -> None:
                     "-w", str(out), f"llama-cpp-python=={LLAMA_VERSION}"], check=True, env=env)
 
 
+def _base(out: Path, rev: str) -> None:
+    """`rev`'s engine/ into `out` (replaced), for bench_gemm's --base on the lent machine."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", rev, "engine"], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    print(f"{out}: engine/ of {rev}")
+
+
 def _ignore(folder: Path) -> None:
     """Make git ignore `folder` (it travels by `carry`, never in a commit)."""
     rel = folder.resolve().relative_to(ROOT)
@@ -163,9 +177,10 @@ def cpu_sets(n: int) -> tuple[list[list[int]], list[int]]:
     return [firsts[2 * i:2 * i + 2] for i in range(n)], rest
 
 
-def run(folder: Path, out: Path, budget: float) -> None:
+def run(folder: Path, out: Path, budget: float, only: set[str] | None = None) -> None:
     """Everything, in the repository's root: `out`/summary.txt, and every log in
-    `out`/logs.tar.gz."""
+    `out`/logs.tar.gz. `only`: the names of the jobs to run (the experiments and the
+    kernel tests run always), for a second call that measures what the first left open."""
     start = time.time()
     logs = Path("/tmp/lent_logs")
     shutil.rmtree(logs, ignore_errors=True)
@@ -238,7 +253,13 @@ def run(folder: Path, out: Path, budget: float) -> None:
     if "GPU" in machine:  # nvidia-smi -L: the GPU path on the stand-in (host-bound at this size: one run each)
         jobs.append(("gpu_smollm2", ["bench/bench_dtypes.py", "--device", "cuda", "--model", model, "--workload",
                                      "smollm2", "--dtypes", "float32,bfloat16"]))
-    quiet, rest = _jobs(model, data)
+    # throwaway experiments carried in the folder (exp/*.py), first after the quiet phase
+    jobs[:0] = [(f"exp_{f.stem}", [str(f)]) for f in sorted((folder / "exp").glob("*.py"))]
+    quiet, rest = _jobs(model, data, folder / "base")
+    if only is not None:
+        quiet = [j for j in quiet if j[0] in only]
+        jobs = [j for j in jobs if j[0] in only or j[0].startswith("exp_")]
+        rest = [j for j in rest if j[0] in only]
     names = _schedule(quiet, jobs + rest, logs, env, start + budget, start)
     summary = _summarise(logs, names)
     (logs / "summary.txt").write_text(summary)
@@ -253,16 +274,19 @@ SLOTS = 6  # processes of 2 threads side by side; the kernel and engine tests ge
 QUIET = 4  # slots the first phase fills (the issue's rates and the bfloat16 step's profile)
 
 
-def _jobs(model: str, data: str) -> tuple[list, list]:
+def _jobs(model: str, data: str, base: Path) -> tuple[list, list]:
     """(log name, argv) of each bench in two lists: the first phase's (the issue's rates and
     where a bfloat16 step's time goes, at most QUIET side by side so that they share the
-    machine with fewer, as on the issue's 2-core machine), then the rest, longest first."""
+    machine with fewer, as on the issue's 2-core machine), then the rest, longest first.
+    Where `base` holds another version's engine/ (`prepare --base REV`), bench_gemm times
+    its library against this one's in the same rounds."""
     dtypes = ["bench/bench_dtypes.py", "--model", model, "--data", data, "--workload"]
     profile = ["bench/profile_step.py", "--model", model, "--data", data, "--warmup", "30", "--workload"]
     invariance = ["bench/invariance_smollm2.py", "--model", model, "--runs"]
     quiet = [("dtypes_rl_bf16", dtypes + ["rl", "--dtypes", "bfloat16,auto"]),
              ("dtypes_rl_f32", dtypes + ["rl", "--dtypes", "float32"]),
-             ("dtypes_smollm2", dtypes + ["smollm2", "--dtypes", "float32,bfloat16,auto"]),
+             # five runs, each dtype's rate the mean of its runs (a drift of the host's speed cancels)
+             ("dtypes_smollm2", dtypes + ["smollm2", "--dtypes", "float32,bfloat16,auto,bfloat16,float32"]),
              ("profile_smollm2_bf16", profile + ["gsm8k", "--dtype", "bfloat16"])]
     rest = [("profile_rl_bf16", profile + ["rl", "--dtype", "bfloat16"]),
             ("profile_smollm2_f32", profile + ["gsm8k", "--dtype", "float32"]),
@@ -275,6 +299,9 @@ def _jobs(model: str, data: str) -> tuple[list, list]:
              ("gemm_t2", ["bench/bench_gemm.py", "--threads", "2"]),
              ("gemm_t2_cold", ["bench/bench_gemm.py", "--threads", "2", "--layers", "30"]),
              ("gemm_t1", ["bench/bench_gemm.py", "--threads", "1"])]
+    if (base / "engine").is_dir():
+        rest += [(f"gemm_base_t{t}_cold", ["bench/bench_gemm.py", "--threads", t, "--layers", "30", "--base", str(base)])
+                 for t in ("2", "1")]
     return quiet, rest
 
 
@@ -340,7 +367,7 @@ print("bfloat16_is_faster:", bfloat16_is_faster(), flush=True)
 """
 
 _KEEP = re.compile(r"tokens/s|machine:|hash|runs|identical|differ|passed|failed|skipped|error|Error|ms per layer|"
-                   r"ratio|auto|per step|prefill:|peer|llama.cpp:|GFLOP/s|GEMMs on")
+                   r"ratio|auto|per step|prefill:|peer|llama.cpp:|GFLOP/s|GEMMs on| bits [=X]+$")
 # invariance_smollm2's table: dtype, where (native or avx2), max_num_seqs ... hash
 _RUN = re.compile(r"^(float32|bfloat16)\s+(native|avx2)\s+max_num_seqs\s+(\d+).*?\b([0-9a-f]{16})\s", re.M)
 
@@ -362,7 +389,7 @@ def _summarise(out: Path, names: list[str]) -> str:
         if kind in ("dtypes", *VARIANTS):
             group = ("" if kind == "dtypes" else kind + " ") + rest.split("_")[0]
             for dtype, rate in re.findall(r"^\s*(\w+)\s+\(\w+\): .*= ([\d.]+) tokens/s", text, re.M):
-                rates[group][dtype] = float(rate)
+                rates[group].setdefault(dtype, []).append(float(rate))
         for dtype, where, _, digest in _RUN.findall(text):
             hashes[dtype][digest] += 1
     lines.append("== invariance (every run of every process)")
@@ -370,9 +397,10 @@ def _summarise(out: Path, names: list[str]) -> str:
         verdict = "bit-identical" if len(counts) == 1 else f"{len(counts)} different results"
         lines.append(f"{dtype}: {sum(counts.values())} runs {verdict}: " +
                      ", ".join(f"{h} x{n}" for h, n in counts.most_common()))
-    lines.append("== ratios")
+    lines.append("== ratios (a dtype's rate: the mean of its runs)")
+    rates = {g: {d: sum(v) / len(v) for d, v in r.items()} for g, r in rates.items()}
     for group, r in list(rates.items()):
-        f32 = r.get("float32") or rates[group.split(" ")[-1]].get("float32")
+        f32 = r.get("float32") or rates.get(group.split(" ")[-1], {}).get("float32")
         for dtype in ("bfloat16", "auto"):
             if dtype in r and f32:
                 lines.append(f"{group}: {dtype} / float32 = {r[dtype] / f32:.2f}x ({r[dtype]:.1f} / {f32:.1f} tokens/s)")
@@ -409,6 +437,10 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=ROOT / ".dev" / "lent")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/lent_out")))
     ap.add_argument("--budget", type=float, default=530.0, help="seconds for the whole run")
+    ap.add_argument("--only", default=None,
+                    help="run: comma-separated job names (the logs' names; the experiments and tests run always)")
+    ap.add_argument("--base", default=None,
+                    help="prepare: a git revision whose engine/ goes to DIR/base, for bench_gemm --base there")
     ap.add_argument("--llama", action="store_true",
                     help="prepare: also build llama-cpp-python for AVX-512 and AMX (once, about 10 minutes), "
                          "so that run measures the peers")
@@ -416,9 +448,11 @@ def main() -> None:
     folder = args.dir if args.dir.is_absolute() else (Path.cwd() / args.dir)
     if args.verb == "prepare":
         prepare(folder, args.llama)
+        if args.base:
+            _base(folder / "base", args.base)
     else:
         args.out.mkdir(parents=True, exist_ok=True)
-        run(folder, args.out, args.budget)
+        run(folder, args.out, args.budget, set(args.only.split(",")) if args.only else None)
 
 
 if __name__ == "__main__":

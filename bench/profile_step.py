@@ -9,7 +9,9 @@ vocabulary) is admitted and stepped until every sample runs (the prefill's secon
 printed), decoded for the rest of `--warmup` steps, then `--steps` decode steps are profiled
 with torch.profiler. Prints the step time, its operators grouped as GEMM (oneDNN / BLAS
 matmuls), attention (the compiled kernel, or torch's flash kernel), sampling and the rest,
-and the top operators outside GEMMs. Samples ignore stop tokens, so all 128 keep running.
+and the top operators outside GEMMs, and the compiled GEMMs' time by weight shape (N x K: each
+call inside a range of its own while profiled). Samples ignore stop tokens, so all 128 keep
+running.
 
     python bench/profile_step.py [--threads 2] [--steps 10] [--batch-invariant 1] [--prefix-sharing 1] [--model gpt2|smollm2|PATH]
                                  [--workload gsm8k|rl] [--dtype float32|bfloat16]
@@ -35,6 +37,7 @@ from machine import describe  # noqa: E402  (bench/ is the script's directory)
 GEMM = ("batchgen::gemm", "batchgen::gemm_amx", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
 ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "batchgen::decode_attention",
              "batchgen::prefill_attention")
+SHAPE_RANGE = "bench::gemm "  # profile ranges around each compiled GEMM call, by weight shape
 SAMPLING = ("aten::topk", "aten::sort", "aten::argmax", "aten::log_softmax", "aten::_log_softmax", "aten::logsumexp",
             "batchgen::topk", "batchgen::logsumexp")
 
@@ -104,16 +107,32 @@ def main() -> None:
     for _ in range(args.steps):
         eng.step()
     step_ms = (time.perf_counter() - t0) / args.steps * 1e3
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(args.steps):
-            eng.step()
+    from engine.kernels.library import NativeKernels
+
+    plain_gemm = NativeKernels.gemm
+
+    def gemm_by_shape(self, x, w, *a, **kw):  # the compiled GEMM's calls, by weight shape
+        with record_function(f"{SHAPE_RANGE}{w.n} x {w.k}"):
+            return plain_gemm(self, x, w, *a, **kw)
+
+    NativeKernels.gemm = gemm_by_shape
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                eng.step()
+    finally:
+        NativeKernels.gemm = plain_gemm
     groups: dict[str, float] = defaultdict(float)
     others = []
+    shapes = []
     total = 0.0
     for ev in prof.key_averages():
         us = ev.self_cpu_time_total
+        if ev.key.startswith(SHAPE_RANGE):  # the range itself (its kernel is counted as a GEMM)
+            shapes.append((ev.cpu_time_total, ev.key[len(SHAPE_RANGE):], ev.count))
+            continue  # its own time is the profiler's and the wrapper's, not the step's
         total += us
         if ev.key in GEMM:
             groups["GEMM"] += us
@@ -134,6 +153,10 @@ def main() -> None:
     print("top operators in 'other':")
     for us, key, count in sorted(others, reverse=True)[:args.rows]:
         print(f"  {key:45s} {us / n / 1e3:7.2f} ms per step  {count / n:6.0f} calls per step")
+    if shapes:
+        print("compiled GEMMs by weight shape (N x K; with the range's own cost, some us a call):")
+        for us, key, count in sorted(shapes, reverse=True):
+            print(f"  gemm {key:40s} {us / n / 1e3:7.2f} ms per step  {count / n:6.0f} calls per step")
 
 
 if __name__ == "__main__":

@@ -344,7 +344,10 @@ def test_amx_library_compiles_and_exports_its_kernel(amx_library):
     AVX-512 build on an AVX2-only CPU, this test's included)."""
     path, lib = amx_library
     symbols = subprocess.run(["nm", str(path)], capture_output=True, text=True, check=True).stdout
-    assert "_GLOBAL__sub_I" not in symbols, [ln for ln in symbols.splitlines() if "_GLOBAL__sub_I" in ln]
+    # our sources' own (a toolchain that links libstdc++ statically adds its locale objects'
+    # initializers, compiled without AVX-512: harmless, seen on the lent Xeon on 2026-11-27)
+    ours = {f"_GLOBAL__sub_I_{src.name}" for src in B.CSRC.glob("*.cpp")}
+    assert not [ln for ln in symbols.splitlines() if ln.split()[-1] in ours], symbols
     for name in ("batchgen_amx_request", "batchgen_gemm_amx", "batchgen_gemm_amx_pack",
                  "batchgen_gemm_amx_packed_bytes", "batchgen_amx_emulated", "batchgen_gemm"):
         assert hasattr(lib, name), name
@@ -385,7 +388,8 @@ def test_emulated_amx_kernel_gives_the_chains_bits():
     """Everything of the AMX path but the instructions: tiles computed as the hardware does
     (the SDM's partial sums) give the avx512_bf16 build's bits with either pair packing at
     every tail of rows (16, 32, 256-row blocks), columns (16, 32), K (32) and K's chunks (the
-    C tiles kept in memory between chunks of 256: 520 is 8 + 8 + 1 blocks), on 1-3 threads,
+    C tiles kept in memory between chunks of at most 12 blocks of 32, shared evenly: 520 is 9 + 8
+    blocks, 1000 is 11 + 11 + 10; the next chunk's prefetch past the weight's end), on 1-3 threads,
     from strided, float32 or bfloat16 rows, to float32 or bfloat16, with or without bias.
     On a CPU without AVX-512 BF16 the same kernel runs in the software AVX-512 build
     (conftest.software_avx512), against this CPU's native build."""

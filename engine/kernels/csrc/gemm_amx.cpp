@@ -29,18 +29,27 @@
 // +0. Tile order, not rows: a tile load reads one contiguous KiB, which the prefetchers
 // follow, where 16 rows Kp elements apart (4 KiB apart for K = 2048) fight over a few L1 sets.
 // A unit of work is (a block of up to 256 rows, a panel of 32 columns); threads (OpenMP)
-// take contiguous ranges of units, as gemm.cpp's do. In a unit, K goes in chunks of KC
-// blocks (256 elements), and each chunk visits the unit's rows 32 at a time (16 for the last
+// take contiguous ranges of units, as gemm.cpp's do. In a unit, K goes in chunks of at most
+// KC blocks (384 elements; the blocks shared evenly between the chunks, so K = 576 makes two
+// of 9, not 8 + 8 + 2), and each chunk visits the unit's rows 32 at a time (16 for the last
 // tile of rows) through four C tiles (2 x 2: tmm0-3), with A tiles tmm4-5 and B tiles
-// tmm6-7: the panel's chunk of B (16 KiB) stays in L1 for all the rows instead of coming
-// from L2 again for every 32. Between chunks a row pair's C tiles wait in a per-thread
+// tmm6-7: the panel's chunk of B (at most 24 KiB) stays in L1 for all the rows instead of
+// coming from L2 again for every 32. Between chunks a row pair's C tiles wait in a per-thread
 // buffer (stored and loaded bit for bit), so each lane is still one chain over all of K in
-// order. The epilogue adds the bias and stores the rows and columns that exist (float32, or
-// bfloat16 rounded as torch rounds), as gemm.cpp's store_tile does. A row's bits depend only
-// on the row: a lane of a C tile is one (row, column) chain, whatever the tile's other rows
-// hold. Measured on an Emerald Rapids Xeon (docs/performance.md, 2026-11-27 fourth
-// session): SmolLM2's decode GEMMs at 128 rows 0.93x the row-order, whole-K kernel's time on
-// 2 threads, 0.64-0.83x on one; the same bits on every shape.
+// order. While a chunk runs, the next chunk's B (the next unit's first after the last) is
+// prefetched into L2, a few lines per K block spread over the chunk's row pairs: a decode
+// step reads each weight once, from memory, and the hardware prefetchers, which stop at page
+// boundaries and start again only after misses, leave the first row pair of every chunk
+// waiting on it. The epilogue adds the bias and stores the rows and columns that exist
+// (float32, or bfloat16 rounded as torch rounds), as gemm.cpp's store_tile does. A row's bits
+// depend only on the row: a lane of a C tile is one (row, column) chain, whatever the tile's
+// other rows hold; the chunking and the prefetches change no bit. Measured on Emerald Rapids
+// Xeons (docs/performance.md): chunks of 8 blocks (2026-11-27, fourth session) took SmolLM2's
+// decode GEMMs at 128 rows to 0.93x the row-order, whole-K kernel's time on 2 threads,
+// 0.64-0.83x on one; the even chunks of at most 12 and the prefetch (sixth session) to 0.83x
+// the chunks of 8 with 30 layers' weights read from memory on one thread, 0.98x on two
+// (SmolLM2's decode GEMMs at 128 rows: 81.5 against 98.7 ms a step, 43.6 against 44.6),
+// the same bits on every shape.
 //
 // Linux hands out the tile state only on request: arch_prctl(ARCH_REQ_XCOMP_PERM,
 // XFEATURE_XTILEDATA) once per process (the permission covers every thread, present and
@@ -82,7 +91,7 @@ constexpr int64_t TN = 16;        // columns per tile
 constexpr int64_t TM = 16;        // rows per tile
 constexpr int64_t NP = 2 * TN;    // columns per panel (two C tiles across)
 constexpr int64_t MC = 256;       // rows per block of work
-constexpr int64_t KC = 8;         // K blocks (of 32 elements) per chunk
+constexpr int64_t KC = 12;        // K blocks (of 32 elements) per chunk, at most
 constexpr int64_t A_TILE = TM * 2 * TP;  // bfloat16 per A tile (1 KiB)
 constexpr int64_t TILE_ELEMS = TP * TN * 2;  // bfloat16 per B tile (1 KiB)
 
@@ -117,9 +126,24 @@ int request_tiles() {
 // apart), b0 and b1 the B tiles of two column blocks (in K order); c[2 r + j] (16 x 16
 // float32) holds the C tiles so far (read unless k0 == 0, when they start at +0) and
 // receives them after the chunk.
+// Lines [l0, l1) of the next chunk's B, `per` of them at each K block of a chunk: lines
+// before n0 from r0 (the first column block's tiles), the rest from r1 (the second's). A
+// prefetch never faults, so one past the weight's end (the last unit's) is harmless.
+struct Prefetch {
+    const char* r0 = nullptr;
+    const char* r1 = nullptr;
+    int64_t n0 = 0, l0 = 0, l1 = 0, per = 0;
+
+    inline void at(int64_t i) const {
+        const int64_t lo = l0 + i * per, hi = std::min(l1, lo + per);
+        for (int64_t l = lo; l < hi; l++)
+            _mm_prefetch(l < n0 ? r0 + l * 64 : r1 + (l - n0) * 64, _MM_HINT_T1);
+    }
+};
+
 template <int R>
 void tile_chunk(const uint16_t* a, int64_t a_next, const uint16_t* b0, const uint16_t* b1, int64_t k0, int64_t kn,
-                float (*c)[TM][TN]) {
+                float (*c)[TM][TN], const Prefetch& pf) {
     if (k0 == 0) {
         BG_TILE_ZERO(0);
         BG_TILE_ZERO(1);
@@ -137,6 +161,7 @@ void tile_chunk(const uint16_t* a, int64_t a_next, const uint16_t* b0, const uin
     }
     BG_BARRIER();
     for (int64_t kb = k0; kb < k0 + kn; kb++) {
+        pf.at(kb - k0);
         BG_TILE_LOAD(6, b0 + kb * TILE_ELEMS, 64);
         BG_TILE_LOAD(7, b1 + kb * TILE_ELEMS, 64);
         BG_TILE_LOAD(4, a + kb * A_TILE, 64);
@@ -259,6 +284,7 @@ int batchgen_gemm_amx(const void* x, int x_dtype, int64_t ldx, int64_t M, int64_
     if (M <= 0 || N <= 0) return 0;
     const int64_t KB = k_blocks(K), Kp = KB * 2 * TP, Mp = (M + TM - 1) / TM * TM;
     const int64_t P = panels(N), blocks = (M + MC - 1) / MC, units = blocks * P;
+    const int64_t kc = (KB + (KB + KC - 1) / KC - 1) / ((KB + KC - 1) / KC);  // even chunks of at most KC
     const int64_t osize = out_dtype == F32 ? 4 : 2;
     const double flops = 2.0 * (double)M * (double)N * (double)K;
     const int team = flops < 4e6 ? 1 : (int)std::min<int64_t>(threads, std::max<int64_t>(units, 1));
@@ -280,14 +306,27 @@ int batchgen_gemm_amx(const void* x, int x_dtype, int64_t ldx, int64_t M, int64_
                 const int64_t m0 = blk * MC, m1 = std::min(M, m0 + MC), n0 = p * NP;
                 const uint16_t* b0 = b + 2 * p * KB * TILE_ELEMS;
                 const uint16_t* b1 = b0 + KB * TILE_ELEMS;
-                for (int64_t k0 = 0; k0 < KB; k0 += KC) {
-                    const int64_t kn = std::min(KC, KB - k0);
+                const int64_t pairs = (m1 - m0 + 2 * TM - 1) / (2 * TM);  // row pairs of tiles
+                for (int64_t k0 = 0; k0 < KB; k0 += kc) {
+                    const int64_t kn = std::min(kc, KB - k0);
+                    // the next chunk: this panel's, or the next unit's first (panels are
+                    // contiguous: b1's KB tiles end where the next panel's b0 starts)
+                    const bool last = k0 + kc >= KB;
+                    const uint16_t* nb0 = last ? b1 + KB * TILE_ELEMS : b0 + (k0 + kc) * TILE_ELEMS;
+                    Prefetch pf;
+                    pf.r0 = (const char*)nb0;
+                    pf.r1 = (const char*)(nb0 + KB * TILE_ELEMS);
+                    pf.n0 = (last ? std::min(kc, KB) : std::min(kc, KB - k0 - kc)) * (TILE_ELEMS * 2 / 64);
                     for (int64_t m = m0; m < m1; m += 2 * TM) {
+                        const int64_t i = (m - m0) / (2 * TM);
+                        pf.l0 = i * 2 * pf.n0 / pairs;
+                        pf.l1 = (i + 1) * 2 * pf.n0 / pairs;
+                        pf.per = (pf.l1 - pf.l0 + kn - 1) / kn;
                         const uint16_t* am = a + m / TM * KB * A_TILE;
                         if (m1 - m > TM)
-                            tile_chunk<2>(am, KB * A_TILE, b0, b1, k0, kn, cbuf[(m - m0) / (2 * TM)]);
+                            tile_chunk<2>(am, KB * A_TILE, b0, b1, k0, kn, cbuf[i], pf);
                         else
-                            tile_chunk<1>(am, KB * A_TILE, b0, b1, k0, kn, cbuf[(m - m0) / (2 * TM)]);
+                            tile_chunk<1>(am, KB * A_TILE, b0, b1, k0, kn, cbuf[i], pf);
                     }
                 }
                 for (int64_t m = m0; m < m1; m += 2 * TM) {
