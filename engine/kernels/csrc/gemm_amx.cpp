@@ -46,10 +46,10 @@
 // other rows hold; the chunking and the prefetches change no bit. Measured on Emerald Rapids
 // Xeons (docs/performance.md): chunks of 8 blocks (2026-11-27, fourth session) took SmolLM2's
 // decode GEMMs at 128 rows to 0.93x the row-order, whole-K kernel's time on 2 threads,
-// 0.64-0.83x on one; the even chunks of at most 12 and the prefetch (sixth session) to 0.83x
-// the chunks of 8 with 30 layers' weights read from memory on one thread, 0.98x on two
-// (SmolLM2's decode GEMMs at 128 rows: 81.5 against 98.7 ms a step, 43.6 against 44.6),
-// the same bits on every shape.
+// 0.64-0.83x on one; the even chunks of at most 12 and the prefetch (sixth session) to 0.84x
+// the chunks of 8 on two threads and 0.82x on one, with 30 layers' weights read from memory
+// as in a step (bench/bench_gemm.py --layers 30 --base: 51.0 against 60.5 ms a step, 69.0
+// against 84.2), the same bits on every shape.
 //
 // Linux hands out the tile state only on request: arch_prctl(ARCH_REQ_XCOMP_PERM,
 // XFEATURE_XTILEDATA) once per process (the permission covers every thread, present and
