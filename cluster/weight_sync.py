@@ -34,10 +34,13 @@ every worker it had started sending to is replaced.
 
 A worker that dies while checking, or fails in the middle of its swap, is handed to
 `replace` (uncharged); the dispatcher then starts its replacement with the new weights once
-the swap was decided.
+the swap was decided. So is one that does not answer a call within `timeout_s` (the
+dispatcher's `start_timeout_s`: a swap reads what a start loads), as a dead one: a worker
+stopped or stuck in its engine would otherwise hold the trainer's call for ever.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any, Callable
 
@@ -54,15 +57,38 @@ class WeightsRefused(ValueError):
 Replace = Callable[[WorkerRecord, str], None]
 
 
+class _Deadline:
+    """ray.get of one call per worker, all started together, within `timeout_s` of now
+    (None: no limit): `get(ref)` raises ray's GetTimeoutError once the time is up."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self.end = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def get(self, ref: Any) -> Any:
+        import ray
+
+        return ray.get(ref, timeout=None if self.end is None else max(0.0, self.end - time.monotonic()))
+
+    def why(self, w: WorkerRecord, what: str, exc: BaseException) -> str:
+        """Why `w` is replaced after its call `what` raised `exc`."""
+        from ray.exceptions import GetTimeoutError
+
+        if isinstance(exc, GetTimeoutError):
+            return f"worker {w.name} did not answer {what} within {self.timeout_s:.0f} s (start_timeout_s)"
+        return f"worker {w.name} failed in {what}: {short_error(exc, 300)}"
+
+
 def stage_everywhere(live: list[WorkerRecord], path: str, step: int | None, keeps: str,
-                     replace: Replace) -> dict[WorkerRecord, dict]:
+                     replace: Replace, timeout_s: float | None = None) -> dict[WorkerRecord, dict]:
     """Every worker of `live` checks checkpoint `path`; returns {worker: its stage_weights()
     reply} when all of them could, every reply of the same step (step None: the newest any
-    worker found, staged again everywhere when they found different ones). Raises WeightsRefused (after every worker dropped what it
-    staged) when one refused it or all died; `keeps` names the weights they keep, for the
-    message."""
+    worker found, staged again everywhere when they found different ones). Raises
+    WeightsRefused (after every worker dropped what it staged) when one refused it or all
+    died or did not answer within `timeout_s` (those are handed to `replace`); `keeps`
+    names the weights they keep, for the message."""
     staged = _everyone_agrees({w.handle.stage_weights.remote(path, step): w for w in live},
-                              f"load_weights({path!r})", keeps, replace)
+                              f"load_weights({path!r})", keeps, replace, timeout_s)
     if isinstance(staged, str):
         raise WeightsRefused(staged)
     steps = {reply["step"] for reply in staged.values()}
@@ -72,90 +98,97 @@ def stage_everywhere(live: list[WorkerRecord], path: str, step: int | None, keep
         # every engine swaps in the same weights and the pool records the step they hold.
         newest = max(steps)
         staged = _everyone_agrees({w.handle.stage_weights.remote(path, newest): w for w in staged},
-                                  f"load_weights({path!r}, step={newest})", keeps, replace)
+                                  f"load_weights({path!r}, step={newest})", keeps, replace, timeout_s)
         if isinstance(staged, str):
             raise WeightsRefused(staged)
     return staged
 
 
-def _everyone_agrees(refs: dict, what: str, keeps: str, replace: Replace) -> dict | str:
-    """{worker: reply} of every worker that answered `refs`, or the WeightsRefused message
-    when one refused (every worker then drops what it staged) or all died."""
-    import ray
-    from ray.exceptions import RayTaskError
+def _everyone_agrees(refs: dict, what: str, keeps: str, replace: Replace,
+                     timeout_s: float | None = None) -> dict | str:
+    """{worker: reply} of every worker that answered `refs` within `timeout_s`, or the
+    WeightsRefused message when one refused (every worker then drops what it staged) or all
+    died or hung (each handed to `replace`)."""
+    from ray.exceptions import GetTimeoutError, RayTaskError
 
     replies: dict[WorkerRecord, dict] = {}
     refused: list[str] = []
+    deadline = _Deadline(timeout_s)
     for ref, w in refs.items():
         try:
-            replies[w] = ray.get(ref)
+            replies[w] = deadline.get(ref)
         except RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             refused.append(f"{w.name}: {type(cause).__name__}: {short_error(cause, 2000)}")
+        except GetTimeoutError as exc:  # stopped, or stuck: as good as dead
+            replace(w, deadline.why(w, f"{what}'s check", exc))
         except Exception as exc:  # noqa: BLE001 - RayActorError: the worker is gone
             replace(w, f"worker {w.name} died while checking weights: {short_error(exc)}")
     if refused or not replies:
+        undo = _Deadline(timeout_s)
         for ref in [w.handle.discard_weights.remote() for w in replies]:
             try:
-                ray.get(ref)
+                undo.get(ref)
             except Exception:  # noqa: BLE001 - a worker gone meanwhile keeps nothing staged
                 pass
-        why = refused[0] if refused else "every worker died while checking it"
+        why = refused[0] if refused else "every worker died or hung while checking it"
         return (f"{what} refused by {len(refused) or len(refs)} of {len(refs)} worker(s); {why}; the workers "
                 f"keep the weights of {keeps}")
     return replies
 
 
-def commit_everywhere(staged: dict[WorkerRecord, Any], replace: Replace, version: int) -> list[dict]:
+def commit_everywhere(staged: dict[WorkerRecord, Any], replace: Replace, version: int,
+                      timeout_s: float | None = None) -> list[dict]:
     """Every staged worker swaps its copy in, taking weight_version `version`; returns their
-    engine_state() replies. A worker whose swap fails (its engine may be half swapped) is
-    handed to `replace`."""
-    import ray
-
+    engine_state() replies. A worker whose swap fails (its engine may be half swapped) or
+    does not end within `timeout_s` is handed to `replace`."""
     commits = {w.handle.commit_weights.remote(version): w for w in staged}
+    deadline = _Deadline(timeout_s)
     states = []
     for ref, w in commits.items():
         try:
-            states.append(ray.get(ref))
+            states.append(deadline.get(ref))
         except Exception as exc:  # noqa: BLE001 - a half-swapped engine: replace the worker
-            replace(w, f"its weights swap failed: {short_error(exc, 300)}")
+            replace(w, deadline.why(w, "its weights swap", exc))
     return states
 
 
 def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bucket_bytes: int, version: int,
-                      keeps: str, replace: Replace) -> list[dict]:
+                      keeps: str, replace: Replace, timeout_s: float | None = None) -> list[dict]:
     """Every worker of `live` checks the tensors' index, then (all agreeing) applies them
     bucket by bucket and takes weight_version `version` (see the module docstring).
     Returns their engine_state() replies. Raises WeightsRefused (every worker keeps its
     weights) when one refused or all died, TypeError for an entry that is not a (name,
     tensor) pair. A worker that fails while copying is handed to `replace` (the caller
-    replaces it once the update is recorded, so its replacement copies the new weights);
-    a failure of the driver while sending hands every worker that got a bucket to it."""
+    replaces it once the update is recorded, so its replacement copies the new weights),
+    as is one that does not answer a call within `timeout_s`; a failure of the driver while
+    sending hands every worker that got a bucket to it."""
     import ray
 
     index = tensor_index(pairs)
     checked = _everyone_agrees({w.handle.check_update.remote(index): w for w in live},
-                               "update_weights", keeps, replace)
+                               "update_weights", keeps, replace, timeout_s)
     if isinstance(checked, str):
         raise WeightsRefused(checked)
     ok = list(checked)
     failed: list[tuple[WorkerRecord, str]] = []
     window: deque = deque()
 
-    def drain(calls: dict) -> None:
+    def drain(entry: tuple) -> None:
+        deadline, calls = entry
         for ref, w in calls.items():
             try:
-                ray.get(ref)
+                deadline.get(ref)
             except Exception as exc:  # noqa: BLE001 - a half-swapped engine: replace the worker
                 if w in ok:
                     ok.remove(w)
-                    failed.append((w, f"its weights update failed: {short_error(exc, 300)}"))
+                    failed.append((w, deadline.why(w, "a bucket of its weights update", exc)))
 
     try:
         for bucket in pack_buckets(pairs, bucket_bytes):
             ref = ray.put(bucket)  # freed once every worker applied it (no call holds it then)
             del bucket
-            window.append({w.handle.apply_bucket.remote(ref): w for w in ok})
+            window.append((_Deadline(timeout_s), {w.handle.apply_bucket.remote(ref): w for w in ok}))
             del ref
             if len(window) > 1:
                 drain(window.popleft())
@@ -170,11 +203,13 @@ def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bu
         for w, why in failed:
             replace(w, why)
     states = []
-    for ref, w in {w.handle.finish_update.remote(version): w for w in ok}.items():
+    finish = {w.handle.finish_update.remote(version): w for w in ok}
+    deadline = _Deadline(timeout_s)
+    for ref, w in finish.items():
         try:
-            states.append(ray.get(ref))
+            states.append(deadline.get(ref))
         except Exception as exc:  # noqa: BLE001
-            replace(w, f"finishing its weights update failed: {short_error(exc, 300)}")
+            replace(w, deadline.why(w, "finishing its weights update", exc))
     return states
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -242,3 +243,39 @@ def test_worker_holds_new_prompts_during_a_swap_from_memory():
     want = fresh.generate(PROMPTS, task.call_params({"seed": 1}), prompt_ids=IDS)
     assert got.column("tokens").to_pylist() == [s.tokens for r in want for s in r]
     assert got.column("logprobs").to_pylist() == [s.logprobs for r in want for s in r]
+
+
+def test_a_worker_that_hangs_during_a_swap_is_replaced(pool, cases):
+    """A worker stopped (SIGSTOP) before a swap never answers: `load_weights` and then
+    `update_weights` give up on it after start_timeout_s (the time a start may take to load
+    the same weights; 10 s here), replace it uncharged and swap the others; its replacement
+    starts with the new weights, so the rows equal the new checkpoint's. Both calls used to
+    wait for ever, holding the trainer's loop."""
+    one, two, sd = cases["llama"]
+    slots = pool.dispatcher.slots
+    timeout, slots.start_timeout_s = slots.start_timeout_s, 10.0
+    stopped = []
+    try:
+        pool.load_weights(one)
+        pids = [s["pid"] for s in pool.engine_states()]
+        for call, want_path in ((lambda: pool.load_weights(two), str(two)), (lambda: pool.update_weights(sd), "<memory>")):
+            stopped.append(pids[0])
+            os.kill(pids[0], signal.SIGSTOP)
+            t0 = time.monotonic()
+            states = call()
+            assert time.monotonic() - t0 < 60
+            assert [s["pid"] for s in states] == pids[1:]
+            assert _pool_rows(pool) == _engine_rows(two, cases["tokenizer"])
+            after = pool.engine_states()
+            assert len(after) == 2 and stopped[-1] not in {s["pid"] for s in after}
+            assert {s["weights"]["path"] for s in after} == {want_path}
+            assert len({s["weight_version"] for s in after}) == 1
+            pool.load_weights(one)
+            pids = [s["pid"] for s in pool.engine_states()]
+    finally:
+        slots.start_timeout_s = timeout
+        for pid in stopped:  # replaced workers are killed; a stopped one left over must not linger
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
