@@ -35,7 +35,8 @@ from cluster.dispatcher import UnitDispatcher
 from cluster.rollout import RolloutRunner
 from cluster.unit import PromptTask
 from jobs.config import load_job_spec
-from jobs.plan.planner import check_device, check_local_gpus, check_model_path, with_chat_template_date
+from jobs.plan.planner import (check_device, check_function_tools, check_local_gpus, check_model_path,
+                               with_chat_template_date)
 from jobs.pool_task import PoolTask
 from jobs.rollout_handle import RolloutHandle
 from jobs.runner import connect_ray
@@ -64,7 +65,8 @@ def pool_setup(config: Any, overrides: Iterable[str] | Mapping[str, Any] = (), *
     """Validate a job config for a GenerationPool and connect Ray as a job would (a local
     instance when cluster.address is null). Raises SpecError naming the key (bad config,
     a model path or tokenizer that does not exist, a CUDA device without
-    cluster.gpus_per_worker, more GPUs than a local machine has)."""
+    cluster.gpus_per_worker, more GPUs than a local machine has, function tools on a model
+    whose tokenizer cannot render tool messages)."""
     spec = load_job_spec({} if config is None else config, overrides)
     if model is not None:
         spec = load_job_spec(spec, {"model.path": str(model)})
@@ -73,6 +75,7 @@ def pool_setup(config: Any, overrides: Iterable[str] | Mapping[str, Any] = (), *
     check_model_path(spec)
     check_device(spec)
     check_local_gpus(spec)
+    check_function_tools(spec)
     spec = with_chat_template_date(spec, None)  # the pool's creation date, for all its calls
     task = PoolTask(spec)
     c = spec.cluster

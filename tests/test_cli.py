@@ -330,3 +330,40 @@ def test_plan_exits_2_where_run_refuses_the_output(tmp_path, capsys):
     (out / "notes.txt").unlink()
     assert main(["plan", str(cfg)]) == 0
     assert f"output:        {out}: new" in capsys.readouterr().out
+
+
+def test_function_tools_on_a_model_without_a_chat_template_exit_2(tmp_path):
+    """Function tools need a chat template that renders tool messages. tiny-random has none:
+    `plan` and `run` refuse the job with exit 2 naming tools.functions before any work (the
+    workers refused it after the output directory was written, exit 1), and GenerationPool
+    refuses it too; with model.tokenizer naming a directory whose tokenizer has a template
+    (SmolLM2's ChatML, written here by transformers), the same job plans."""
+    from jobs.errors import SpecError
+    from jobs.pool import pool_setup
+
+    tokenizers = pytest.importorskip("tokenizers")
+    cfg = _plan_config(tmp_path)
+    data = json.loads(cfg.read_text())
+    data["model"] = {"path": "tiny-random"}
+    data["tools"] = [{"name": "add", "function": "operator:add"}]
+    cfg.write_text(json.dumps(data))
+    for verb in ("plan", "run"):
+        r = cli(verb, cfg)
+        assert r.returncode == 2, (verb, r.stdout, r.stderr)
+        assert "tools.functions (add): tokenizer" in r.stderr and "has no chat template" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SpecError, match=r"tools.functions \(add\): .*no chat template"):
+        pool_setup({"model": {"path": "tiny-random"}, "tools": [{"name": "add", "function": "operator:add"}]})
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    vocab = {f"t{i}": i for i in range(250)}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.save(str(tok_dir / "tokenizer.json"))
+    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": chatml, "eos_token": "t1"}))
+    data["model"]["tokenizer"] = str(tok_dir)
+    cfg.write_text(json.dumps(data))
+    r = cli("plan", cfg)
+    assert r.returncode == 0, r.stderr

@@ -87,6 +87,7 @@ def plan_job(spec: Any, hash_cache: HashCache | None = None) -> JobPlan:
     """
     check_model_path(spec)
     check_device(spec)
+    check_function_tools(spec)
     scan = reader_for(spec).scan(spec)
     data = fingerprint_data(spec, scan.fingerprint_files, hash_cache, hash_checkpoint=scan.hash_checkpoint)
     return JobPlan(units=scan.units, files=scan.files, fingerprint=fingerprint_of(data),
@@ -127,6 +128,38 @@ def check_model_path(spec: Any) -> None:
                         f"a .gguf file, or {' or '.join(map(repr, BUILTIN_NAMES))})")
     if spec.model.tokenizer is not None and not os.path.exists(spec.model.tokenizer):
         raise SpecError(f"{spec.source}: model.tokenizer: {spec.model.tokenizer!r} does not exist")
+
+
+def check_function_tools(spec: Any) -> None:
+    """Raise SpecError (exit code 2) naming tools.functions when the job has function tools
+    and the model's tokenizer cannot render a tool message: no chat template (tiny-random,
+    nanochat, a directory without one), or a template that refuses a tool turn. The workers
+    would refuse the tools when their engines start (engine/tool_calls.py ToolResponses,
+    the same check), after the output directory was written. Reads the tokenizer the
+    workers will (model.tokenizer, else the checkpoint's), only when there are function
+    tools; one that does not load is left for the workers to report, as without tools."""
+    box = spec.tool_box()
+    if box is None:
+        return
+    from engine.loading.builtin import resolve_builtin
+    from engine.loading.checkpoint import checkpoint_tokenizer, detect_format
+    from engine.tokenizers.base import Tokenizer
+    from engine.tool_calls import ToolResponses
+
+    try:
+        if spec.model.tokenizer is not None:
+            tok = Tokenizer.load(spec.model.tokenizer)
+        else:
+            path = resolve_builtin(spec.model.path)
+            tok = checkpoint_tokenizer(path, detect_format(path))
+    except Exception:  # noqa: BLE001 - reported by the workers, as for a job without tools
+        return
+    try:
+        ToolResponses(tok, box.schemas())
+    except ValueError as e:
+        names = ", ".join(t.name for t in box.tools)
+        raise SpecError(f"{spec.source}: tools.functions ({names}): {e}; function tools need a model whose chat "
+                        f"template renders tool messages (or model.tokenizer naming one)") from None
 
 
 def check_device(spec: Any) -> None:
