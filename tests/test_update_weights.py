@@ -248,12 +248,13 @@ def test_worker_holds_new_prompts_during_a_swap_from_memory():
 def test_a_worker_that_hangs_during_a_swap_is_replaced(pool, cases):
     """A worker stopped (SIGSTOP) before a swap never answers: `load_weights` and then
     `update_weights` give up on it after start_timeout_s (the time a start may take to load
-    the same weights; 10 s here), replace it uncharged and swap the others; its replacement
-    starts with the new weights, so the rows equal the new checkpoint's. Both calls used to
-    wait for ever, holding the trainer's loop."""
+    the same weights; 5 s here, during the calls only, so that the replacements' starts
+    have the usual time), replace it uncharged and swap the others; its replacement starts
+    with the new weights, so the rows equal the new checkpoint's. Both calls used to wait
+    for ever, holding the trainer's loop."""
     one, two, sd = cases["llama"]
     slots = pool.dispatcher.slots
-    timeout, slots.start_timeout_s = slots.start_timeout_s, 10.0
+    timeout = slots.start_timeout_s
     stopped = []
     try:
         pool.load_weights(one)
@@ -262,7 +263,11 @@ def test_a_worker_that_hangs_during_a_swap_is_replaced(pool, cases):
             stopped.append(pids[0])
             os.kill(pids[0], signal.SIGSTOP)
             t0 = time.monotonic()
-            states = call()
+            slots.start_timeout_s = 5.0
+            try:
+                states = call()
+            finally:
+                slots.start_timeout_s = timeout
             assert time.monotonic() - t0 < 60
             assert [s["pid"] for s in states] == pids[1:]
             assert _pool_rows(pool) == _engine_rows(two, cases["tokenizer"])
@@ -273,7 +278,6 @@ def test_a_worker_that_hangs_during_a_swap_is_replaced(pool, cases):
             pool.load_weights(one)
             pids = [s["pid"] for s in pool.engine_states()]
     finally:
-        slots.start_timeout_s = timeout
         for pid in stopped:  # replaced workers are killed; a stopped one left over must not linger
             try:
                 os.kill(pid, signal.SIGCONT)
