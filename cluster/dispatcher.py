@@ -140,9 +140,9 @@ class UnitDispatcher:
         Returns each worker's engine_state() after the swap.
         Raises WeightsRefused when a worker cannot load the checkpoint or it does not fit
         (naming the worker and the error; every worker keeps its weights), UnitFailed when
-        no worker is running. A worker that dies, fails in the middle of its swap, or does not
-        answer within `start_timeout_s`, is replaced (with the new weights once the swap was
-        decided)."""
+        no worker is running. A worker that dies, fails in the middle of its swap, or hangs (no
+        answer within `start_timeout_s` while its engine stays still: cluster/weight_sync.py)
+        is replaced (with the new weights once the swap was decided)."""
         live, replace, keeps = self._swap_start(f"load_weights({path})")
         staged = stage_everywhere(live, path, step, keeps, replace, self.slots.start_timeout_s)
         version = self._version() + 1
@@ -159,9 +159,9 @@ class UnitDispatcher:
         `update_everywhere`). Call between runs. Returns each worker's engine_state().
         Raises WeightsRefused naming the worker and every difference (every worker keeps its
         weights), TypeError for an entry that is not a (name, tensor) pair, UnitFailed when
-        no worker is running. A worker that dies, fails in the middle, or does not answer
-        within `start_timeout_s`, is replaced, with the new weights (copied from a live
-        worker); if the driver fails while sending, every worker it sent to is replaced."""
+        no worker is running. A worker that dies, fails in the middle, or hangs (as in
+        load_weights) is replaced, with the new weights (copied from a live worker); if the
+        driver fails while sending, every worker it sent to is replaced."""
         live, replace, keeps = self._swap_start("update_weights")
         version = self._version() + 1
         base = self.slots.weights or PoolWeights(version=0)

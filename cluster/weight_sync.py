@@ -34,9 +34,13 @@ every worker it had started sending to is replaced.
 
 A worker that dies while checking, or fails in the middle of its swap, is handed to
 `replace` (uncharged); the dispatcher then starts its replacement with the new weights once
-the swap was decided. So is one that does not answer a call within `timeout_s` (the
-dispatcher's `start_timeout_s`: a swap reads what a start loads), as a dead one: a worker
-stopped or stuck in its engine would otherwise hold the trainer's call for ever.
+the swap was decided. So is one that is hung: its call has not returned within `timeout_s`
+(the dispatcher's `start_timeout_s`: a swap reads what a start loads) and its engine has
+not moved meanwhile (no token generated since the call began, or since the last such
+check), or its progress() does not answer either (a stopped process). A worker's swap
+waits for its engine to finish the samples it holds (a call overlapping the swap), which
+may take longer than `timeout_s`: while they move, the deadline moves with them. Without
+this a stopped or stuck worker held the trainer's call for ever.
 """
 from __future__ import annotations
 
@@ -57,25 +61,62 @@ class WeightsRefused(ValueError):
 Replace = Callable[[WorkerRecord, str], None]
 
 
-class _Deadline:
-    """ray.get of one call per worker, all started together, within `timeout_s` of now
-    (None: no limit): `get(ref)` raises ray's GetTimeoutError once the time is up."""
+def _moved(progress: dict) -> tuple:
+    """What grows while a worker's engine runs (GenerationWorker.progress())."""
+    return progress.get("generated_tokens"), progress.get("finished_requests"), progress.get("finished_units")
 
-    def __init__(self, timeout_s: float | None) -> None:
+
+class _Deadline:
+    """ray.get of one call per worker of `workers`, all started together, until the worker
+    is hung (the module docstring): `get(ref, w)` raises ray's GetTimeoutError once `w`'s
+    call has run `timeout_s` (None: no limit) with its engine still since the last check,
+    or its progress() has not answered within min(timeout_s, PROGRESS_S)."""
+
+    PROGRESS_S = 60.0
+
+    def __init__(self, timeout_s: float | None, workers: Any = ()) -> None:
         self.timeout_s = timeout_s
         self.end = None if timeout_s is None else time.monotonic() + timeout_s
+        # each worker's engine counters when its call began (read at its first check), then
+        # at its last check
+        self._asked = {} if timeout_s is None else {w: w.handle.progress.remote() for w in workers}
+        self._seen: dict[WorkerRecord, tuple] = {}
 
-    def get(self, ref: Any) -> Any:
+    def get(self, ref: Any, w: WorkerRecord) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        end = self.end
+        while True:
+            try:
+                return ray.get(ref, timeout=None if end is None else max(0.0, end - time.monotonic()))
+            except GetTimeoutError:
+                if not self._still_moving(w):
+                    raise
+                end = time.monotonic() + self.timeout_s  # busy finishing samples: another period
+
+    def _still_moving(self, w: WorkerRecord) -> bool:
+        """Whether `w`'s engine generated or finished anything since the last check (its
+        progress() answering in time), recording what it reports now."""
         import ray
 
-        return ray.get(ref, timeout=None if self.end is None else max(0.0, self.end - time.monotonic()))
+        wait = min(self.timeout_s, self.PROGRESS_S)
+        try:
+            if w in self._asked:
+                self._seen[w] = _moved(ray.get(self._asked.pop(w), timeout=wait))
+            now = _moved(ray.get(w.handle.progress.remote(), timeout=wait))
+        except Exception:  # noqa: BLE001 - no answer (stopped, or gone): hung
+            return False
+        before, self._seen[w] = self._seen.get(w), now
+        return before is not None and now != before
 
     def why(self, w: WorkerRecord, what: str, exc: BaseException) -> str:
         """Why `w` is replaced after its call `what` raised `exc`."""
         from ray.exceptions import GetTimeoutError
 
         if isinstance(exc, GetTimeoutError):
-            return f"worker {w.name} did not answer {what} within {self.timeout_s:.0f} s (start_timeout_s)"
+            return (f"worker {w.name} did not answer {what} within {self.timeout_s:.0f} s (start_timeout_s), its "
+                    f"engine still meanwhile (hung)")
         return f"worker {w.name} failed in {what}: {short_error(exc, 300)}"
 
 
@@ -85,8 +126,8 @@ def stage_everywhere(live: list[WorkerRecord], path: str, step: int | None, keep
     reply} when all of them could, every reply of the same step (step None: the newest any
     worker found, staged again everywhere when they found different ones). Raises
     WeightsRefused (after every worker dropped what it staged) when one refused it or all
-    died or did not answer within `timeout_s` (those are handed to `replace`); `keeps`
-    names the weights they keep, for the message."""
+    died or hung (`timeout_s`: see the module docstring; those are handed to `replace`);
+    `keeps` names the weights they keep, for the message."""
     staged = _everyone_agrees({w.handle.stage_weights.remote(path, step): w for w in live},
                               f"load_weights({path!r})", keeps, replace, timeout_s)
     if isinstance(staged, str):
@@ -106,17 +147,17 @@ def stage_everywhere(live: list[WorkerRecord], path: str, step: int | None, keep
 
 def _everyone_agrees(refs: dict, what: str, keeps: str, replace: Replace,
                      timeout_s: float | None = None) -> dict | str:
-    """{worker: reply} of every worker that answered `refs` within `timeout_s`, or the
-    WeightsRefused message when one refused (every worker then drops what it staged) or all
-    died or hung (each handed to `replace`)."""
+    """{worker: reply} of every worker that answered `refs` (a hung one, `timeout_s`: see the
+    module docstring, does not), or the WeightsRefused message when one refused (every
+    worker then drops what it staged) or all died or hung (each handed to `replace`)."""
     from ray.exceptions import GetTimeoutError, RayTaskError
 
     replies: dict[WorkerRecord, dict] = {}
     refused: list[str] = []
-    deadline = _Deadline(timeout_s)
+    deadline = _Deadline(timeout_s, refs.values())
     for ref, w in refs.items():
         try:
-            replies[w] = deadline.get(ref)
+            replies[w] = deadline.get(ref, w)
         except RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             refused.append(f"{w.name}: {type(cause).__name__}: {short_error(cause, 2000)}")
@@ -125,10 +166,10 @@ def _everyone_agrees(refs: dict, what: str, keeps: str, replace: Replace,
         except Exception as exc:  # noqa: BLE001 - RayActorError: the worker is gone
             replace(w, f"worker {w.name} died while checking weights: {short_error(exc)}")
     if refused or not replies:
-        undo = _Deadline(timeout_s)
-        for ref in [w.handle.discard_weights.remote() for w in replies]:
+        undo = _Deadline(timeout_s, replies)
+        for ref, w in [(w.handle.discard_weights.remote(), w) for w in replies]:
             try:
-                undo.get(ref)
+                undo.get(ref, w)
             except Exception:  # noqa: BLE001 - a worker gone meanwhile keeps nothing staged
                 pass
         why = refused[0] if refused else "every worker died or hung while checking it"
@@ -141,13 +182,13 @@ def commit_everywhere(staged: dict[WorkerRecord, Any], replace: Replace, version
                       timeout_s: float | None = None) -> list[dict]:
     """Every staged worker swaps its copy in, taking weight_version `version`; returns their
     engine_state() replies. A worker whose swap fails (its engine may be half swapped) or
-    does not end within `timeout_s` is handed to `replace`."""
+    that hangs (`timeout_s`: see the module docstring) is handed to `replace`."""
     commits = {w.handle.commit_weights.remote(version): w for w in staged}
-    deadline = _Deadline(timeout_s)
+    deadline = _Deadline(timeout_s, commits.values())
     states = []
     for ref, w in commits.items():
         try:
-            states.append(deadline.get(ref))
+            states.append(deadline.get(ref, w))
         except Exception as exc:  # noqa: BLE001 - a half-swapped engine: replace the worker
             replace(w, deadline.why(w, "its weights swap", exc))
     return states
@@ -161,7 +202,7 @@ def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bu
     weights) when one refused or all died, TypeError for an entry that is not a (name,
     tensor) pair. A worker that fails while copying is handed to `replace` (the caller
     replaces it once the update is recorded, so its replacement copies the new weights),
-    as is one that does not answer a call within `timeout_s`; a failure of the driver while
+    as is a hung one (the module docstring); a failure of the driver while
     sending hands every worker that got a bucket to it."""
     import ray
 
@@ -178,7 +219,7 @@ def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bu
         deadline, calls = entry
         for ref, w in calls.items():
             try:
-                deadline.get(ref)
+                deadline.get(ref, w)
             except Exception as exc:  # noqa: BLE001 - a half-swapped engine: replace the worker
                 if w in ok:
                     ok.remove(w)
@@ -188,7 +229,7 @@ def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bu
         for bucket in pack_buckets(pairs, bucket_bytes):
             ref = ray.put(bucket)  # freed once every worker applied it (no call holds it then)
             del bucket
-            window.append((_Deadline(timeout_s), {w.handle.apply_bucket.remote(ref): w for w in ok}))
+            window.append((_Deadline(timeout_s, ok), {w.handle.apply_bucket.remote(ref): w for w in ok}))
             del ref
             if len(window) > 1:
                 drain(window.popleft())
@@ -204,10 +245,10 @@ def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bu
             replace(w, why)
     states = []
     finish = {w.handle.finish_update.remote(version): w for w in ok}
-    deadline = _Deadline(timeout_s)
+    deadline = _Deadline(timeout_s, ok)
     for ref, w in finish.items():
         try:
-            states.append(deadline.get(ref))
+            states.append(deadline.get(ref, w))
         except Exception as exc:  # noqa: BLE001
             replace(w, deadline.why(w, "finishing its weights update", exc))
     return states

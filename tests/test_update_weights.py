@@ -283,3 +283,45 @@ def test_a_worker_that_hangs_during_a_swap_is_replaced(pool, cases):
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
+
+
+def test_a_swap_waits_for_a_worker_finishing_samples_and_replaces_a_still_one(ray_local):
+    """A worker's swap first waits for its engine to finish the samples it holds, which may
+    take longer than the timeout. commit_everywhere with a 1 s timeout, two Ray actors: the
+    one whose commit takes 3 s while its engine generates (its progress() counters grow) is
+    waited for and swaps; the one whose commit takes 30 s with its engine standing still is
+    replaced as hung once a period passed with nothing moving. (A first version of the timeout replaced any
+    worker still busy finishing a call's samples after start_timeout_s.)"""
+    import ray
+
+    from cluster.health import WorkerRecord
+    from cluster.weight_sync import commit_everywhere
+
+    @ray.remote(max_concurrency=4)
+    class Swapper:
+        def __init__(self, moving: bool) -> None:
+            self.moving, self.tokens = moving, 0
+
+        def commit_weights(self, version: int) -> dict:
+            end = time.monotonic() + (3.0 if self.moving else 30.0)
+            while time.monotonic() < end:  # the engine finishing samples (or standing still)
+                self.tokens += self.moving
+                time.sleep(0.05)
+            return {"weight_version": version}
+
+        def progress(self) -> dict:
+            return {"generated_tokens": self.tokens, "finished_requests": 0, "finished_units": 0}
+
+    moving = WorkerRecord("moving", 0, Swapper.remote(True), None, 0.0)
+    still = WorkerRecord("still", 1, Swapper.remote(False), None, 0.0)
+    replaced = []
+    try:
+        ray.get([moving.handle.progress.remote(), still.handle.progress.remote()])  # both started
+        states = commit_everywhere({moving: None, still: None}, lambda w, why: replaced.append((w.name, why)), 7,
+                                   timeout_s=1.0)
+    finally:
+        ray.kill(moving.handle)
+        ray.kill(still.handle)
+    assert states == [{"weight_version": 7}]
+    assert [name for name, _ in replaced] == ["still"], replaced
+    assert "did not answer its weights swap within 1 s" in replaced[0][1] and "hung" in replaced[0][1]
