@@ -87,11 +87,14 @@ def uri_for(template: str, fs_path: str) -> str:
 
 def redact(uri: str) -> str:
     """`uri` without credentials: user:password@ and the access_key / secret_key /
-    session_token options are removed."""
+    session_token options are removed. A user:password@ whose secret holds a "/" (AWS
+    secret keys may; pasted raw, not percent-encoded) is removed too: what precedes the
+    first "@" goes when it holds a ":" (key:secret), as a bucket and path do not before an
+    "@" of theirs."""
     if not is_uri(uri):
         return uri
     base, query = split_query(uri)
-    base = re.sub(r"^([a-z0-9+.-]+://)[^/@]*@", r"\1", base, flags=re.I)
+    base = re.sub(r"^([a-z0-9+.-]+://)(?:[^/@]*|[^/@:]*:[^@]*)@", r"\1", base, flags=re.I)
     kept = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k not in SECRET_OPTIONS]
     return with_query(base, urlencode(kept, safe=":/"))
 

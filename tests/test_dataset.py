@@ -270,6 +270,59 @@ def test_staging_rechunks_a_large_row_group_once(tmp_path):
     assert out.verify() == [f"{out.shown}: manifest _batchgen/manifest.json is missing (not a batchgen output directory?)"]
 
 
+def test_staged_groups_stay_unit_aligned_across_read_batches(tmp_path, monkeypatch):
+    """The staged copy is read in batches (READ_BATCH rows) that unit_rows does not divide:
+    rows left over from one batch join the next, so every row group but the last has
+    exactly unit_rows rows, each unit decodes only its own rows, and the rows are unchanged."""
+    from jobs.inputs import staging
+    from jobs.inputs.parquet import read_rows_counted
+    from jobs.outputs.output_dir import OutputDir
+
+    monkeypatch.setattr(staging, "READ_BATCH", 64)
+    f = write_prompts(str(tmp_path / "big.parquet"), [f"q{i}" for i in range(500)])
+    spec = spec_for(f, cluster__unit_rows=30, output__path=str(tmp_path / "out"))
+    plan = plan_job(spec)
+    out = OutputDir(spec.output.path)
+    out.ensure_writable()
+    units, _, decoded = staging.stage_inputs(plan, out, 30, ["prompt"], plan.units)
+    assert decoded == 500
+    md = pq.ParquetFile(units[0].source).metadata
+    assert [md.row_group(i).num_rows for i in range(md.num_row_groups)] == [30] * 16 + [20]
+    got = []
+    for u in units:
+        t, n = read_rows_counted(u.source, u.row_start, u.row_end, ["prompt"])
+        assert n == u.num_rows, (u.row_start, u.row_end, n)
+        got += t.column(0).to_pylist()
+    assert got == [f"q{i}" for i in range(500)]
+
+
+def test_staged_copy_leaks_no_descriptor_and_follows_the_umask(tmp_path):
+    """Staging a file leaves no open file descriptor and no temporary behind, and the copy
+    gets the permissions of a normally created file (0666 less the umask, 0644 under 022),
+    so workers running as another user can read it."""
+    from jobs.inputs.staging import stage_inputs
+    from jobs.outputs.output_dir import OutputDir
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd")
+    f = write_prompts(str(tmp_path / "big.parquet"), [f"q{i}" for i in range(100)])
+    spec = spec_for(f, cluster__unit_rows=8, output__path=str(tmp_path / "out"))
+    plan = plan_job(spec)
+    out = OutputDir(spec.output.path)
+    out.ensure_writable()
+    old = os.umask(0o022)
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+        units, _, decoded = stage_inputs(plan, out, 8, ["prompt"], plan.units)
+        leaked = len(os.listdir("/proc/self/fd")) - fds
+    finally:
+        os.umask(old)
+    copy = units[0].source
+    assert decoded == 100
+    assert (leaked, oct(os.stat(copy).st_mode & 0o777)) == (0, "0o644")
+    assert os.listdir(os.path.dirname(copy)) == [os.path.basename(copy)]  # no temporary left
+
+
 def test_uri_options_are_not_globs_and_credentials_are_redacted():
     from jobs import uri
 
@@ -279,6 +332,11 @@ def test_uri_options_are_not_globs_and_credentials_are_redacted():
     assert uri.join("s3://bkt/run?region=eu-west-1", "part-000001.parquet") == "s3://bkt/run/part-000001.parquet?region=eu-west-1"
     assert uri.uri_for("s3://KEY:SECRET@bkt/in?region=x", "bkt/in/a.parquet") == "s3://KEY:SECRET@bkt/in/a.parquet?region=x"
     assert uri.split_query("data/what?.parquet") == ("data/what?.parquet", "")  # a local path: ? is a glob
+    # a secret with "/" pasted raw (AWS secret keys may hold one) is hidden too; an "@" in a
+    # bucket's path is not a user's
+    assert uri.redact("s3://AKIA:SEC/RET+x@bkt/run?region=x") == "s3://bkt/run?region=x"
+    assert uri.redact("s3://bkt/dir@2026/run") == "s3://bkt/dir@2026/run"
+    assert uri.redact("s3://user@bkt/run") == "s3://bkt/run"
 
 
 def test_fingerprint_covers_checkpoint_content_cached_by_path_size_mtime(tmp_path):

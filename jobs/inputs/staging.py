@@ -17,7 +17,7 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -69,14 +69,28 @@ def _stage_one(out: Any, f: InputFile, unit_rows: int, columns: list[str]) -> tu
     final = out.fs_path(rel)
     out.fs.create_dir(final.rsplit("/", 1)[0], recursive=True)
     local = uri.is_local(out.fs)
-    target = tempfile.mkstemp(prefix=".tmp-staged-", suffix=".parquet", dir=os.path.dirname(final))[1] if local else final
+    # a uuid-named temporary (as in jobs/outputs/commit.py) that the stream below creates with
+    # the umask's usual permissions: workers running as another user must read the copy
+    target = os.path.join(os.path.dirname(final), f".tmp-staged-{uuid.uuid4().hex}.parquet") if local else final
     decoded = 0
     try:
         with open_input(f.path) as fh, out.fs.open_output_stream(target) as sink, \
                 pq.ParquetWriter(sink, schema, compression="zstd") as w:
+            # groups of exactly unit_rows rows whatever the read batches' sizes: the rows short
+            # of a whole group wait for the next batch (fewer than unit_rows: bounded memory)
+            pending: list[pa.RecordBatch] = []
+            held = 0
             for batch in pq.ParquetFile(fh).iter_batches(columns=columns, batch_size=READ_BATCH):
                 decoded += batch.num_rows
-                w.write_batch(batch, row_group_size=unit_rows)
+                pending.append(batch)
+                held += batch.num_rows
+                if held >= unit_rows:
+                    t = pa.Table.from_batches(pending)
+                    whole = held - held % unit_rows
+                    w.write_table(t.slice(0, whole), row_group_size=unit_rows)
+                    pending, held = t.slice(whole).to_batches(), held - whole
+            if held:
+                w.write_table(pa.Table.from_batches(pending), row_group_size=unit_rows)
         if local:
             os.replace(target, final)
     finally:
