@@ -36,6 +36,7 @@ import sys
 import time
 from typing import Any, Callable
 
+from jobs import uri
 from jobs.errors import JobFailed
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,12 @@ def _run_units(spec: Any, plan: Any, out: Any, todo: list, lease: Any, t0: float
             results = pool.run(todo, on_result=bar.on_result, on_progress=bar.on_progress, watchdog=lease.check)
         return results, bar.tokens_committed, staged_rows
     except UnitFailed as e:
-        raise JobFailed(f"job failed after {time.time() - t0:.0f}s: {e}. Committed units are kept; "
+        why = str(e)
+        # cluster/ names a unit by its source as given: an input URI, or a staged copy under
+        # the output's, may carry credentials (s3://KEY:SECRET@bucket/...)
+        for source in sorted({u.source for u in todo} | {f.path for f in plan.files}, key=len, reverse=True):
+            why = why.replace(source, uri.redact(source))
+        raise JobFailed(f"job failed after {time.time() - t0:.0f}s: {why}. Committed units are kept; "
                         f"rerun the same command to resume.") from None
     finally:
         bar.close()

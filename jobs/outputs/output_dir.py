@@ -49,6 +49,16 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: d}
 
 
+def _redacted(spec: dict[str, Any]) -> dict[str, Any]:
+    """A spec dump (JobSpec.to_dict) with the credentials of its input and output URIs
+    left out (jobs/uri.py redact), as the manifest keeps it."""
+    out = dict(spec)
+    for section in ("input", "output"):
+        if isinstance(out.get(section), dict) and isinstance(out[section].get("path"), str):
+            out[section] = {**out[section], "path": uri.redact(out[section]["path"])}
+    return out
+
+
 def describe_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Human-readable "key: old -> new" lines between two fingerprint dicts."""
     lines = []
@@ -306,7 +316,7 @@ class OutputDir(OutputChecks):
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "fingerprint": plan.fingerprint,
             "fingerprint_data": plan.fingerprint_data,
-            "spec": spec.to_dict(),
+            "spec": _redacted(spec.to_dict()),
             "spec_source": getattr(spec, "source", None),
             "num_samples": n,
             "num_prompts": plan.num_prompts,
