@@ -413,6 +413,13 @@ def test_emulated_amx_kernel_gives_the_chains_bits():
                     p = kern.pack(w, bias)
                     assert p.amx_order == order
                     assert A._bits_equal(kern.gemm(xin, p, out, threads), want), (M, K_, N_, kind, out, order)
+    # K = 0: the bias (or +0) in every row, as the other builds give (it divided by zero)
+    x, w, b = torch.zeros(17, 0), torch.zeros(33, 0, dtype=torch.bfloat16), torch.randn(33, generator=g)
+    for bias in (b, None):
+        want = ref.gemm(x, ref.pack(w, bias), torch.float32, 2)
+        assert torch.equal(want, (b if bias is not None else torch.zeros(33)).expand(17, 33))
+        for kern in amx.values():
+            assert A._bits_equal(kern.gemm(x, kern.pack(w, bias), torch.float32, 2), want)
 
 
 @pytest.mark.parametrize("mode,verdict", [("sdm", "give avx512_bf16's bits with swapped pairs"),

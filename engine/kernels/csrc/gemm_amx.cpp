@@ -284,8 +284,16 @@ int batchgen_gemm_amx(const void* x, int x_dtype, int64_t ldx, int64_t M, int64_
     if (M <= 0 || N <= 0) return 0;
     const int64_t KB = k_blocks(K), Kp = KB * 2 * TP, Mp = (M + TM - 1) / TM * TM;
     const int64_t P = panels(N), blocks = (M + MC - 1) / MC, units = blocks * P;
-    const int64_t kc = (KB + (KB + KC - 1) / KC - 1) / ((KB + KC - 1) / KC);  // even chunks of at most KC
     const int64_t osize = out_dtype == F32 ? 4 : 2;
+    if (KB == 0) {  // K = 0: every sum is empty, y = the bias (or +0), as gemm.cpp gives
+        alignas(64) static const float zero[TM][TN] = {};
+        for (int64_t m = 0; m < M; m += TM)
+            for (int64_t n = 0; n < N; n += TN)
+                store_c(zero, (int)std::min<int64_t>(TM, M - m), (int)std::min<int64_t>(TN, N - n),
+                        bias == nullptr ? nullptr : bias + n, (char*)y + (m * ldy + n) * osize, ldy, out_dtype);
+        return 0;
+    }
+    const int64_t kc = (KB + (KB + KC - 1) / KC - 1) / ((KB + KC - 1) / KC);  // even chunks of at most KC
     const double flops = 2.0 * (double)M * (double)N * (double)K;
     const int team = flops < 4e6 ? 1 : (int)std::min<int64_t>(threads, std::max<int64_t>(units, 1));
     abuf.resize(Mp * Kp);
