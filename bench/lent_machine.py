@@ -450,6 +450,10 @@ def main() -> None:
         prepare(folder, args.llama)
         if args.base:
             _base(folder / "base", args.base)
+            size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            if size > LIMIT_BYTES:
+                sys.exit(f"prepare: {folder} holds {size / 2**20:.1f} MiB with the base, over the "
+                         f"{LIMIT_BYTES >> 20} MiB a call carries")
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         run(folder, args.out, args.budget, set(args.only.split(",")) if args.only else None)

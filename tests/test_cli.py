@@ -337,7 +337,8 @@ def test_function_tools_on_a_model_without_a_chat_template_exit_2(tmp_path):
     `plan` and `run` refuse the job with exit 2 naming tools.functions before any work (the
     workers refused it after the output directory was written, exit 1), and GenerationPool
     refuses it too; with model.tokenizer naming a directory whose tokenizer has a template
-    (SmolLM2's ChatML, written here by transformers), the same job plans."""
+    (a small word-level tokenizer written here with `tokenizers`, and a ChatML template), the
+    same job plans."""
     from jobs.errors import SpecError
     from jobs.pool import pool_setup
 
