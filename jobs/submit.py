@@ -9,7 +9,12 @@ configs/... minus .git, .venv, outputs, what git ignores and other bulk), so the
 dependencies (torch, ray, pyarrow, pydantic, tiktoken, ...; e.g. a Ray image with
 `pip install batchgen`'s requirements) but not batchgen itself, and the driver and every
 worker import the submitted code. Consequences:
-- the config file must lie inside the project directory (it travels with it);
+- the config file must lie inside the project directory (it travels with it), in a folder
+  that is uploaded: one that a .gitignore or .rayignore file names (Ray's packager leaves
+  those out), or that lies under EXCLUDES or the job's output, is refused (exit 2);
+- credentials in URIs (s3://KEY:SECRET@bucket/..., ?secret_key=...) are left out of the job's
+  metadata and of what is printed; the entrypoint given to Ray carries the --set values as
+  given (the job needs them), so Ray's job server holds them as the entrypoint;
 - relative paths in the config resolve inside the shipped directory on the head node, so
   input.path / output.path should be absolute paths on storage every node shares, or URIs
   (s3://..., gs://...); cluster.address is forced to "auto" (the submitting cluster).
@@ -17,6 +22,7 @@ worker import the submitted code. Consequences:
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import time
@@ -27,6 +33,8 @@ from jobs.errors import JobError, SpecError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 EXCLUDES = [".git", ".venv", "venv", "out", "**/__pycache__", ".pytest_cache", "bench", "*.egg-info"]
+RAY_DEFAULT_EXCLUDES = [".git", ".venv", "venv", "__pycache__"]  # Ray 2.60's, where Ray does not say
+URI_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\",\]}]*")
 
 
 def git_ignored(root: Path) -> list[str]:
@@ -56,13 +64,90 @@ def build_entrypoint(config_rel: str, overrides: Sequence[str], overwrite: bool)
     return " ".join(shlex.quote(a) for a in args)
 
 
+def redact_override(override: str) -> str:
+    """A --set KEY=VALUE as it may be printed: every URI in it without credentials (uri.redact)."""
+    from jobs import uri
+
+    return URI_RE.sub(lambda m: uri.redact(m.group(0)), override)
+
+
+def _path_spec() -> Any:
+    """The gitwildmatch matcher Ray's packager uses (its vendored pathspec), or None."""
+    try:
+        from ray._private.thirdparty.pathspec import PathSpec
+    except ImportError:
+        try:
+            from pathspec import PathSpec  # type: ignore[no-redef]
+        except ImportError:
+            return None
+    return PathSpec
+
+
+def _matching_pattern(spec_cls: Any, lines: Sequence[str], rel: str) -> str | None:
+    """The pattern of `lines` (gitwildmatch, the last match wins) that excludes `rel`, or None."""
+    if not spec_cls.from_lines("gitwildmatch", lines).match_file(rel):
+        return None
+    for line in reversed(lines):
+        s = line.strip()
+        if s and not s.startswith(("#", "!")) and spec_cls.from_lines("gitwildmatch", [line]).match_file(rel):
+            return s
+    return "?"
+
+
+def why_not_uploaded(root: Path, config_rel: str, excludes: Sequence[str], output_rel: str | None = None) -> str | None:
+    """Why Ray's packager would leave the file `config_rel` (relative to the working_dir `root`)
+    out of the upload, or None when it ships. As ray._private.runtime_env.packaging walks the
+    tree: going from `root` down to the file, a path is skipped when it matches (gitwildmatch)
+    Ray's default excludes or `excludes`, relative to `root`, or the .gitignore (unless
+    RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1) or .rayignore file of a folder on the way (the path's
+    own included), relative to that folder. `output_rel`: the pattern that stands for the
+    job's output directory, for the message."""
+    spec_cls = _path_spec()
+    if spec_cls is None:  # no Ray to upload with either: the client says so
+        return None
+    try:
+        from ray._private.ray_constants import get_runtime_env_default_excludes
+
+        defaults = list(get_runtime_env_default_excludes())
+    except (ImportError, AttributeError):
+        defaults = list(RAY_DEFAULT_EXCLUDES)
+    names = [".rayignore"]
+    if os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1":
+        names.insert(0, ".gitignore")
+    ignore_files: list[tuple[Path, Path, list[str]]] = []  # (folder, file, lines), outermost first
+    parts = config_rel.split("/")
+    for i in range(len(parts) + 1):
+        p = root.joinpath(*parts[:i])
+        if p.is_dir():
+            for name in names:
+                f = p / name
+                if f.is_file():
+                    with f.open("r") as fh:  # as Ray reads it
+                        ignore_files.append((p, f, fh.readlines()))
+        rel = "/".join(parts[:i]) or "."
+        pattern = _matching_pattern(spec_cls, defaults + list(excludes), rel)
+        if pattern is not None:
+            if output_rel is not None and pattern == output_rel:
+                return f"it lies in the job's output directory {rel}/, which `submit` never uploads"
+            return f"it lies under {rel}, which `submit` never uploads (exclude pattern {pattern!r})"
+        for folder, f, lines in ignore_files:
+            pattern = _matching_pattern(spec_cls, lines, p.relative_to(folder).as_posix())
+            if pattern is not None:
+                where = f.relative_to(root).as_posix()
+                return (f"{where} names {rel} (pattern {pattern!r}), and Ray's job upload leaves out what "
+                        f"{f.name} files name")
+    return None
+
+
 def submit_job(config_path: str, address: str, overrides: Sequence[str] = (), overwrite: bool = False,
                *, client: Any = None) -> int:
     """Validate the config, submit it, print the job id and how to follow it; returns 0.
 
-    Raises SpecError (exit code 2) for an invalid config or one outside the project directory.
+    Raises SpecError (exit code 2) for an invalid config, or one outside the project directory
+    or in a part of it that is not uploaded (why_not_uploaded).
     `client`: a JobSubmissionClient-like object (tests); default JobSubmissionClient(address).
     """
+    from jobs import uri
     from jobs.config import load_spec
 
     spec = load_spec(config_path, overrides)  # exit 2 before contacting the cluster
@@ -76,12 +161,21 @@ def submit_job(config_path: str, address: str, overrides: Sequence[str] = (), ov
     excludes = list(EXCLUDES) + [p for p in git_ignored(PROJECT_ROOT)
                                  if not ("/" + config_rel + "/").startswith(p + "/")]
     out = spec.output.path
+    output_rel = None
     if "://" not in out:
         try:  # never upload a previous run's output
-            excludes.append(Path(os.path.abspath(out)).relative_to(PROJECT_ROOT).as_posix())
+            output_rel = Path(os.path.abspath(out)).relative_to(PROJECT_ROOT).as_posix()
+            excludes.append(output_rel)
         except ValueError:
             pass
+    # Ray's packager also leaves out what .gitignore / .rayignore files name, the config with it:
+    # the job would then fail on the head after `submit` said it was submitted
+    why = why_not_uploaded(PROJECT_ROOT, config_rel, excludes, output_rel)
+    if why is not None:
+        raise SpecError(f"{config_path}: `submit` would not upload this config to the cluster with the project "
+                        f"(the job would fail there): {why}; move it to a folder that is uploaded, e.g. configs/")
     entrypoint = build_entrypoint(config_rel, overrides, overwrite)
+    shown = build_entrypoint(config_rel, [redact_override(o) for o in overrides], overwrite)  # for the record
     runtime_env = {"working_dir": str(PROJECT_ROOT), "excludes": excludes}
     try:
         if client is None:
@@ -89,11 +183,11 @@ def submit_job(config_path: str, address: str, overrides: Sequence[str] = (), ov
 
             client = JobSubmissionClient(address)
         job_id = _submit_when_an_agent_is_up(client, entrypoint=entrypoint, runtime_env=runtime_env,
-                                             metadata={"batchgen_config": config_rel, "output": str(out)})
+                                             metadata={"batchgen_config": config_rel, "output": uri.redact(str(out))})
     except Exception as e:  # noqa: BLE001 - the client's errors have no common base; name the cause
         raise JobError(_explain_client_error(e, address)) from None
     print(f"submitted job {job_id} to {address}")
-    print(f"  entrypoint: {entrypoint}")
+    print(f"  entrypoint: {shown}")
     print(f"  follow:     ray job logs --follow {job_id} --address {address}")
     print(f"  status:     ray job status {job_id} --address {address}")
     print(f"  stop:       ray job stop {job_id} --address {address}")

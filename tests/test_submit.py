@@ -10,6 +10,10 @@ authentication on, as Ray >= 2.59 does by default), then:
 - a client without the cluster's token gets a message that says how to pass it, exit 1.
 Everything runs in subprocesses (the CLI as users call it); waiting is `ray job logs
 --follow`, which returns when the job ends.
+The tests after those need no cluster: a recording client (which packs the upload with
+Ray's own packager) checks what `submit` hands to the job server and prints: no URI
+credentials in the job's metadata or the printout, and a config that Ray's upload would
+leave out (.gitignore, .rayignore, EXCLUDES, the output directory) refused with exit 2.
 """
 from __future__ import annotations
 
@@ -131,3 +135,140 @@ def test_submit_without_the_token_says_how_to_pass_it(head, tmp_path):
     assert f"cannot submit to the Ray job server at {url}: AuthenticationError" in r.stderr
     assert "RAY_AUTH_MODE=token" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+# --- without a cluster: what `submit` hands to the job server and prints (a recording client)
+
+class RecordingClient:
+    """A JobSubmissionClient stand-in: records each submit_job call and packs the runtime_env's
+    working_dir as Ray's job SDK does (Ray's default excludes, then the runtime_env's; .gitignore
+    and .rayignore files honoured), so a test sees which files the head would get."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.calls, self.uploaded = tmp, [], None
+
+    def submit_job(self, entrypoint, runtime_env, metadata):
+        import zipfile
+
+        from ray._private import ray_constants
+        from ray._private.runtime_env import packaging
+
+        self.calls.append({"entrypoint": entrypoint, "runtime_env": runtime_env, "metadata": metadata})
+        out = self.tmp / f"upload{len(self.calls)}.zip"
+        packaging._zip_files(runtime_env["working_dir"],
+                             ray_constants.get_runtime_env_default_excludes() + list(runtime_env["excludes"]),
+                             str(out), include_gitignore=True)
+        self.uploaded = set(zipfile.ZipFile(out).namelist())
+        return f"raysubmit_{len(self.calls)}"
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A small project directory standing in for batchgen's (jobs.submit.PROJECT_ROOT), not a git
+    checkout; returns (root, put) where put(rel) writes the demo config there."""
+    import jobs.submit
+
+    root = tmp_path / "proj"
+    (root / "jobs").mkdir(parents=True)
+    (root / "jobs" / "x.py").write_text("")
+    monkeypatch.setattr(jobs.submit, "PROJECT_ROOT", root)
+    monkeypatch.delenv("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", raising=False)
+    monkeypatch.delenv("RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES", raising=False)
+
+    def put(rel: str, text: str | None = None) -> Path:
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text if text is not None else (ROOT / "configs" / "demo.yaml").read_text())
+        return path
+
+    return root, put
+
+
+def test_submit_keeps_uri_credentials_out_of_the_job_metadata_and_the_printout(project, tmp_path, capsys):
+    """Credentials in an output or input URI (user:secret@ and ?secret_key=) reach the job (its
+    entrypoint, or the shipped config) but not the job's metadata nor what `submit` prints, from a
+    --set as from the config file; the printout still shows the URIs without them."""
+    from jobs.submit import submit_job
+
+    root, put = project
+    text = (ROOT / "configs" / "demo.yaml").read_text().replace(
+        "path: out/demo", "path: s3://AKIAFILE:FILESECRET@bkt/file-run?endpoint_override=10.0.0.5:9000&scheme=http")
+    assert "FILESECRET" in text
+    put("configs/job.yaml", text)
+    client = RecordingClient(tmp_path)
+    output = "s3://AKIAOUT:OUTSECRET@bkt/run?endpoint_override=10.0.0.5:9000&scheme=http"
+    inp = "s3://AKIAIN:INSECRET@bkt/in/*.parquet?secret_key=OPTSECRET&region=x"
+
+    assert submit_job(str(root / "configs/job.yaml"), "http://h:8265", [f"output.path={output}", f"input.path={inp}"],
+                      client=client) == 0
+    assert submit_job(str(root / "configs/job.yaml"), "http://h:8265", [], client=client) == 0
+    printed = capsys.readouterr().out
+
+    first, second = client.calls
+    assert first["metadata"]["output"] == "s3://bkt/run?endpoint_override=10.0.0.5:9000&scheme=http"
+    assert second["metadata"]["output"] == "s3://bkt/file-run?endpoint_override=10.0.0.5:9000&scheme=http"
+    for secret in ("AKIAOUT", "OUTSECRET", "AKIAIN", "INSECRET", "OPTSECRET", "AKIAFILE", "FILESECRET"):
+        assert secret not in printed, printed
+        assert secret not in repr([c["metadata"] for c in client.calls])
+    assert "output.path=s3://bkt/run?endpoint_override=10.0.0.5:9000&scheme=http" in printed
+    assert "input.path=s3://bkt/in/*.parquet?region=x" in printed
+    # what the job needs still reaches it: the --set values as given, the config file as it is
+    assert output in first["entrypoint"] and inp in first["entrypoint"]
+    assert "configs/job.yaml" in client.uploaded
+
+
+@pytest.mark.parametrize("files, config, reason", [
+    ({".gitignore": "local/\n"}, "local/job.yaml", ".gitignore names local/job.yaml (pattern 'local/')"),
+    ({"mine/.gitignore": "*\n!.gitignore\n"}, "mine/job.yaml", "mine/.gitignore names mine (pattern '*')"),
+    ({".rayignore": "private\n"}, "private/job.yaml", ".rayignore names private (pattern 'private')"),
+    ({}, "bench/job.yaml", "it lies under bench, which `submit` never uploads"),
+    ({}, "results/job.yaml", "it lies in the job's output directory results/"),
+])
+def test_submit_refuses_a_config_the_upload_would_leave_out(project, tmp_path, files, config, reason):
+    """A config in a folder that a .gitignore or .rayignore names (Ray's packager leaves those out
+    whatever `excludes` says), under batchgen's EXCLUDES, or in the job's output directory stops
+    before anything is submitted: exit code 2 (SpecError), a message naming the config file and
+    why. (It used to be submitted without its config, and the job failed on the head.)"""
+    from jobs.errors import SpecError
+    from jobs.submit import submit_job
+
+    root, put = project
+    for rel, text in files.items():
+        put(rel, text)
+    path = put(config)
+    # the layout is one Ray's packager really leaves the config out of
+    from jobs.submit import EXCLUDES
+
+    ray_packs = RecordingClient(tmp_path)
+    ray_packs.submit_job("true", {"working_dir": str(root), "excludes": EXCLUDES + ["results"]}, {})
+    assert config not in ray_packs.uploaded and "jobs/x.py" in ray_packs.uploaded
+
+    client = RecordingClient(tmp_path)
+    with pytest.raises(SpecError) as e:
+        submit_job(str(path), "http://h:8265", [f"output.path={root / 'results'}"], client=client)
+    assert e.value.exit_code == 2
+    assert str(e.value).startswith(f"{path}: `submit` would not upload this config"), str(e.value)
+    assert reason in str(e.value), str(e.value)
+    assert client.calls == []
+
+
+@pytest.mark.parametrize("layout", ["configs", "ignored elsewhere", "git info/exclude"])
+def test_submit_ships_a_config_in_an_uploaded_folder(project, tmp_path, layout):
+    """No false refusals: a config in configs/, beside a .gitignore that names other folders, or in
+    a folder that only .git/info/exclude ignores (Ray does not read it; `submit` drops that
+    folder from its excludes), is submitted and is in what Ray uploads."""
+    from jobs.submit import submit_job
+
+    root, put = project
+    config = "configs/job.yaml"
+    if layout == "ignored elsewhere":
+        put(".gitignore", "local/\n*.bin\n")
+    elif layout == "git info/exclude":
+        subprocess.run(["git", "init", "-q", str(root)], check=True)
+        (root / ".git" / "info").mkdir(parents=True, exist_ok=True)
+        (root / ".git" / "info" / "exclude").write_text("local/\n")
+        config = "local/job.yaml"
+    put(config)
+    client = RecordingClient(tmp_path)
+    assert submit_job(str(root / config), "http://h:8265", [], client=client) == 0
+    assert config in client.uploaded and "jobs/x.py" in client.uploaded
