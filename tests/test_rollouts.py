@@ -310,7 +310,7 @@ def test_pause_keep_swap_weights_resume(pool, ckpts, swap):
     v0 then v0 + 1, and their version-v0 tokens are those the call gets on the old weights alone."""
     v0 = pool.engine_states()[0]["weight_version"]
     ref = {(r["prompt_id"], r["sample_index"]): r for r in pool.generate(_prompts(long_tokens=60), SEED).to_pylist()}
-    h = pool.submit(_prompts(), SEED)
+    h = pool.submit(_prompts(long_tokens=60), SEED)
     next(h.results(timeout_s=120))  # the engines are running (a short prompt finished)
     assert pool.pause("keep", timeout_s=30)
     try:
