@@ -139,11 +139,16 @@ def _hf_format(config_path: Path) -> str:
     raise CheckpointError(f"{config_path}: {name} is not supported; supported: {supported}")
 
 
-def checkpoint_tokenizer(path: str | Path, fmt: str, gguf_reader: Any = None) -> Tokenizer:
+def checkpoint_tokenizer(path: str | Path, fmt: str, gguf_reader: Any = None,
+                         override: str | Path | None = None) -> Tokenizer:
     """The tokenizer checkpoint `path` of format `fmt` (detect_format) carries: the demo one for
     tiny-random, a GGUF file's metadata (`gguf_reader`: the file already open, else `path`),
     nanochat's tokenizer.pkl where Tokenizer.find_nanochat finds it, else the directory's files
-    (Tokenizer.load). Raises what those readers raise (OSError, ValueError)."""
+    (Tokenizer.load); `override`, a tokenizer path given instead (load_checkpoint's
+    `tokenizer`), is read with Tokenizer.load. Raises what those readers raise (OSError,
+    ValueError)."""
+    if override is not None:
+        return Tokenizer.load(override)
     if fmt == TINY_RANDOM:
         return Tokenizer.demo()
     if fmt == "gguf":
@@ -165,17 +170,17 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "auto", dtype
     dt = resolve_dtype(dtype, dev)
     fmt = detect_format(path)
     if fmt == TINY_RANDOM:
-        tok = Tokenizer.load(tokenizer) if tokenizer is not None else checkpoint_tokenizer(path, fmt)
+        tok = checkpoint_tokenizer(path, fmt, override=tokenizer)
         model, _ = _load_model(fmt, path, dev, dt, step, tok.vocab_size)
     elif fmt == "gguf":
         model, reader = _load_model(fmt, path, dev, dt, step, None)
         try:
-            tok = Tokenizer.load(tokenizer) if tokenizer is not None else checkpoint_tokenizer(path, fmt, reader)
+            tok = checkpoint_tokenizer(path, fmt, reader, override=tokenizer)
         except ValueError as e:
             raise CheckpointError(str(e)) from None
     else:
         model, _ = _load_model(fmt, path, dev, dt, step, None)
-        tok = Tokenizer.load(tokenizer) if tokenizer is not None else checkpoint_tokenizer(path, fmt)
+        tok = checkpoint_tokenizer(path, fmt, override=tokenizer)
     if tok.vocab_size > model.info.vocab_size:
         raise CheckpointError(
             f"{resolve_builtin(path)}: tokenizer has {tok.vocab_size} tokens but the model's vocabulary is "

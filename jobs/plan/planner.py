@@ -143,15 +143,11 @@ def check_function_tools(spec: Any) -> None:
         return
     from engine.loading.builtin import resolve_builtin
     from engine.loading.checkpoint import checkpoint_tokenizer, detect_format
-    from engine.tokenizers.base import Tokenizer
     from engine.tool_calls import ToolResponses
 
     try:
-        if spec.model.tokenizer is not None:
-            tok = Tokenizer.load(spec.model.tokenizer)
-        else:
-            path = resolve_builtin(spec.model.path)
-            tok = checkpoint_tokenizer(path, detect_format(path))
+        path = resolve_builtin(spec.model.path)
+        tok = checkpoint_tokenizer(path, detect_format(path), override=spec.model.tokenizer)
     except Exception:  # noqa: BLE001 - reported by the workers, as for a job without tools
         return
     try:
