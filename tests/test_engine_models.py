@@ -213,6 +213,16 @@ def test_step_projections_use_the_compiled_gemm(engine_parts):
             assert torch.equal(model.linear(x[:n], w), full[:n])
         with_t = model.linear(x.view(3, 11, -1), w)  # (B, T, C), as in a prefill
         assert torch.equal(with_t.reshape(33, -1), full)
+    if head.dtype == torch.bfloat16:  # an odd K (bfloat16 products go in pairs): the compiled GEMM all the same
+        w = torch.randn(21, 37, generator=g).to(torch.bfloat16)
+        x = torch.randn(33, 37, generator=g)
+        full = model.linear(x, w)
+        assert torch.allclose(full, F.linear(x.to(w.dtype).float(), w.float()), rtol=1e-4, atol=1e-4)
+        key = next(k for k in model._packed_weights if k[0] == w.data_ptr())
+        assert isinstance(model._packed_weights.pop(key), PackedWeight)
+        for n in (1, 4, 17):
+            assert torch.equal(model.linear(x[:n], w), full[:n])
+        model._packed_weights.pop(next(k for k in model._packed_weights if k[0] == w.data_ptr()))
     x = torch.tensor([PROMPTS[0]])
     with torch.no_grad():
         before = dict(model._packed_weights)

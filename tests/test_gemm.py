@@ -32,7 +32,8 @@ pytestmark = [pytest.mark.invariance,
               pytest.mark.skipif(K is None, reason="the compiled kernels are unavailable here (no compiler or not "
                                                    "x86-64 with AVX2)")]
 ISAS = supported_isas()
-SHAPES = [(1, 8, 1), (5, 64, 7), (37, 576, 960), (130, 96, 200), (300, 1536, 50), (9, 2, 49)]
+SHAPES = [(1, 8, 1), (5, 64, 7), (37, 576, 960), (130, 96, 200), (300, 1536, 50), (9, 2, 49),
+          (11, 33, 17), (3, 1, 5)]  # odd K: a bfloat16 weight packed with a zero column (pairs)
 
 
 def run(kern, x, w, bias=None, out=torch.float32, threads=2):
@@ -399,7 +400,7 @@ def test_emulated_amx_kernel_gives_the_chains_bits():
     assert amx["swapped"].amx_emulated
     g = torch.Generator().manual_seed(11)
     for i, (M, K_, N_) in enumerate([(1, 2, 1), (16, 32, 16), (17, 34, 33), (33, 64, 32), (40, 576, 47),
-                                     (257, 96, 70), (5, 1000, 3), (70, 520, 33)]):
+                                     (257, 96, 70), (5, 1000, 3), (70, 520, 33), (9, 577, 20)]):
         for kind in A._AMX_KINDS:
             x, w = A._amx_operands(kind, M, K_, N_, g)
             b = torch.randn(N_, generator=g)

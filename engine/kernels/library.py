@@ -52,6 +52,7 @@ class PackedWeight:
     dtype: torch.dtype
     bias: torch.Tensor | None
     amx_order: str | None = None  # packed in gemm_amx.cpp's B tiles with this pair order
+    k_in: int | None = None  # the caller's K when it is odd in bfloat16: packed as k = k_in + 1, a zero column added
 
     @property
     def nbytes(self) -> int:
@@ -141,27 +142,30 @@ class NativeKernels:
         self._race_candidates.restype = None
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
-        """gemm.cpp's packed form of weight (N, K) float32 or bfloat16 (K even for bfloat16;
-        rows may be strided, the last dim contiguous) and its bias (N,) or None. Raises
-        ValueError for another dtype or an odd K in bfloat16."""
+        """gemm.cpp's packed form of weight (N, K) float32 or bfloat16 (rows may be strided,
+        the last dim contiguous) and its bias (N,) or None. The bfloat16 kernels take K in
+        pairs: an odd K is packed with a zero column added (K + 1) and `gemm` adds one to x,
+        so the last pair is one real product and 0 x 0 (an exact +0), the same sequence on
+        every build. Raises ValueError for another dtype or shape."""
         if weight.dtype not in _GEMM_DTYPES or weight.dim() != 2:
             raise ValueError(f"gemm: weight must be a 2-d float32 or bfloat16 tensor, got {weight.dtype} "
                              f"{tuple(weight.shape)}")
-        n, k = weight.shape
-        if weight.dtype == torch.bfloat16 and k % 2:
-            raise ValueError(f"gemm: a bfloat16 weight needs an even K, got {k}")
         w = weight.detach()
+        k_in = None
+        if w.dtype == torch.bfloat16 and w.shape[1] % 2:
+            k_in, w = w.shape[1], torch.nn.functional.pad(w, (0, 1))
+        n, k = w.shape
         if w.stride(1) != 1:
             w = w.contiguous()
         b = None if bias is None else bias.detach().to(torch.float32).contiguous()
         if w.dtype == torch.bfloat16 and self.amx_order is not None:
             data = torch.empty(self._amx_packed_bytes(n, k), dtype=torch.uint8)
             self._amx_pack(w.data_ptr(), w.stride(0), n, k, int(self.amx_order == "swapped"), data.data_ptr())
-            return PackedWeight(data, n, k, w.dtype, b, self.amx_order)
+            return PackedWeight(data, n, k, w.dtype, b, self.amx_order, k_in)
         code = _GEMM_DTYPES[w.dtype]
         data = torch.empty(self._packed_bytes(n, k, code), dtype=torch.uint8)
         self._pack(w.data_ptr(), w.stride(0), n, k, code, data.data_ptr())
-        return PackedWeight(data, n, k, w.dtype, b)
+        return PackedWeight(data, n, k, w.dtype, b, None, k_in)
 
     def gemm(self, x: torch.Tensor, w: PackedWeight, out_dtype: torch.dtype, threads: int,
              out: torch.Tensor | None = None) -> torch.Tensor:
@@ -176,6 +180,8 @@ class NativeKernels:
         logits: a fresh 25 MB tensor each step costs its pages' first-touch faults); ValueError
         if it is not one."""
         M = x.shape[0]
+        if w.k_in is not None and x.shape[1] == w.k_in:  # an odd K in bfloat16: the weight's zero column's
+            x = torch.nn.functional.pad(x, (0, 1))
         if out is None:
             y = torch.empty(M, w.n, dtype=out_dtype)
         elif out.shape != (M, w.n) or out.dtype != out_dtype or not out.is_contiguous() or out.device.type != "cpu":

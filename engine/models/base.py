@@ -266,8 +266,7 @@ class CausalLM(nn.Module):
             return cache[key]
         packed = None
         kernels = native_kernels()
-        if kernels is not None and weight.dtype in (torch.float32, torch.bfloat16) and (
-                weight.dtype == torch.float32 or weight.shape[1] % 2 == 0):
+        if kernels is not None and weight.dtype in (torch.float32, torch.bfloat16):
             packed = kernels.pack(weight, bias)
         elif weight.dtype == torch.float32:
             try:
