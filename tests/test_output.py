@@ -3,12 +3,14 @@ status and verify catching each kind of corruption."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
@@ -192,6 +194,77 @@ def test_first_commit_wins(tmp_path, monkeypatch):
     assert pq.read_table(path).column("x").to_pylist() == [1]
     assert pq.read_table(Path(od.path) / part_name(1)).column("x").to_pylist() == [4]
     assert od.temp_files() == []
+
+
+def test_without_hard_links_a_racing_second_copy_cannot_replace_a_committed_part(tmp_path, monkeypatch, caplog):
+    """Where the filesystem has no hard links (link fails with EPERM, as on vfat), two copies
+    of unit 0 race: copy B commits at the worst moment for copy A, just before A's part gets
+    its name. Exactly one commit wins and its part stays (before the fix: A checked that the
+    part was absent, B committed, A's rename replaced B's part, and both reported a commit).
+    No warning: this filesystem refuses to replace in the rename itself (RENAME_NOREPLACE)."""
+    import errno
+
+    from jobs.outputs import commit
+
+    final = str(tmp_path / part_name(0))
+    results = []
+
+    def copy_b():
+        results.append(("B", commit.commit_file(pafs.LocalFileSystem(), final, b"B" * 16, ".tmp-part-000000")))
+
+    def no_links(*a):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    real_exists, real_rename = os.path.exists, getattr(commit, "_rename_noreplace", None)
+    staged = []
+
+    def exists_then_b(path):  # the check of a check-then-rename, then B lands
+        seen = real_exists(path)
+        if path == final and not staged:
+            staged.append(1)
+            copy_b()
+        return seen
+
+    def b_then_rename(src, dst):  # B lands just before A's rename
+        if dst == final and not staged:
+            staged.append(1)
+            copy_b()
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(commit.os, "link", no_links)
+    monkeypatch.setattr(commit.os.path, "exists", exists_then_b)
+    monkeypatch.setattr(commit, "_rename_noreplace", b_then_rename, raising=False)
+    with caplog.at_level(logging.WARNING):
+        results.append(("A", commit.commit_file(pafs.LocalFileSystem(), final, b"A" * 16, ".tmp-part-000000")))
+    assert staged, "copy B never ran"
+    assert results == [("B", True), ("A", False)], results
+    assert Path(final).read_bytes() == b"B" * 16, "copy A replaced the part copy B had committed"
+    assert os.listdir(tmp_path) == [part_name(0)]
+    assert not [r for r in caplog.records if "RENAME_NOREPLACE" in r.getMessage()]
+
+
+def test_without_hard_links_nor_noreplace_renames_commits_check_then_rename_with_a_warning(tmp_path, monkeypatch,
+                                                                                          caplog):
+    """A filesystem refusing both hard links and RENAME_NOREPLACE (renameat2 fails with
+    EINVAL, as NFS does): a commit checks that the part is absent, then renames, and says
+    once per directory what that leaves open; a committed part is still never written again."""
+    import errno
+
+    from jobs.outputs import commit
+
+    def refuse(*a):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(commit.os, "link", refuse)
+    monkeypatch.setattr(commit, "_rename_noreplace", lambda src, dst: None)
+    fs, final = pafs.LocalFileSystem(), str(tmp_path / part_name(0))
+    with caplog.at_level(logging.WARNING):
+        assert commit.commit_file(fs, final, b"A", ".tmp-part-000000")
+        assert not commit.commit_file(fs, final, b"B", ".tmp-part-000000")
+        assert commit.commit_file(fs, str(tmp_path / part_name(1)), b"C", ".tmp-part-000001")
+    warnings = [r.getMessage() for r in caplog.records if "RENAME_NOREPLACE" in r.getMessage()]
+    assert len(warnings) == 1 and str(tmp_path) in warnings[0], warnings
+    assert Path(final).read_bytes() == b"A" and sorted(os.listdir(tmp_path)) == [part_name(0), part_name(1)]
 
 
 def test_status_and_verify_clean(tmp_path):

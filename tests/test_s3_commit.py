@@ -5,7 +5,8 @@ Between the server and batchgen sits a small HTTP proxy that forwards every requ
 stages the race a check-then-write commit loses: when copy B's PUT of part-000000.parquet
 reaches it, it first lets copy A commit the same part (through the proxy, as any client),
 then forwards B's PUT. With `strip`, it drops the If-None-Match header on the way, as a store
-that does not implement conditional writes ignores it.
+that does not implement conditional writes ignores it; `fail_puts` answers PUTs 503 SlowDown,
+as a store overloaded or briefly unavailable does.
 """
 from __future__ import annotations
 
@@ -35,11 +36,13 @@ class Proxy:
 
     strip: drop If-None-Match from every request. before_put: {key suffix: callable}, each
     called once, before the first PUT whose path ends with that suffix is forwarded.
-    `puts`: (path, the If-None-Match header as sent upstream) of every forwarded PUT."""
+    fail_puts: {substring: n}: the next n PUTs whose path holds it are answered 503 SlowDown,
+    not forwarded. `puts`: (path, the If-None-Match header as sent upstream) of every forwarded PUT."""
 
     def __init__(self, upstream: str, strip: bool = False):
         self.upstream, self.strip = upstream, strip
         self.before_put: dict[str, object] = {}
+        self.fail_puts: dict[str, int] = {}
         self.puts: list[tuple[str, str | None]] = []
         proxy = self
 
@@ -69,6 +72,16 @@ class Proxy:
                     headers = {k: v for k, v in headers.items() if k.lower() != "if-none-match"}
                 if self.command == "PUT":
                     path = self.path.split("?", 1)[0]
+                    failing = [s for s, n in proxy.fail_puts.items() if s in path and n > 0]
+                    if failing:
+                        proxy.fail_puts[failing[0]] -= 1
+                        error = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                        self.send_response(503, "Slow Down")
+                        self.send_header("Content-Type", "application/xml")
+                        self.send_header("Content-Length", str(len(error)))
+                        self.end_headers()
+                        self.wfile.write(error)
+                        return
                     for suffix in [s for s in proxy.before_put if path.endswith(s)]:
                         proxy.before_put.pop(suffix)()
                     proxy.puts.append((path, next((v for k, v in headers.items() if k.lower() == "if-none-match"),
@@ -225,3 +238,105 @@ def test_a_probe_removed_between_its_puts_by_a_cleaning_driver_is_retried(proxy_
     assert probe_puts == [first, first] + [f"{commit.PROBE_PREFIX}if-none-match-{'b' * 32}"] * 2
     left = [i.path for i in fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))]
     assert left == [], left
+
+
+def test_a_probe_the_store_fails_to_answer_learns_nothing(proxy_for, monkeypatch, caplog):
+    """The store answers the conditional-write probe's PUTs 503 SlowDown (throttling, a brief
+    outage) past botocore's retries: a failed request says nothing about If-None-Match. The
+    driver's check stops it with exit 2 naming the store and the error, with no warning that
+    the store ignores the header, and nothing is cached: once the store answers, the next
+    check learns that it honours the header, and commits stay conditional (before the fix:
+    the 503 was taken for a refusal, cached for the process, and every commit checked, then
+    wrote, so a racing second copy replaced a committed part)."""
+    from jobs.errors import OutputError
+    from jobs.outputs.output_dir import OutputDir
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries, which the 503s outlast here
+    proxy, out = proxy_for(strip=False, name="probe-503")
+    proxy.fail_puts["if-none-match"] = 2
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(OutputError, match=r"could not learn whether it honours If-None-Match .*first PUT of the "
+                                              r"probe object .*SlowDown") as e:
+            OutputDir(out).ensure_writable()
+        assert e.value.exit_code == 2 and "127.0.0.1" in str(e.value) and "bkt" in str(e.value)
+        proxy.fail_puts.clear()  # the store answers again
+        OutputDir(out).ensure_writable()
+    assert not [r for r in caplog.records if "does not honour" in r.getMessage()], caplog.records
+    proxy.before_put["/part-000000.parquet"] = lambda: write_part(out, 0, _table("A"))
+    write_part(out, 0, _table("B"))
+    assert _read_part(out) == ["A"] * 3, "copy B replaced the part copy A had committed"
+    assert [h for p, h in proxy.puts if p.endswith("/part-000000.parquet")] == ["*", "*"]
+
+
+def _stale_holder_and_watchers(out: str, *names: str):
+    """Driver A holding the lease of `out` as seen from another machine (its record is
+    watched), and drivers watching it on injected clocks that take it over once the record
+    has stayed unchanged for the lease time, without sleeping (tests/test_lease.py)."""
+    from test_lease import Clock
+
+    from jobs.outputs.lease import OutputLease
+    from jobs.outputs.output_dir import OutputDir
+
+    od = OutputDir(out)
+    od.ensure_writable()
+    a = OutputLease(od, "a" * 64, 5)
+    a.record["boot_id"] = "another-machine"
+    a.acquire()
+    others = []
+    for name in names:
+        lease, clock = OutputLease(od, name * 64, 5), Clock()
+        lease.clock, lease.wait = clock.now, clock.wait
+        others.append(lease)
+    return od, a, others
+
+
+def test_a_heartbeat_delayed_past_a_takeover_on_s3_cannot_undo_it(proxy_for):
+    """Driver A's heartbeat reads its lease, then stalls (a hung connection) for longer than
+    the lease time; driver B, watching the unchanged record, takes the lease over. A's write
+    then lands: on a store with conditional writes it is refused (If-Match on A's last
+    record), so A stops and B keeps the lease (before the fix: A's write replaced B's record,
+    A went on and B, the new holder, stopped at its next heartbeat). Likewise A's release,
+    reading its record just before B took over, leaves B's lease alone."""
+    proxy, out = proxy_for(strip=False, name="lease-beat")
+    od, a, (b,) = _stale_holder_and_watchers(out, "b")
+    real_read = a.read
+
+    def read_then_b_takes_over():
+        seen = real_read()
+        b.acquire()
+        return seen
+
+    a.read = read_then_b_takes_over
+    assert not a.beat(), "A's late heartbeat replaced the lease B took over"
+    assert b.took_over and b.read()["token"] == b.token
+    assert b.beat() and b.lost is None
+    with pytest.raises(Exception, match="taken over by pid"):
+        a.check()
+    b.release()
+
+    od, a, (b,) = _stale_holder_and_watchers(out, "b")
+    a.read = lambda: (real_read.__func__(a), b.acquire())[0]
+    a.release()
+    assert b.took_over and b.read() is not None and b.read()["token"] == b.token, "A's release removed B's lease"
+    assert b.beat()
+    b.release()
+    assert od.read_text("_batchgen/lease.json") is None
+
+
+def test_two_drivers_taking_a_stale_lease_over_on_s3_at_once(proxy_for):
+    """Drivers B and C both watch a stale lease and take it over at the same moment: C's
+    PUT lands just before B's. On a store with conditional writes only the first replaces the
+    stale record (If-Match on its ETag): B is refused (exit 2, naming C) and C holds the lease
+    (before the fix: B's PUT replaced C's record and both drivers went on running the job)."""
+    from jobs.errors import OutputError
+
+    proxy, out = proxy_for(strip=False, name="lease-takeover")
+    od, a, (b, c) = _stale_holder_and_watchers(out, "b", "c")
+    proxy.before_put["/_batchgen/lease.json"] = c.acquire
+    with pytest.raises(OutputError, match=r"in use by another batchgen driver: .*\(job cccccccccccc.*at the same "
+                                          r"time") as e:
+        b.acquire()
+    assert e.value.exit_code == 2
+    assert c.took_over and od.read_text("_batchgen/lease.json") and c.read()["token"] == c.token
+    assert c.beat()
+    c.release()

@@ -4,7 +4,11 @@ Commits (`commit_file`, `write_part`): a reader sees a file whole or not at all,
 first copy to commit wins (a unit may run twice: retries, deadlines):
 - local filesystem: written to a temporary name in the same directory, then hard-linked to
   the final name, which fails if it exists (then the temporary file is dropped); where
-  hard links are not supported, renamed unless the final file exists;
+  hard links are not supported (vfat, exFAT, many FUSE filesystems), renamed with Linux's
+  renameat2(RENAME_NOREPLACE), which fails likewise if it exists. Only where neither works
+  (a filesystem refusing both, a system without renameat2) is it renamed after checking that
+  the final file is absent, with a warning once per process and directory: two copies
+  finishing within the same moment may then both rename, the later replacing the earlier;
 - S3 (AWS S3, MinIO and other stores that implement conditional writes): the whole file is
   serialised in memory, then written with one PUT of the final object carrying
   `If-None-Match: *`: the store makes it visible whole or not at all, and refuses it (412)
@@ -12,7 +16,9 @@ first copy to commit wins (a unit may run twice: retries, deadlines):
   S3FileSystem cannot send that header: this one request goes through botocore, with the
   endpoint, region, credentials and addressing of the pyarrow filesystem
   (`conditional_writes`). Whether a store honours the header is learnt once per process and
-  store, from a probe object written twice next to the file and removed;
+  store, from a probe object written twice next to the file and removed (a probe whose
+  requests fail, the store unreachable or answering 5xx, learns nothing: that commit fails,
+  and the next one asks again);
 - a store that ignores or refuses the header, other object stores (gs://, hdfs://), and S3
   where botocore is missing or the filesystem assumes a role (role_arn): one PUT, skipped if
   the object exists, with a warning once per process and store: two copies finishing within
@@ -29,6 +35,7 @@ found on resume and its unit run again: OutputDir.committed_units(remove_damaged
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import logging
@@ -113,6 +120,59 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+_RENAME_NOREPLACE = 1  # linux/fs.h
+_AT_FDCWD = -100
+# renameat2 refused for this filesystem (or not in this C library): the caller checks, then renames
+_NO_RENAME2 = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP}
+# link refused because the filesystem has no hard links (not a failed write): commit by renaming
+_NO_LINKS = {errno.EPERM, errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV, errno.EMLINK}
+_UNCHECKED_DIRS: set[str] = set()  # directories warned about: renamed after a check (see commit_file)
+
+
+def _renameat2() -> Any:
+    """libc's renameat2 (glibc >= 2.28, musl >= 1.2.2), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _rename_noreplace(src: str, dst: str) -> bool | None:
+    """Rename `src` to `dst` unless `dst` exists, in one step (RENAME_NOREPLACE: the kernel
+    checks and renames under the directory's lock): True if renamed, False if `dst` exists,
+    None where this system or filesystem cannot. Raises OSError for other failures."""
+    fn = _renameat2()
+    if fn is None:
+        return None
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EEXIST:
+        return False
+    if err in _NO_RENAME2:
+        return None
+    raise OSError(err, os.strerror(err), src, None, dst)
+
+
+def _rename_unless_exists(tmp: str, final: str, parent: str) -> bool:
+    """The commit where `final`'s filesystem has no hard links (see the module docstring)."""
+    renamed = _rename_noreplace(tmp, final)
+    if renamed is not None:
+        return renamed
+    if parent not in _UNCHECKED_DIRS:
+        _UNCHECKED_DIRS.add(parent)
+        log.warning("%s: this filesystem supports neither hard links nor renames that refuse to replace a file "
+                    "(RENAME_NOREPLACE): commits there check whether the file exists, then rename, so two copies of "
+                    "a unit finishing in the same moment may both commit it, the later replacing the earlier", parent)
+    if os.path.exists(final):
+        return False
+    os.replace(tmp, final)
+    return True
+
+
 def commit_file(fs: pafs.FileSystem, final: str, data: pa.Buffer | bytes, tmp_prefix: str) -> bool:
     """Make `final` hold `data` unless it exists already (first commit wins); returns whether
     this call committed it. See the module docstring for how, per filesystem; a local
@@ -135,10 +195,10 @@ def commit_file(fs: pafs.FileSystem, final: str, data: pa.Buffer | bytes, tmp_pr
             committed = True
         except FileExistsError:
             committed = False
-        except OSError:  # no hard links here (some network filesystems): rename, unless it exists
-            committed = not os.path.exists(final)
-            if committed:
-                os.replace(tmp, final)
+        except OSError as e:
+            if e.errno not in _NO_LINKS:
+                raise
+            committed = _rename_unless_exists(tmp, final, parent)  # no hard links here (vfat, FUSE)
         if committed:
             _fsync_dir(parent)
         return committed
@@ -269,9 +329,18 @@ def _put_if_absent(client: Any, final: str, data: pa.Buffer | bytes) -> bool:
 SECOND_PUT_SUCCEEDED = "a second conditional PUT of the same new object succeeded"
 
 
+def _refusal(status: int) -> bool:
+    """Whether an error answer to a conditional PUT is the store refusing it, as it would
+    again (a client error: 400 InvalidArgument, 501 NotImplemented, ...), rather than the
+    request failing this time (no answer, a server error, throttling, a timeout, a conflict)."""
+    return status == 501 or (400 <= status < 500 and status not in (408, 409, 429))
+
+
 def _probe(client: Any, final: str) -> str | None:
     """None if the store honours If-None-Match on PUT, else why not: writes a probe object
-    next to `final` twice, conditionally (the second must be refused), then removes it."""
+    next to `final` twice, conditionally (the second must be refused), then removes it.
+    Raises OSError when the store did not answer the question (see _refusal): nothing is
+    learnt from a failed request."""
     bucket, key = final.split("/", 1)
     probe = f"{key.rsplit('/', 1)[0] + '/' if '/' in key else ''}{PROBE_PREFIX}if-none-match-{uuid.uuid4().hex}"
     try:
@@ -282,6 +351,8 @@ def _probe(client: Any, final: str) -> str | None:
                 code, status = _error_code(e)
                 if attempt == "second" and (code == "PreconditionFailed" or status == 412):
                     return None
+                if not _refusal(status):
+                    raise OSError(f"the {attempt} PUT of the probe object s3://{bucket}/{probe} failed: {e}") from e
                 return f"a conditional PUT was refused: {code or type(e).__name__} {status or ''}".rstrip()
         return SECOND_PUT_SUCCEEDED
     finally:
@@ -295,7 +366,8 @@ def conditional_writes(fs: pafs.FileSystem, final: str) -> Any:
     """The botocore client that commits `final` (a path in `fs`, an object store) with
     If-None-Match: *, or None where commits check then write (see the module docstring).
     Learnt once per process and store (endpoint, options and bucket); a store without it is
-    warned about once, naming it."""
+    warned about once, naming it. Raises OSError, learning nothing, when the probe's requests
+    fail (the store unreachable, 5xx, throttling): the next call asks again."""
     bucket = final.split("/", 1)[0]
     s3_type = getattr(pafs, "S3FileSystem", None)  # absent from a pyarrow built without S3
     is_s3 = s3_type is not None and isinstance(fs, s3_type)
@@ -328,8 +400,9 @@ def conditional_writes(fs: pafs.FileSystem, final: str) -> Any:
                         # (OutputDir.cleanup_temp_files) may have removed the probe between the
                         # PUTs; a store that ignores the header lets the second PUT through again
                         why = _probe(client, final)
-                except Exception as e:  # noqa: BLE001 - the store could not be asked: as if it refused
-                    why = f"the probe failed: {e}"
+                except Exception as e:  # noqa: BLE001 - not answered: nothing learnt, asked again next time
+                    raise OSError(f"{name}, bucket {bucket}: could not learn whether it honours If-None-Match "
+                                  f"(conditional writes): {e}") from e
                 if why is not None:
                     client = None
         if why is not None:

@@ -35,9 +35,16 @@ runner then stops its workers and commits nothing more. A driver that finds its 
 over (its heartbeats had stopped reaching the store, e.g. a suspended laptop) stops likewise.
 
 Creating a lease is exclusive where commits are (jobs/outputs/commit.py: a hard link that
-fails if the file exists locally, a conditional PUT on S3 stores that honour it); taking a
-stale lease over replaces it, and both are read back, so two drivers taking over at once
-both proceed until the first heartbeat, where the loser stops.
+fails if the file exists locally, a conditional PUT on S3 stores that honour it). On those S3
+stores every later write of the record is conditional too, on the ETag of the version it
+replaces (If-Match): taking a stale lease over replaces only the record judged stale (of two
+drivers taking over at once, one is refused), a heartbeat only the holder's own last record
+(one delayed past a takeover is refused, and its driver stops), and release() deletes only
+that record. Elsewhere (local filesystems, stores without conditional writes) taking over
+replaces the record, heartbeats read then rewrite it and release() reads then removes it,
+each read back, so two drivers taking over at once both proceed until the first heartbeat,
+where the loser stops, and a holder's write stalled for the lease time (a hung mount) can
+still land after a takeover and stop the new holder.
 """
 from __future__ import annotations
 
@@ -52,7 +59,7 @@ import uuid
 
 from jobs import uri
 from jobs.errors import JobFailed, OutputError
-from jobs.outputs.commit import commit_file
+from jobs.outputs.commit import _error_code, _refusal, commit_file, conditional_writes
 from jobs.outputs.layout import LEASE
 from jobs.outputs.output_dir import OutputDir
 
@@ -167,6 +174,7 @@ class OutputLease:
         self.lost: str | None = None
         self._last_ok: float | None = None  # clock() when the last heartbeat that reached the store began
         self._failure: str | None = None  # the last heartbeat's error, while they fail
+        self._etag: str | None = None  # S3 with conditional writes: the ETag of our record as last written
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -176,6 +184,46 @@ class OutputLease:
         """The current lease, None if there is none; an unreadable one counts as a foreign
         lease (watched: it goes stale unless it changes)."""
         return _parse(self.out.read_text(LEASE))
+
+    def _client(self) -> Any:
+        """The botocore client writing the lease conditionally (If-Match), or None: a local
+        filesystem, or a store without conditional writes (see the module docstring)."""
+        if uri.is_local(self.out.fs):
+            return None
+        return conditional_writes(self.out.fs, self.out.fs_path(LEASE))
+
+    def _get(self, client: Any) -> tuple[str | None, str | None]:
+        """(the lease's text, its ETag) through `client`; (None, None) if there is none."""
+        bucket, key = self.out.fs_path(LEASE).split("/", 1)
+        try:
+            got = client.get_object(Bucket=bucket, Key=key)
+        except Exception as e:  # noqa: BLE001 - botocore's errors
+            if _error_code(e)[1] == 404:
+                return None, None
+            raise OSError(f"cannot read s3://{bucket}/{key}: {e}") from e
+        return got["Body"].read().decode("utf-8").strip() or None, got.get("ETag")
+
+    def _put_if_match(self, client: Any, text: str | None, etag: str) -> str | None:
+        """Replace (text) or delete (None) the lease only if its ETag is still `etag`: the
+        new ETag ("" for a delete), or None if the lease changed (412, or gone: 404). A store
+        that refuses the header (a client error other than those) gets the plain request."""
+        bucket, key = self.out.fs_path(LEASE).split("/", 1)
+        try:
+            if text is None:
+                client.delete_object(Bucket=bucket, Key=key, IfMatch=etag)
+                return ""
+            return client.put_object(Bucket=bucket, Key=key, Body=text.encode(), IfMatch=etag).get("ETag") or ""
+        except Exception as e:  # noqa: BLE001 - botocore's errors, mapped below
+            code, status = _error_code(e)
+            if code in ("PreconditionFailed", "NoSuchKey") or status in (404, 412):
+                return None
+            if not _refusal(status):
+                raise OSError(f"conditional write of s3://{bucket}/{key} failed: {e}") from e
+        log.warning("the store refuses If-Match on s3://%s/%s: writing the output lease without it", bucket, key)
+        if text is None:
+            client.delete_object(Bucket=bucket, Key=key)
+            return ""
+        return client.put_object(Bucket=bucket, Key=key, Body=text.encode()).get("ETag") or ""
 
     def lease_time(self, lease: dict[str, Any]) -> float:
         """How long `lease`'s record must stay unchanged before it is stale: the larger of
@@ -234,11 +282,12 @@ class OutputLease:
             f"machine is gone is taken over at once")
 
     def acquire(self) -> None:
-        text = self.out.read_text(LEASE)
+        client = self._client()
+        text, etag = self._get(client) if client is not None else (self.out.read_text(LEASE), None)
         while True:
             current = _parse(text)
             if current is None:
-                self._write_record(create=True)
+                self._write_record(create=True, client=client)
                 return
             if current.get("token") == self.token:
                 return
@@ -249,13 +298,13 @@ class OutputLease:
                 now, why = self._watch(text, current)
                 if why is None:  # the record changed: its holder is alive (or it was released)
                     if now is None:
-                        text = None
+                        text, etag = None, None
                         continue
                     raise self._refuse(_parse(now) or {}, "its heartbeat record changed while this driver "
                                                           "watched it")
             self.took_over = f"{_describe(current)}: {why}"
             log.warning("taking over the output lease of %s", self.took_over)
-            self._write_record(create=False)
+            self._write_record(create=False, client=client, replaces=etag)
             return
 
     def _text(self) -> str:
@@ -263,7 +312,9 @@ class OutputLease:
         self.record["monotonic"] = time.monotonic()  # for readers on this machine (see judge)
         return json.dumps(self.record, indent=1, sort_keys=True)
 
-    def _write_record(self, create: bool) -> None:
+    def _write_record(self, create: bool, client: Any = None, replaces: str | None = None) -> None:
+        """Create the lease, or (create False) replace the stale record, through `client`
+        only if it is still the version `replaces` (its ETag); then read it back."""
         started = self.clock()
         text = self._text()
         if create:
@@ -271,12 +322,16 @@ class OutputLease:
             self.out.fs.create_dir(final.rsplit("/", 1)[0], recursive=True)
             if not commit_file(self.out.fs, final, text.encode(), ".tmp-lease"):
                 raise self._refuse(self.read() or {}, "it took the lease at the same time")
+        elif client is not None and replaces is not None:
+            if self._put_if_match(client, text, replaces) is None:
+                raise self._refuse(self.read() or {}, "it took the lease over at the same time")
         else:
             self.out.write_text(LEASE, text)
-        mine = self.read()
+        now, etag = self._get(client) if client is not None else (self.out.read_text(LEASE), None)
+        mine = _parse(now)
         if mine is None or mine.get("token") != self.token:
             raise self._refuse(mine or {}, "it took the lease at the same time")
-        self._last_ok = started
+        self._etag, self._last_ok = etag, started
 
     def start(self) -> None:
         """Heartbeats every interval_s from a daemon thread until release() (a failed one is
@@ -308,7 +363,16 @@ class OutputLease:
                 log.error("%s; this driver stops", self.lost)
                 return False
             self.record["beat"] = int(self.record.get("beat") or 0) + 1
-            self.out.write_text(LEASE, self._text())
+            if self._etag is not None:  # only over our own last record (a takeover since is kept)
+                etag = self._put_if_match(self._client(), self._text(), self._etag)
+                if etag is None:
+                    with self._lock:
+                        self.lost = f"the output lease was taken over by {_describe(self.read() or {})}"
+                    log.error("%s; this driver stops", self.lost)
+                    return False
+                self._etag = etag
+            else:
+                self.out.write_text(LEASE, self._text())
         except Exception as e:  # noqa: BLE001 - retried; check() gives the lease up in time
             self._failure = f"{type(e).__name__}: {e}"
             log.warning("output lease heartbeat failed (retried; the job stops if none succeeds for %gs): %s",
@@ -343,6 +407,9 @@ class OutputLease:
         try:
             current = self.read()
             if current is not None and current.get("token") == self.token:
-                self.out.delete(LEASE)
+                if self._etag is not None:  # only our own record: not one that took it over since
+                    self._put_if_match(self._client(), None, self._etag)
+                else:
+                    self.out.delete(LEASE)
         except Exception as e:  # noqa: BLE001 - best effort: a stale lease is taken over later
             log.warning("could not remove the output lease: %s", e)

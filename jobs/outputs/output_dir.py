@@ -245,7 +245,8 @@ class OutputDir(OutputChecks):
     def ensure_writable(self) -> None:
         """Create the directory and check that it takes a file (writes and removes a probe);
         on an object store, learn whether it takes conditional writes (a warning if not:
-        jobs/outputs/commit.py). Raises OutputError (exit code 2) naming the path and the reason."""
+        jobs/outputs/commit.py). Raises OutputError (exit code 2) naming the path and the reason,
+        also when the store fails to answer that probe."""
         shown = uri.redact(self.path)
         self.check_can_be_directory()  # the reason in words, before create_dir's errno
         try:
@@ -265,7 +266,10 @@ class OutputDir(OutputChecks):
         except (OSError, pa.ArrowException) as e:
             raise OutputError(f"output.path {shown}: directory is not writable: {e}") from None
         if not uri.is_local(self.fs):
-            conditional_writes(self.fs, self._p(probe))
+            try:
+                conditional_writes(self.fs, self._p(probe))
+            except OSError as e:  # the store failed to answer (commits would ask again)
+                raise OutputError(f"output.path {shown}: {e}") from None
 
     def prepare(self, plan: Any, spec: Any, overwrite: bool = False) -> str:
         """Make the directory ready for `plan`; returns "new", "resume" or "overwrite".
