@@ -7,6 +7,7 @@ Qwen2, Qwen3, Mistral, GPT-2), nanochat's fixtures (tests/fixtures/nanochat), GG
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -227,6 +228,23 @@ def test_bad_options_are_named_and_write_nothing(hf_checkpoint, tmp_path):
     with pytest.raises(ExportError, match="not an empty directory"):
         export(src, tmp_path / "full", log=lambda *_: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full"]
+
+
+def test_a_missing_export_extra_is_named_before_any_work(hf_checkpoint, tmp_path, monkeypatch, capsys):
+    """Without the `export` extra (a `make demo` install: no onnx, onnxscript, onnxruntime),
+    `batchgen export` exits 2 naming the missing packages and the install command (it ended in
+    torch.onnx's traceback, exit 1); pt2 needs none of them."""
+    from jobs.cli import main
+
+    for name in ("onnx", "onnxscript", "onnxruntime"):
+        monkeypatch.setitem(sys.modules, name, None)  # importlib.util.find_spec: None, as if absent
+    src = hf_checkpoint("qwen2")
+    assert main(["export", str(src), "--out", str(tmp_path / "out"), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert "needs onnx, onnxscript, onnxruntime, not installed" in err and "pip install -e '.[export]'" in err
+    with pytest.raises(ExportError, match="needs onnx, onnxscript, not installed"):
+        export(src, tmp_path / "out", log=lambda *_: None)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_model_without_kv_forward_is_refused(tmp_path):

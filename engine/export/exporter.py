@@ -10,6 +10,7 @@ failed export (bad input, failed verification) leaves no partial directory.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -75,6 +76,13 @@ def check_options(out: Path, format: str, dtype: str, static_max_len: int | None
         raise ExportError("--format pt2 is the static-shape variant: give --static-max-len N")
     if format == "pt2" and dtype != "float32":
         raise ExportError("--format pt2: only --dtype float32 (the CPU AOTInductor build)")
+    # torch.onnx.export (the dynamo exporter) needs onnx and onnxscript, verifying onnxruntime:
+    # pyproject.toml's `export` extra, which `make demo` does not install
+    needed = ("onnx", "onnxscript") + (("onnxruntime",) if verify else ()) if format == "onnx" else ()
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ExportError(f"--format onnx{' --verify' if verify else ''} needs {', '.join(missing)}, not installed: "
+                          f"pip install -e '.[export]' (or pip install {' '.join(missing)})")
     if verify and max_tokens is not None and max_tokens < 1:
         raise ExportError(f"--max-tokens {max_tokens}: must be at least 1")
     if static_max_len is not None:
