@@ -18,13 +18,19 @@ worker import the submitted code. Consequences:
 - relative paths in the config resolve inside the shipped directory on the head node, so
   input.path / output.path should be absolute paths on storage every node shares, or URIs
   (s3://..., gs://...); cluster.address is forced to "auto" (the submitting cluster).
+- batchgen installed without its project (`pip install .`, not `pip install -e .`: no
+  pyproject.toml beside the packages, which lie in site-packages): its packages engine/,
+  cluster/, jobs/ are shipped as the runtime_env's py_modules and the config file alone as the
+  working_dir, from wherever it lies.
 """
 from __future__ import annotations
 
 import os
 import re
 import shlex
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -32,14 +38,21 @@ from typing import Any, Sequence
 from jobs.errors import JobError, SpecError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "cluster", "jobs")  # what an install of batchgen holds (pyproject.toml's packages)
 EXCLUDES = [".git", ".venv", "venv", "out", "**/__pycache__", ".pytest_cache", "bench", "*.egg-info"]
 RAY_DEFAULT_EXCLUDES = [".git", ".venv", "venv", "__pycache__"]  # Ray 2.60's, where Ray does not say
 URI_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\",\]}]*")
 
 
+def literal_pattern(rel: str) -> str:
+    """The gitwildmatch pattern (Ray `excludes`) for exactly the path `rel` under the working_dir:
+    anchored at it, glob characters escaped ("data[1]" -> "/data\\[1\\]", not "data1" at any depth)."""
+    return "/" + re.sub(r"([\\\[\]*?])", r"\\\1", rel.strip("/"))
+
+
 def git_ignored(root: Path) -> list[str]:
-    """What git ignores in the checkout at `root`, as Ray `excludes` patterns anchored at the
-    working_dir ("/.dev", "/data/big.bin"): Ray leaves out what `.gitignore` files name, but
+    """What git ignores in the checkout at `root`, as Ray `excludes` patterns for exactly those
+    paths (literal_pattern: "/.dev", "/data/big.bin"): Ray leaves out what `.gitignore` files name, but
     not `.git/info/exclude` or the user's global excludes, and the job server refuses a
     working_dir over 100 MB (a model or dataset kept beside the code used to make `submit`
     fail with "Maximum request body size exceeded"). [] when `root` is not a git checkout,
@@ -52,7 +65,7 @@ def git_ignored(root: Path) -> list[str]:
                                  "--exclude-standard", "--directory"], capture_output=True, timeout=60, check=True)
     except (OSError, subprocess.SubprocessError):
         return []
-    return ["/" + p.rstrip("/") for p in listed.stdout.decode(errors="surrogateescape").split("\0") if p]
+    return [literal_pattern(p) for p in listed.stdout.decode(errors="surrogateescape").split("\0") if p]
 
 
 def build_entrypoint(config_rel: str, overrides: Sequence[str], overwrite: bool) -> str:
@@ -143,15 +156,22 @@ def submit_job(config_path: str, address: str, overrides: Sequence[str] = (), ov
                *, client: Any = None) -> int:
     """Validate the config, submit it, print the job id and how to follow it; returns 0.
 
-    Raises SpecError (exit code 2) for an invalid config, or one outside the project directory
-    or in a part of it that is not uploaded (why_not_uploaded).
+    Raises SpecError (exit code 2) for an invalid config, or, from a project checkout, one outside
+    the project directory or in a part of it that is not uploaded (why_not_uploaded).
     `client`: a JobSubmissionClient-like object (tests); default JobSubmissionClient(address).
     """
-    from jobs import uri
     from jobs.config import load_spec
 
     spec = load_spec(config_path, overrides)  # exit 2 before contacting the cluster
     cfg = Path(config_path).resolve()
+    out = spec.output.path
+    if not (PROJECT_ROOT / "pyproject.toml").is_file():
+        # installed (`pip install .`): PROJECT_ROOT is site-packages, not a project to upload
+        with tempfile.TemporaryDirectory(prefix="batchgen-submit-") as shipped:
+            shutil.copyfile(cfg, Path(shipped) / cfg.name)
+            runtime_env = {"working_dir": shipped, "py_modules": [str(PROJECT_ROOT / p) for p in PACKAGES],
+                           "excludes": ["**/__pycache__"]}
+            return _submit(address, cfg.name, overrides, overwrite, runtime_env, str(out), client)
     try:
         config_rel = cfg.relative_to(PROJECT_ROOT).as_posix()
     except ValueError:
@@ -159,12 +179,11 @@ def submit_job(config_path: str, address: str, overrides: Sequence[str] = (), ov
                         f"the config must be inside it; copy it there (e.g. to configs/)") from None
     # never what holds the config: the job runs it on the head node
     excludes = list(EXCLUDES) + [p for p in git_ignored(PROJECT_ROOT)
-                                 if not ("/" + config_rel + "/").startswith(p + "/")]
-    out = spec.output.path
+                                 if not (literal_pattern(config_rel) + "/").startswith(p + "/")]
     output_rel = None
     if "://" not in out:
         try:  # never upload a previous run's output
-            output_rel = Path(os.path.abspath(out)).relative_to(PROJECT_ROOT).as_posix()
+            output_rel = literal_pattern(Path(os.path.abspath(out)).relative_to(PROJECT_ROOT).as_posix())
             excludes.append(output_rel)
         except ValueError:
             pass
@@ -174,16 +193,24 @@ def submit_job(config_path: str, address: str, overrides: Sequence[str] = (), ov
     if why is not None:
         raise SpecError(f"{config_path}: `submit` would not upload this config to the cluster with the project "
                         f"(the job would fail there): {why}; move it to a folder that is uploaded, e.g. configs/")
+    return _submit(address, config_rel, overrides, overwrite, {"working_dir": str(PROJECT_ROOT), "excludes": excludes},
+                   str(out), client)
+
+
+def _submit(address: str, config_rel: str, overrides: Sequence[str], overwrite: bool, runtime_env: dict[str, Any],
+            out: str, client: Any) -> int:
+    """Submit `python -m jobs.cli run config_rel` with `runtime_env`; print the job id and how to follow it."""
+    from jobs import uri
+
     entrypoint = build_entrypoint(config_rel, overrides, overwrite)
     shown = build_entrypoint(config_rel, [redact_override(o) for o in overrides], overwrite)  # for the record
-    runtime_env = {"working_dir": str(PROJECT_ROOT), "excludes": excludes}
     try:
         if client is None:
             from ray.job_submission import JobSubmissionClient
 
             client = JobSubmissionClient(address)
         job_id = _submit_when_an_agent_is_up(client, entrypoint=entrypoint, runtime_env=runtime_env,
-                                             metadata={"batchgen_config": config_rel, "output": uri.redact(str(out))})
+                                             metadata={"batchgen_config": config_rel, "output": uri.redact(out)})
     except Exception as e:  # noqa: BLE001 - the client's errors have no common base; name the cause
         raise JobError(_explain_client_error(e, address)) from None
     print(f"submitted job {job_id} to {address}")

@@ -4,7 +4,10 @@
     # -> (S3FileSystem(endpoint 127.0.0.1:9000, http), "bucket/run")
 
 - A URI's query string is pyarrow's filesystem options (`endpoint_override`, `scheme`,
-  `region`, ...): it is never part of the path and `?` in a URI is never a glob. Without
+  `region`, ...): it is never part of the path and `?` in a URI is never a glob. As in
+  pyarrow's `FileSystem.from_uri`, a URI's path is percent-decoded: an object key holding
+  `?`, `#` or `%` is written `%3F`, `%23`, `%25` (`s3://bkt/a%3Fb.parquet` is key
+  `a?b.parquet`), and `uri_for` writes them so. Without
   options, S3 credentials, region and endpoint come from the standard AWS environment
   (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION / AWS_DEFAULT_REGION,
   AWS_ENDPOINT_URL), as pyarrow's S3FileSystem reads them.
@@ -18,7 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, unquote, urlencode
 
 import pyarrow.fs as pafs
 
@@ -42,8 +45,10 @@ def with_query(uri: str, query: str) -> str:
 
 
 def join(uri: str, name: str) -> str:
-    """`name` appended to a directory path or URI, before its options."""
+    """`name` appended to a directory path or URI, before its options (percent-encoded in a URI)."""
     base, query = split_query(uri)
+    if is_uri(uri):
+        name = _quote_path(name)
     return with_query(f"{base.rstrip('/')}/{name}" if base else name, query)
 
 
@@ -63,11 +68,17 @@ def filesystem_for(uri: str) -> tuple[pafs.FileSystem, str]:
     if scheme == "file":
         return pafs.LocalFileSystem(), pafs.FileSystem.from_uri(base)[1]
     host, _, key = rest.partition("/")
+    key = unquote(key)  # as pyarrow's from_uri: "a%3Fb" is the key "a?b"
     fs = _cached_fs(with_query(f"{scheme}://{host}", query))
     if scheme in ("hdfs", "viewfs"):  # the host is the name node; paths are absolute
         return fs, "/" + key.rstrip("/")
     bucket = host.rsplit("@", 1)[-1]  # object stores: the host is the bucket
     return fs, f"{bucket}/{key}".rstrip("/") if key else bucket
+
+
+def _quote_path(path: str) -> str:
+    """`path` as a URI's path: "%", "?" and "#" percent-encoded (filesystem_for decodes them)."""
+    return path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
 
 
 def uri_for(template: str, fs_path: str) -> str:
@@ -80,6 +91,7 @@ def uri_for(template: str, fs_path: str) -> str:
         return fs_path
     host = rest.split("/", 1)[0]
     userinfo = host.rsplit("@", 1)[0] + "@" if "@" in host else ""
+    fs_path = _quote_path(fs_path)
     if scheme in ("hdfs", "viewfs"):
         return with_query(f"{scheme}://{host}{fs_path}", query)
     return with_query(f"{scheme}://{userinfo}{fs_path}", query)

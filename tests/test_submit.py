@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,12 +53,15 @@ def head(tmp_path_factory):
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
                PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
     env.pop("RAY_ADDRESS", None)
-    # ephemeral ports: outside the worker port range (10002-19999) that `ray start` reserves
+    # ephemeral ports: outside the worker port range (10002-19999) that `ray start` reserves; the
+    # agents' too, whose fixed defaults another Ray instance on the machine may hold
     gcs_port, dash_port, client_port = free_port(), free_port(), free_port()
+    agents = [a for flag in ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
+                             "--runtime-env-agent-port") for a in (flag, str(free_port()))]
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--port", str(gcs_port), "--num-cpus", "2",
          "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash_port),
-         "--ray-client-server-port", str(client_port), "--disable-usage-stats"],
+         "--ray-client-server-port", str(client_port), "--disable-usage-stats", *agents],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True, cwd=tmp)
     log = []
     for line in proc.stdout:  # `ray start --block` prints "--block" once the head is up
@@ -125,6 +129,38 @@ def test_submit_then_run_on_the_same_cluster(head, tmp_path):
         assert_same_dataset(rows, read_dataset(submitted))
 
 
+def test_submit_from_a_non_editable_install(head, tmp_path):
+    """batchgen installed with `pip install .` (not -e): its packages lie in site-packages, no
+    project around them. `submit` ships them as py_modules and the config alone, which may lie
+    anywhere, and the job runs to a verified dataset. (PROJECT_ROOT was site-packages: every
+    config was refused, "copy it there", and one put there would have had all of site-packages
+    uploaded.)"""
+    from jobs.outputs.output_dir import OutputDir
+
+    env, _, url, _ = head
+    site = tmp_path / "site-packages"  # what the wheel installs: pyproject.toml's packages
+    for p in ("engine", "cluster", "jobs"):
+        shutil.copytree(ROOT / p, site / p, ignore=shutil.ignore_patterns("__pycache__"))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "job.yaml").write_text((ROOT / "configs" / "demo.yaml").read_text())
+    env = {**env, "PYTHONPATH": str(site)}
+    which = subprocess.run([sys.executable, "-c", "import jobs.submit as s; print(s.PROJECT_ROOT)"], cwd=mine, env=env,
+                           text=True, capture_output=True, timeout=60)
+    assert which.stdout.strip() == str(site), which.stdout + which.stderr
+    out = tmp_path / "out"
+
+    r = subprocess.run([sys.executable, "-m", "jobs.cli", "submit", "job.yaml", "--address", url,
+                        "--set", f"output.path={out}", *OVERRIDES], cwd=mine, env=env, text=True, capture_output=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = re.search(r"submitted job (\S+) to ", r.stdout).group(1)
+    logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--follow", job_id, "--address", url], env=env,
+                          text=True, capture_output=True, timeout=300)
+    assert "samples (rows):   128 (0 error rows)" in logs.stdout, logs.stdout[-3000:] + logs.stderr[-3000:]
+    assert OutputDir(str(out)).verify() == []
+
+
 def test_submit_without_the_token_says_how_to_pass_it(head, tmp_path):
     env, _, url, _ = head
     no_token = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH_")}
@@ -164,13 +200,14 @@ class RecordingClient:
 
 @pytest.fixture
 def project(tmp_path, monkeypatch):
-    """A small project directory standing in for batchgen's (jobs.submit.PROJECT_ROOT), not a git
-    checkout; returns (root, put) where put(rel) writes the demo config there."""
+    """A small project directory standing in for batchgen's checkout (jobs.submit.PROJECT_ROOT), not
+    a git repository; returns (root, put) where put(rel) writes the demo config there."""
     import jobs.submit
 
     root = tmp_path / "proj"
     (root / "jobs").mkdir(parents=True)
     (root / "jobs" / "x.py").write_text("")
+    (root / "pyproject.toml").write_text("")  # a project checkout, not an installed package
     monkeypatch.setattr(jobs.submit, "PROJECT_ROOT", root)
     monkeypatch.delenv("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", raising=False)
     monkeypatch.delenv("RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES", raising=False)
@@ -272,3 +309,45 @@ def test_submit_ships_a_config_in_an_uploaded_folder(project, tmp_path, layout):
     client = RecordingClient(tmp_path)
     assert submit_job(str(root / config), "http://h:8265", [], client=client) == 0
     assert config in client.uploaded and "jobs/x.py" in client.uploaded
+
+
+@pytest.mark.parametrize("layout", ["git ignores data[1]", "git ignores a*", "output res[1]", "output data"])
+def test_submit_excludes_exactly_the_paths_it_means(project, tmp_path, layout):
+    """What git ignores and the job's output directory are left out of the upload as those very
+    paths: names with glob characters are escaped and the patterns anchored at the project. (They
+    were patterns as given: "/data[1]" refused a config in data1/, "/a*" dropped abc/ from the
+    upload, an output res[1] with a previous run was uploaded, and output.path ./data dropped
+    jobs/data/, the packaged inputs.)"""
+    from jobs.errors import SpecError
+    from jobs.submit import submit_job
+
+    root, put = project
+    config, output, shipped, left_out = "configs/job.yaml", str(tmp_path / "elsewhere"), [], []
+    if layout.startswith("git"):
+        subprocess.run(["git", "init", "-q", str(root)], check=True)
+        (root / ".git" / "info").mkdir(parents=True, exist_ok=True)
+        ignored = "data[1]/big.bin" if "data" in layout else "a*"
+        (root / ".git" / "info" / "exclude").write_text("/" + re.sub(r"([\[\]*?])", r"\\\1", ignored.split("/")[0]) + "\n")
+        put(ignored, "x")
+        if "data" in layout:
+            config = "data1/job.yaml"
+        else:
+            shipped.append(put("abc/keep.py", "").relative_to(root).as_posix())
+        left_out.append(ignored)
+    elif layout == "output res[1]":
+        output = str(root / "res[1]")
+        left_out.append(put("res[1]/part-000000.parquet", "a previous run").relative_to(root).as_posix())
+    else:
+        output = str(root / "data")
+        shipped.append(put("jobs/data/gsm8k_demo.parquet", "x").relative_to(root).as_posix())
+    put(config)
+    client = RecordingClient(tmp_path)
+    assert submit_job(str(root / config), "http://h:8265", [f"output.path={output}"], client=client) == 0
+    for rel in [config, "jobs/x.py"] + shipped:
+        assert rel in client.uploaded, (rel, sorted(client.uploaded))
+    for rel in left_out:
+        assert rel not in client.uploaded, (rel, sorted(client.uploaded))
+    if layout == "output res[1]":  # and a config in that output directory is refused, as any other's
+        with pytest.raises(SpecError) as e:
+            submit_job(str(put("res[1]/job.yaml")), "http://h:8265", [f"output.path={output}"], client=client)
+        assert "it lies in the job's output directory res[1]/" in str(e.value)
