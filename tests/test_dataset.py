@@ -64,6 +64,18 @@ def test_glob_and_relative_root(tmp_path, monkeypatch):
         discover("data/nothing-*.parquet")
 
 
+def test_a_name_holding_glob_characters_is_that_file_not_a_pattern(tmp_path):
+    """A file whose name holds ? or [ (an S3 key written %3F) is read alone, though the same
+    text as a pattern would match its neighbours too; a pattern naming no file stays one."""
+    for name, text in [("a?b.parquet", "q"), ("axb.parquet", "x"), ("p[1].parquet", "p"), ("p1.parquet", "1")]:
+        write_prompts(str(tmp_path / "d" / name), [text])
+    for name in ("a?b.parquet", "p[1].parquet"):
+        _, found = discover(str(tmp_path / "d" / name))
+        assert [n for _, n, _ in found] == [name]
+    _, found = discover(str(tmp_path / "d" / "a?b*.parquet"))
+    assert [n for _, n, _ in found] == ["a?b.parquet", "axb.parquet"]
+
+
 def test_file_uri(tmp_path):
     f = write_prompts(str(tmp_path / "p.parquet"), ["a", "b"])
     plan = plan_job(spec_for("file://" + f))

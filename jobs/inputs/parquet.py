@@ -218,8 +218,19 @@ def _skip_output(found: list[tuple[str, str, int]], below: str | None, path: str
     return kept
 
 
+def _exists(fs: pafs.FileSystem, p: str) -> bool:
+    """Whether `p` names a file or directory as it is (not as a pattern)."""
+    try:
+        return fs.get_file_info(p).type != pafs.FileType.NotFound
+    except (OSError, pa.ArrowException):
+        return False
+
+
 def discover(path: str, output: str | None = None) -> tuple[str, list[tuple[str, str, int]]]:
     """Find the input files of `input.path`: (root, [(source, relative name, size bytes)]), sorted.
+    A path holding glob characters (`*?[`) is a pattern unless it names a file or directory as
+    it is: `data/a?b.parquet` (an S3 key written `a%3Fb.parquet`) is that file, not also
+    `data/axb.parquet`.
 
     output: the job's output.path; its files are not input (see the module docstring).
     Raises InputError when the path does not exist or matches no Parquet file, or when
@@ -231,7 +242,7 @@ def discover(path: str, output: str | None = None) -> tuple[str, list[tuple[str,
     local = uri.is_local(fs)
     if path.startswith(PACKAGE_PREFIX):
         output = None  # a file shipped with batchgen, never an output's
-    if any(c in p for c in _GLOB_CHARS):  # p is a path inside the filesystem: a URI's options are not in it
+    if any(c in p for c in _GLOB_CHARS) and not _exists(fs, p):  # a path inside the filesystem: no URI options
         cut = min(p.find(c) for c in _GLOB_CHARS if c in p)
         base = p[:cut].rsplit("/", 1)[0] if "/" in p[:cut] else ""
         try:
