@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterable
 from cluster.health import WorkerRecord, WorkerSlots, WorkerState, short_error
 from cluster.unit import UnitFailed, UnitResult, UnitTask, WorkUnit
 from cluster.unit_queue import Copy, UnitQueue
-from cluster.weight_sync import PoolWeights, commit_everywhere, stage_everywhere, update_everywhere
+from cluster.weight_sync import PoolWeights, HangDeadline, commit_everywhere, stage_everywhere, update_everywhere
 
 
 class UnitDispatcher:
@@ -226,12 +226,21 @@ class UnitDispatcher:
     def engine_states(self) -> list[dict]:
         """GenerationWorker.engine_state() of every worker (pid, the weights swapped in last,
         its KV cache), once the starting ones are ready (a replacement started late in a
-        run may still be loading). Raises RayActorError for a worker that died since the
-        last run, UnitFailed as wait_ready."""
-        import ray
-
+        run may still be loading). A worker that died, or hangs (no answer within
+        min(start_timeout_s, 60 s) while its engine stays still, or no answer to a progress
+        query: a stopped process; as a weights swap judges it, cluster/weight_sync.py), is
+        replaced, uncharged, and left out. Raises UnitFailed as wait_ready."""
         self.wait_ready()
-        return ray.get([w.handle.engine_state.remote() for w in self.slots.live()])
+        live = self.slots.live()
+        deadline = HangDeadline(min(self.slots.start_timeout_s, HangDeadline.PROGRESS_S), live)
+        states = []
+        for ref, w in [(w.handle.engine_state.remote(), w) for w in live]:
+            try:
+                states.append(deadline.get(ref, w))
+            except Exception as exc:  # noqa: BLE001 - gone (RayActorError) or hung (GetTimeoutError)
+                self._replace(w, deadline.why(w, "engine_state", exc), charge=False)
+        self.slots.fill()
+        return states
 
     # ------------------------------------------------------------------ one run
     def run(self, units: Iterable[WorkUnit], *, on_result: Callable[[UnitResult], None] | None = None,

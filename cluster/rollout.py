@@ -145,6 +145,9 @@ class RolloutRunner:
         units = {u.index: u for u in units}
         call = RolloutCall(units=units, on_result=on_result, on_done=on_done, remaining=set(units))
         if not units:
+            with self._cv:
+                if self._closed:
+                    raise RuntimeError("this pool is closed")
             self._end(call, None)
             return call
         self.call(lambda: self._start(call))
@@ -275,8 +278,13 @@ class RolloutRunner:
 
     def _settle_aborted(self) -> None:
         """Units of aborted calls that no worker holds get their rows from one worker without
-        its engine; second copies waiting in the queue are dropped (the first copy answers)."""
-        import ray
+        its engine; second copies waiting in the queue are dropped (the first copy answers).
+        A worker that died or hangs meanwhile (no answer within min(start_timeout_s, 60 s)
+        while its engine stays still, or no answer to progress(): cluster/weight_sync.py's
+        rule) is replaced, uncharged, and the next round asks another."""
+        from ray.exceptions import RayTaskError
+
+        from cluster.weight_sync import HangDeadline
 
         lone: list[WorkUnit] = []
         for call in self._calls:
@@ -287,10 +295,15 @@ class RolloutRunner:
         ready = [w for w in self.dispatcher.slots.live() if w.state == WorkerState.READY]
         if not ready:
             return  # the next round, once a worker is back
+        w = ready[0]
+        deadline = HangDeadline(min(self.dispatcher.slots.start_timeout_s, HangDeadline.PROGRESS_S), [w])
         try:
-            results = ray.get(ready[0].handle.aborted_units.remote(lone), timeout=60)
-        except Exception:  # noqa: BLE001 - that worker is gone or stuck: the next round tries again
-            return
+            results = deadline.get(w.handle.aborted_units.remote(lone), w)
+        except RayTaskError:
+            return  # it could not read them: the next round tries again
+        except Exception as exc:  # noqa: BLE001 - gone (RayActorError) or hung (GetTimeoutError)
+            self.dispatcher._replace(w, deadline.why(w, "aborted_units", exc), charge=False)
+            return  # its units are queued again: the next round takes them too, on another worker
         for r in results:
             self._on_result(r)
 

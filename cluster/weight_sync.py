@@ -66,7 +66,7 @@ def _moved(progress: dict) -> tuple:
     return progress.get("generated_tokens"), progress.get("finished_requests"), progress.get("finished_units")
 
 
-class _Deadline:
+class HangDeadline:
     """ray.get of one call per worker of `workers`, all started together, until the worker
     is hung (the module docstring): `get(ref, w)` raises ray's GetTimeoutError once `w`'s
     call has run `timeout_s` (None: no limit) with its engine still since the last check,
@@ -115,8 +115,8 @@ class _Deadline:
         from ray.exceptions import GetTimeoutError
 
         if isinstance(exc, GetTimeoutError):
-            return (f"worker {w.name} did not answer {what} within {self.timeout_s:.0f} s (start_timeout_s), its "
-                    f"engine still meanwhile (hung)")
+            return (f"worker {w.name} did not answer {what} within {self.timeout_s:.0f} s, its engine still "
+                    f"meanwhile (hung)")
         return f"worker {w.name} failed in {what}: {short_error(exc, 300)}"
 
 
@@ -154,7 +154,7 @@ def _everyone_agrees(refs: dict, what: str, keeps: str, replace: Replace,
 
     replies: dict[WorkerRecord, dict] = {}
     refused: list[str] = []
-    deadline = _Deadline(timeout_s, refs.values())
+    deadline = HangDeadline(timeout_s, refs.values())
     for ref, w in refs.items():
         try:
             replies[w] = deadline.get(ref, w)
@@ -166,7 +166,7 @@ def _everyone_agrees(refs: dict, what: str, keeps: str, replace: Replace,
         except Exception as exc:  # noqa: BLE001 - RayActorError: the worker is gone
             replace(w, f"worker {w.name} died while checking weights: {short_error(exc)}")
     if refused or not replies:
-        undo = _Deadline(timeout_s, replies)
+        undo = HangDeadline(timeout_s, replies)
         for ref, w in [(w.handle.discard_weights.remote(), w) for w in replies]:
             try:
                 undo.get(ref, w)
@@ -184,7 +184,7 @@ def commit_everywhere(staged: dict[WorkerRecord, Any], replace: Replace, version
     engine_state() replies. A worker whose swap fails (its engine may be half swapped) or
     that hangs (`timeout_s`: see the module docstring) is handed to `replace`."""
     commits = {w.handle.commit_weights.remote(version): w for w in staged}
-    deadline = _Deadline(timeout_s, commits.values())
+    deadline = HangDeadline(timeout_s, commits.values())
     states = []
     for ref, w in commits.items():
         try:
@@ -229,7 +229,7 @@ def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bu
         for bucket in pack_buckets(pairs, bucket_bytes):
             ref = ray.put(bucket)  # freed once every worker applied it (no call holds it then)
             del bucket
-            window.append((_Deadline(timeout_s, ok), {w.handle.apply_bucket.remote(ref): w for w in ok}))
+            window.append((HangDeadline(timeout_s, ok), {w.handle.apply_bucket.remote(ref): w for w in ok}))
             del ref
             if len(window) > 1:
                 drain(window.popleft())
@@ -245,7 +245,7 @@ def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bu
             replace(w, why)
     states = []
     finish = {w.handle.finish_update.remote(version): w for w in ok}
-    deadline = _Deadline(timeout_s, ok)
+    deadline = HangDeadline(timeout_s, ok)
     for ref, w in finish.items():
         try:
             states.append(deadline.get(ref, w))

@@ -137,14 +137,25 @@ class GenerationPool:
         ids and other params) gives the same rows again. An explicit seed is used as is.
         Raises ValueError (SpecError, InputError) for input the task refuses, before any
         work, and cluster.unit.UnitFailed when the call cannot finish (a unit failing
-        max_unit_attempts times, no worker able to start); the workers stay up.
+        max_unit_attempts times, no worker able to start); the workers stay up. Interrupted
+        while it waits (KeyboardInterrupt, or any exception raised into the waiting thread),
+        it aborts its call before raising, so the workers are free for the next one.
         """
         if not hasattr(prompts, "__len__"):
             prompts = list(prompts)
         n = len(prompts)
         per_unit = max(1, min(self.unit_rows, math.ceil(n / (self.dispatcher.num_workers
                                                              * self.dispatcher.in_flight_per_worker))))
-        return self._submit(prompts, params, prompt_ids, per_unit).result()
+        handle = self._submit(prompts, params, prompt_ids, per_unit)
+        try:
+            return handle.result()
+        except BaseException:
+            if not handle.done():  # interrupted: nobody will read this call, end it
+                try:
+                    handle.abort()
+                except Exception:  # noqa: BLE001 - the pool closed meanwhile: the call ended with it
+                    pass
+            raise
 
     def submit(self, prompts: Any, params: Any = None, *, prompt_ids: Any = None,
                unit_rows: int | None = None) -> RolloutHandle:

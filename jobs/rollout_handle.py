@@ -16,6 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from typing import Any, Iterator
 
 import pyarrow as pa
@@ -39,6 +40,7 @@ class RolloutHandle:
         self.num_prompts = num_prompts
         self._results: list[UnitResult] = []
         self._queue: queue.Queue = queue.Queue()
+        self._groups: deque = deque()  # groups of a unit taken from the queue, not yielded yet (_lock)
         self._lock = threading.Lock()
         self._call: RolloutCall | None = None
         self.submitted_at = time.monotonic()
@@ -70,8 +72,15 @@ class RolloutHandle:
         """Yield each prompt's group of rows (a pyarrow.RecordBatch of its num_samples rows,
         in sample_index order) as soon as the group is complete, until every group of the
         call has come. Raises TimeoutError when no group comes within `timeout_s`, and the
-        call's error (cluster.unit.UnitFailed) after the groups that did come."""
+        call's error (cluster.unit.UnitFailed) after the groups that did come. A reader
+        that stops early (a `break`) leaves the groups it did not take to the next call of
+        results(), those of a unit it was reading included."""
         while True:
+            with self._lock:
+                group = self._groups.popleft() if self._groups else None
+            if group is not None:
+                yield group
+                continue
             try:
                 item = self._queue.get(timeout=timeout_s)
             except queue.Empty:
@@ -82,7 +91,9 @@ class RolloutHandle:
                     raise self._call.error
                 return
             if item.data is not None:
-                yield from prompt_groups(item.data)
+                groups = list(prompt_groups(item.data))
+                with self._lock:
+                    self._groups.extend(groups)
 
     def result(self, timeout_s: float | None = None) -> pa.Table:
         """Every row of the call, in prompt order then sample index (as `generate` returns
@@ -101,8 +112,10 @@ class RolloutHandle:
         tokens so far and finish_reason "abort", samples never started with no tokens and
         "abort"; every sample of the call exactly once. Returns True once every unit is in
         (False if `timeout_s` passed first); `results()` and `result()` then give the rest.
-        The pool takes the next call at once."""
-        if self._call is None:
+        The pool takes the next call at once. A call already ended (done(): finished,
+        failed, or ended by the pool's close) is left as it is: True, even once the pool
+        is closed."""
+        if self._call is None or self._call.done.is_set():
             return True
         return self._runner.abort(self._call, timeout_s)
 

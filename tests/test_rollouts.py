@@ -212,6 +212,35 @@ def test_pause_wait_collects_the_units_a_failed_call_left_on_a_worker(ray_local,
         os.close(gate)
 
 
+def test_closing_the_pool_ends_its_calls_and_handles_stay_usable(ckpts, ray_local):
+    """close() while a call runs: the call ends with RuntimeError("... closed") from
+    result(), abort() of it or of a call finished before returns True (a `finally:
+    h.abort()` after the pool's `with` block used to raise), a call after close raises,
+    an empty one too (it used to return an empty table), and no runner thread is left.
+    Its own pool of one worker, before the module's pool takes both CPUs."""
+    import threading
+
+    from jobs import GenerationPool
+
+    config = {"model": {"path": str(ckpts["base"]), "max_num_seqs": 64, "max_seq_len": 128},
+              "input": {"sampling_column": "params"},
+              "sampling": {"num_samples": N_SAMPLES, "max_tokens": SHORT, "seed": 5, "stop_token_ids": []},
+              "cluster": {"num_workers": 1}}
+    with GenerationPool(config) as p:
+        finished = p.submit(_prompts()[:2], SEED)
+        finished.result(timeout_s=120)
+        running = p.submit(_prompts(long_tokens=120), SEED)
+        next(running.results(timeout_s=120))
+    assert running.done() and running.abort() and finished.abort()
+    with pytest.raises(RuntimeError, match="closed"):
+        running.result()
+    assert finished.result().num_rows == 2 * N_SAMPLES
+    for prompts in (_prompts()[:2], []):
+        with pytest.raises(RuntimeError, match="closed"):
+            p.generate(prompts)
+    assert not [t for t in threading.enumerate() if t.name == "batchgen-rollouts"]
+
+
 # ---------------------------------------------------------------------------------- a pool
 @pytest.fixture(scope="module")
 def pool(ckpts, ray_local):
@@ -371,6 +400,82 @@ def test_overlapping_calls_each_get_their_own_rows(pool):
     rb, ra = b.result(timeout_s=120), a.result(timeout_s=120)
     assert same_rows(ra) == same_rows(pool.generate(_prompts()[:8], SEED))
     assert rb.column("prompt_id").to_pylist() == [f"p{i}" for i in range(8, 24) for _ in range(N_SAMPLES)]
+
+
+def test_results_after_a_break_gives_every_group_not_read(pool):
+    """A reader that breaks out of results() after one group, then reads the rest (the
+    docs' abort loop), gets every other group once, those of the unit it broke in
+    included: units of 4 prompts here. (The rest of that unit's groups used to be lost:
+    3 of 8 groups.)"""
+    h = pool.submit(_prompts()[:8], SEED, unit_rows=4)
+    first = []
+    for g in h.results(timeout_s=120):
+        first.append(g)
+        break
+    rest = list(h.results(timeout_s=120))
+    _check_groups(first + rest, 8 * N_SAMPLES)
+    assert h.result().num_rows == 8 * N_SAMPLES
+
+
+def test_an_interrupted_generate_ends_its_call(pool):
+    """A SIGINT (Ctrl-C) while generate() waits: the exception comes through, and the call
+    is aborted first, so no call is left on the workers and the next one runs at once. (The
+    call used to go on running, and a 1-token call after it waited ~10 s behind it.)"""
+    import os
+    import signal
+    import threading
+
+    class Interrupted(Exception):
+        pass
+
+    def raise_interrupted(*_):
+        raise Interrupted
+
+    def interrupt() -> None:
+        end = time.monotonic() + 60
+        while not pool._runner._calls and time.monotonic() < end:  # until the call is queued
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, raise_interrupted)  # not pytest's KeyboardInterrupt
+    try:
+        sender = threading.Thread(target=interrupt, daemon=True)
+        sender.start()
+        with pytest.raises(Interrupted):
+            pool.generate(_prompts(long_tokens=120), SEED)
+        sender.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert pool._runner.call(lambda: list(pool._runner._calls)) == []
+    assert pool.generate(_prompts()[:2], SEED).num_rows == 2 * N_SAMPLES
+
+
+def test_abort_replaces_a_stopped_worker_asked_for_unsent_units(pool):
+    """While paused ("wait"), a call's units reach no worker; aborting it asks the first ready
+    worker for their "abort" rows. That worker stopped (SIGSTOP): it is judged as a swap
+    judges a hung worker (start_timeout_s, 5 s here, and no answer to progress()),
+    replaced uncharged, and the other answers, so abort() returns with every sample. (It
+    used to ask the stopped worker again every round, 60 s each, for ever.)"""
+    import os
+    import signal
+
+    slots = pool.dispatcher.slots
+    timeout = slots.start_timeout_s
+    assert pool.pause("wait", timeout_s=30)
+    stopped = pool._runner.call(lambda: slots.live()[0].info["pid"])
+    try:
+        h = pool.submit(_prompts()[:4], SEED)
+        os.kill(stopped, signal.SIGSTOP)
+        slots.start_timeout_s = 5.0
+        assert h.abort(timeout_s=30)
+    finally:
+        slots.start_timeout_s = timeout
+        os.kill(stopped, signal.SIGCONT)  # killed when replaced; the old code's worker answers now
+        pool.resume()
+    rows = h.result().to_pylist()
+    assert len(rows) == 4 * N_SAMPLES and {r["finish_reason"] for r in rows} == {"abort"}
+    assert pool.generate(_prompts()[:2], SEED).num_rows == 2 * N_SAMPLES
+    assert stopped not in {s["pid"] for s in pool.engine_states()}
 
 
 def test_calls_submitted_from_several_threads_at_once_each_get_their_own_rows(pool):

@@ -286,6 +286,33 @@ def test_a_worker_that_hangs_during_a_swap_is_replaced(pool, cases):
                 pass
 
 
+def test_engine_states_replaces_a_stopped_worker(pool):
+    """engine_states() with a worker stopped (SIGSTOP) judges it as a swap does: no answer
+    within start_timeout_s (5 s here) nor to progress(), so it is replaced, uncharged, and
+    left out; the others' states come back, and the pool serves the next call. It used to
+    wait for ever, holding the pool's thread (every call and close() with it)."""
+    import threading
+
+    slots = pool.dispatcher.slots
+    timeout = slots.start_timeout_s
+    pids = sorted(s["pid"] for s in pool.engine_states())
+    got: list = []
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        slots.start_timeout_s = 5.0
+        t = threading.Thread(target=lambda: got.append(pool.engine_states()), daemon=True)
+        t.start()
+        t.join(90)  # a bound for the old code, which never returned: the fix takes about 10 s
+        assert not t.is_alive(), "engine_states() still waits on the stopped worker"
+    finally:
+        slots.start_timeout_s = timeout
+        os.kill(pids[0], signal.SIGCONT)  # killed when replaced; the old code's call returns now
+    assert [s["pid"] for s in got[0]] == pids[1:]
+    assert pool.generate(PROMPTS, {"seed": 3}, prompt_ids=IDS).num_rows == 2 * len(PROMPTS)
+    after = pool.engine_states()
+    assert len(after) == 2 and pids[0] not in {s["pid"] for s in after}
+
+
 def test_a_swap_waits_for_a_worker_finishing_samples_and_replaces_a_still_one(ray_local):
     """A worker's swap first waits for its engine to finish the samples it holds, which may
     take longer than the timeout. commit_everywhere with a 1 s timeout, two Ray actors: the
