@@ -69,7 +69,13 @@ def filesystem_for(uri: str) -> tuple[pafs.FileSystem, str]:
         return pafs.LocalFileSystem(), pafs.FileSystem.from_uri(base)[1]
     host, _, key = rest.partition("/")
     key = unquote(key)  # as pyarrow's from_uri: "a%3Fb" is the key "a?b"
-    fs = _cached_fs(with_query(f"{scheme}://{host}", query))
+    try:
+        fs = _cached_fs(with_query(f"{scheme}://{host}", query))
+    except (ValueError, OSError) as e:  # pyarrow.ArrowInvalid is a ValueError
+        if not query:
+            raise
+        raise type(e)(f"{e} (`?` starts the URI's options, such as ?endpoint_override=host:port; an object key "
+                      f"holding `?` is written %3F)") from None
     if scheme in ("hdfs", "viewfs"):  # the host is the name node; paths are absolute
         return fs, "/" + key.rstrip("/")
     bucket = host.rsplit("@", 1)[-1]  # object stores: the host is the bucket

@@ -76,6 +76,13 @@ def test_a_name_holding_glob_characters_is_that_file_not_a_pattern(tmp_path):
     assert [n for _, n, _ in found] == ["a?b.parquet", "axb.parquet"]
 
 
+def test_a_raw_question_mark_in_an_s3_key_is_explained():
+    """`?` starts a URI's options: a key written with a raw `?` fails naming the fix (%3F),
+    not only pyarrow's "Unexpected query parameter"."""
+    with pytest.raises(InputError, match=r"Unexpected query parameter.*object key holding `\?` is written %3F"):
+        discover("s3://bkt/in/a?b.parquet")
+
+
 def test_file_uri(tmp_path):
     f = write_prompts(str(tmp_path / "p.parquet"), ["a", "b"])
     plan = plan_job(spec_for("file://" + f))
