@@ -107,6 +107,14 @@ def setup_case(tmp_path: Path, case: str) -> tuple[str, type, list[str]]:
         w(pa.table({"prompt": ["c", "d"], "uid": ["z", "x"]}), data / "b.parquet")
         cfg["input"].update(path=str(data), id_column="uid")
         frag, err = ["duplicate prompt id 'x'", "a.parquet row 0", "b.parquet row 1"], InputError
+    elif case == "null_id_falls_back_to_another_id":
+        # a null id's error rows get the prompt id "b.parquet:1", another row's id: two rows of
+        # one (prompt_id, sample_index), which `verify` failed after a run that ended well
+        w(pa.table({"prompt": ["a", "b"], "uid": pa.array(["x", "b.parquet:1"], pa.large_string())}), data / "a.parquet")
+        w(pa.table({"prompt": ["c", "d"], "uid": pa.array(["z", None], pa.large_string())}), data / "b.parquet")
+        cfg["input"].update(path=str(data), id_column="uid")
+        frag, err = ["b.parquet row 1: prompt id is null (input.id_column 'uid')", "'b.parquet:1', is the id of "
+                     "a.parquet row 1"], InputError
     elif case == "truncated_parquet":
         w(_tables())
         raw = p.read_bytes()
@@ -184,6 +192,7 @@ def setup_case(tmp_path: Path, case: str) -> tuple[str, type, list[str]]:
 
 JOB_CASES = ["missing_column", "text_wrong_type", "chat_is_string", "chat_struct_no_content", "tokens_wrong_type",
              "id_column_missing", "id_column_wrong_type", "passthrough_missing", "duplicate_ids_across_files",
+             "null_id_falls_back_to_another_id",
              "truncated_parquet", "not_parquet", "mixed_schemas", "input_missing", "empty_directory",
              "glob_no_match", "unknown_package_file", "model_path_missing", "unknown_key", "bad_value",
              "passthrough_shadows_output", "output_other_job", "output_not_directory", "output_foreign_files",
@@ -355,9 +364,80 @@ def test_gpt2_style_tokenizer_gets_no_bos(tmp_path):
     assert task.read_unit(plan.units[0], Gpt2Like())[0].prompt_tokens == [10 + ord("o"), 10 + ord("k")]
 
 
+def _unchecked_text(values, typ=pa.string()):
+    """A string array holding bytes that may not be UTF-8, as a writer that does not validate
+    (pyarrow's own Parquet writer, for one) can store them."""
+    b = pa.array(values, type=pa.binary())
+    return pa.Array.from_buffers(typ, len(b), b.buffers(), null_count=b.null_count)
+
+
+def test_text_that_is_not_utf8_is_an_error_row(tmp_path):
+    """A string value that is not valid UTF-8 makes its row an error row naming the row and the
+    column (prompt, id, passthrough or a sampling struct's field), and the rows around it run:
+    the unit's read raised UnicodeDecodeError, so the unit failed on every attempt and the job
+    with it (exit 1), and an id column holding one failed the plan with a traceback. Such an id
+    is treated as a null id; the sampling row keeps its num_samples (the planned rows)."""
+    from engine.params import error_output
+
+    text = _unchecked_text([b"ok", b"bad\xff", b"fine", b"yes"])
+    params = pa.StructArray.from_arrays([pa.array([2, 3, 4, 1]), _unchecked_text([b"x", b"y", b"\xfe", None])],
+                                        names=["num_samples", "stop"])
+    pq.write_table(pa.table({"prompt": text, "uid": text, "params": params, "meta": pa.StructArray.from_arrays(
+        [text], names=["t"])}), tmp_path / "rows.parquet")
+    spec = JobSpec.from_dict({"input": {"path": str(tmp_path / "rows.parquet"), "id_column": "uid",
+                                        "sampling_column": "params", "passthrough": ["meta"]},
+                              "output": {"path": str(tmp_path / "out")}}, "job.yaml")
+    plan = plan_job(spec)
+    assert plan.expected_rows == {0: 10}
+    OutputDir(spec.output.path).prepare(plan, spec)
+    task = JobTask(spec, plan)
+    reqs = task.read_unit(plan.units[0], FakeTok())
+    assert [r.prompt_id for r in reqs] == ["ok", "rows.parquet:1", "fine", "yes"]
+    assert reqs[1].error.startswith("rows.parquet row 1 column 'uid': prompt id is text that is not valid UTF-8")
+    assert reqs[1].passthrough == {"meta": None} and reqs[1].params.num_samples == 3
+    assert reqs[2].error.startswith("rows.parquet row 2 column 'params' field 'stop': must be a non-empty string")
+    assert "not valid UTF-8" in reqs[2].error and reqs[2].params.num_samples == 4
+    assert [r.error for r in (reqs[0], reqs[3])] == [None, None] and reqs[0].passthrough == {"meta": {"t": "ok"}}
+    assert reqs[3].prompt_tokens == [1] + [10 + b for b in b"yes"]
+    outs = [error_output(None, r.prompt_id, r.prompt_tokens, r.params, r.error or "engine said no") for r in reqs]
+    assert task.write_unit(plan.units[0], reqs, outs, FakeTok()).rows == 10
+    spec = JobSpec.from_dict({"input": {"path": str(tmp_path / "rows.parquet")},
+                              "output": {"path": str(tmp_path / "out2")}}, "job.yaml")
+    plan = plan_job(spec)
+    reqs = JobTask(spec, plan).read_unit(plan.units[0], FakeTok())
+    assert [r.error is None for r in reqs] == [True, False, True, True]
+    assert reqs[1].error.startswith("rows.parquet row 1 column 'prompt': text that is not valid UTF-8")
+
+
 def test_input_changed_after_planning_fails_the_unit(tmp_path):
     """Rows that vanished since planning: read_unit raises (the unit is retried, then the job fails)."""
     task, plan = _row_task(tmp_path, "text", pa.string(), "x")
     pq.write_table(pa.table({"prompt": ["only one"]}), tmp_path / "rows.parquet")
     with pytest.raises(RuntimeError, match="was the input file changed after the job started"):
         task.read_unit(plan.units[0], FakeTok())
+
+
+# ---------------------------------------------------------------- batchgen prepare
+
+@pytest.mark.parametrize("data, fragment", [
+    # bytes that are not UTF-8: a traceback (exit 1) naming no line
+    (b'{"q": "a"}\n{"q": "b\xff"}\n', "in.jsonl:2: not UTF-8 text"),
+    # nested deeper than json can recurse: a RecursionError traceback (exit 1)
+    (b'{"q": "a"}\n{"q": "b", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}\n", "in.jsonl:2: invalid JSON: nested too deeply"),
+], ids=["not_utf8", "nested_too_deeply"])
+def test_prepare_undecodable_line_exits_2_naming_it(tmp_path, capsys, data, fragment):
+    (tmp_path / "in.jsonl").write_bytes(data)
+    assert main(["prepare", str(tmp_path / "in.jsonl"), str(tmp_path / "p.parquet"), "--column", "q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and fragment in err, err
+    assert not (tmp_path / "p.parquet").exists()
+
+
+def test_prepare_reads_a_byte_order_mark_and_crlf(tmp_path):
+    """A UTF-8 file that starts with a byte order mark (as Windows tools write it), with CRLF
+    line ends, is prepared as without them (it stopped at line 1: "Unexpected UTF-8 BOM"), as
+    `run-batch` reads such a file."""
+    (tmp_path / "in.jsonl").write_bytes(b'\xef\xbb\xbf{"q": "a", "id": 7}\r\n\r\n{"q": "b\\u00e9", "id": 8}\r\n')
+    assert main(["prepare", str(tmp_path / "in.jsonl"), str(tmp_path / "p.parquet"), "--column", "q",
+                 "--id-column", "id"]) == 0
+    assert pq.read_table(tmp_path / "p.parquet").to_pylist() == [{"prompt": "a", "id": 7}, {"prompt": "b\u00e9", "id": 8}]

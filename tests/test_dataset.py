@@ -197,6 +197,35 @@ def test_zero_row_file_warns_and_has_no_units(tmp_path, caplog):
     assert any("a.parquet: 0 rows" in w for w in plan.warnings)
 
 
+def test_a_zero_row_file_with_untyped_columns_does_not_stop_the_job(tmp_path):
+    """pandas writes an empty object column (chat messages, a dict passthrough, a filtered
+    shard with no rows) with Arrow type null. Such a file holds nothing to read: the job runs
+    its other files, and the output takes the passthrough type of a file with rows. It stopped
+    the job: "a.parquet: column 'messages' has type null, but input.format chat needs ...".
+    A file with rows and a null column, or an empty file of another type, is still refused."""
+    d = tmp_path / "d"
+    d.mkdir()
+    null = pa.array([], type=pa.null())
+    pq.write_table(pa.table({"messages": null, "meta": null, "uid": null, "params": null}), d / "a.parquet")
+    msgs = pa.array([[{"role": "user", "content": "hi"}]])
+    pq.write_table(pa.table({"messages": msgs, "meta": pa.array([{"k": 1}]), "uid": ["x"],
+                             "params": pa.array([{"temperature": 0.5}])}), d / "b.parquet")
+    spec = spec_for(d, input__format="chat", input__passthrough=["meta"], input__id_column="uid",
+                    input__sampling_column="params")
+    plan = plan_job(spec)
+    assert plan.num_prompts == 1 and [u.source.rsplit("/", 1)[-1] for u in plan.units] == ["b.parquet"]
+    assert [str(f.type) for f in plan.passthrough_fields] == ["struct<k: int64>"]
+    assert any("a.parquet: 0 rows" in w for w in plan.warnings)
+    pq.write_table(pa.table({"messages": msgs, "meta": pa.array([None], type=pa.null()), "uid": ["y"],
+                             "params": pa.array([None], type=pa.null())}), d / "a.parquet")
+    with pytest.raises(InputError, match="a.parquet: input.sampling_column 'params' has type null"):
+        plan_job(spec)
+    pq.write_table(pa.table({"messages": pa.array([], type=pa.string()), "meta": null, "uid": null,
+                             "params": null}), d / "a.parquet")
+    with pytest.raises(InputError, match="a.parquet: column 'messages' has type string"):
+        plan_job(spec)
+
+
 def test_read_rows_reads_only_the_range_across_row_groups(tmp_path):
     f = write_prompts(str(tmp_path / "p.parquet"), [f"q{i}" for i in range(50)], row_group_size=7,
                       other=pa.array(range(50)))
@@ -220,6 +249,55 @@ def test_string_and_large_string_files_mix(tmp_path):
     write_prompts(str(tmp_path / "d" / "a.parquet"), ["x"])
     pq.write_table(pa.table({"prompt": pa.array(["y"], type=pa.large_string())}), tmp_path / "d" / "b.parquet")
     assert plan_job(spec_for(tmp_path / "d")).num_prompts == 2
+
+
+def test_dictionary_and_string_view_columns_are_string_columns(tmp_path):
+    """A dictionary-encoded string column (what pandas writes for a category column) and a
+    string_view column hold strings: prompts (text, and chat roles and contents) and ids read
+    from them as from string columns, across files that encode them differently, and duplicate
+    ids are found across encodings. Each was refused as "has type dictionary<...>, but
+    input.format text needs string" (string_view: "has type string_view")."""
+    from jobs.task import JobTask
+
+    d = tmp_path / "d"
+    d.mkdir()
+    pq.write_table(pa.table({"prompt": pa.array(["x", None, "x"]).dictionary_encode(),
+                             "uid": pa.array(["a", "b", "c"]).dictionary_encode()}), d / "a.parquet")
+    pq.write_table(pa.table({"prompt": pa.array(["y"], type=pa.string_view()),
+                             "uid": pa.array(["d"], type=pa.string_view())}), d / "b.parquet")
+    pq.write_table(pa.table({"prompt": pa.array(["z"], type=pa.large_string()), "uid": ["e"]}), d / "c.parquet")
+    spec = spec_for(d, input__id_column="uid")
+    plan = plan_job(spec)
+    assert plan.num_prompts == 5
+    task = JobTask(spec, plan)
+    reqs = [r for u in plan.units for r in task.read_unit(u, _ByteTok())]
+    assert [(r.prompt_id, r.prompt_tokens) for r in reqs] == [
+        ("a", [130]), ("b", None), ("c", [130]), ("d", [131]), ("e", [132])]
+    assert reqs[1].error == "a.parquet row 1 column 'prompt': prompt is null"
+    pq.write_table(pa.table({"prompt": pa.array(["w"], type=pa.string_view()),
+                             "uid": pa.array(["a"], type=pa.string_view())}), d / "b.parquet")
+    with pytest.raises(InputError, match="duplicate prompt id 'a' .*a.parquet row 0 and b.parquet row 0"):
+        plan_job(spec)
+    role = pa.dictionary(pa.int8(), pa.string())
+    msgs = pa.array([[{"role": "user", "content": "hi"}]],
+                    type=pa.list_(pa.struct([("role", role), ("content", pa.string_view())])))
+    pq.write_table(pa.table({"messages": msgs}), tmp_path / "c.parquet")
+    spec = spec_for(tmp_path / "c.parquet", input__format="chat")
+    plan = plan_job(spec)
+    assert JobTask(spec, plan).read_unit(plan.units[0], _ByteTok())[0].prompt_tokens == [114, 115]
+
+
+class _ByteTok:
+    """bytes + 10; a chat renders as its contents' bytes."""
+
+    vocab_size = 300
+    prepend_bos = False
+
+    def encode(self, s):
+        return [b + 10 for b in s.encode()]
+
+    def render_chat(self, messages, date=None):
+        return [t for m in messages for t in self.encode(m["content"])]
 
 
 def test_package_input():

@@ -96,6 +96,11 @@ def test_body_parameters_map_to_sampling_params():
     (line(messages=[{"role": "user", "content": "x", "name": 5}]), "message 0: name must be a string, got 5"),
     (line(tool_choice="required"), "body.tool_choice: 'required' is not supported"),
     (line(chat_template_kwargs={"enable_thinking": False}), "body.chat_template_kwargs: not supported by batchgen"),
+    # nested deeper than Python's json can recurse: a 400 line, not a RecursionError ending the job
+    (line()[:-1] + ', "x": ' + "[" * 100000 + "]" * 100000 + "}}", "f line 9: not valid JSON: nested too deeply"),
+    (line(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 100000 + "]" * 100000}}]}]),
+     "message 1 tool call 0: function.arguments is not valid JSON"),
 ])
 def test_malformed_lines_are_errors_naming_the_field(raw, fragment):
     p = parse_line(raw.encode(), 9, BASE, "f")
@@ -682,6 +687,25 @@ class _ByteTok:
         return [b + 10 for b in s.encode()]
 
 
+def test_a_deeply_nested_line_is_an_error_line_and_the_others_run(tmp_path):
+    """A line nested deeper than Python's json decoder can recurse (100,000 "[") is that line's
+    400, as malformed JSON is: the scan raised RecursionError, which ended `run-batch` with a
+    traceback (exit 1) before any line ran."""
+    from jobs.inputs import reader_for
+    from jobs.spec import JobSpec
+
+    deep = line("deep", url="/v1/completions")[:-1] + ', "x": ' + "[" * 100000 + "]" * 100000 + "}}"
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join([line("a", url="/v1/completions"), deep, line("c", url="/v1/completions")]) + "\n")
+    spec = JobSpec.from_dict({"input": {"path": str(inp), "format": "openai_batch"}})
+    scan = reader_for(spec).scan(spec)
+    assert scan.expected_rows == {0: 3}
+    reqs = reader_for(spec, None, scan.reader_state).read_unit(scan.units[0], _ByteTok(), spec.sampling_params())[0]
+    assert [(r.prompt_id, r.error) for r in reqs] == [
+        ("a", None), ("in.jsonl:2", "in.jsonl line 2: not valid JSON: nested too deeply"), ("c", None)]
+    assert reqs[0].prompt_tokens == reqs[2].prompt_tokens == _ByteTok().encode("Once upon a time")
+
+
 def test_fallback_prompt_ids_never_equal_a_custom_id(tmp_path):
     """A line without a usable custom_id (or a repeat of one) gets the prompt id
     "<file>:<line>", or "<file>:<line>#k" where another line's custom_id is that text, so no
@@ -707,3 +731,53 @@ def test_fallback_prompt_ids_never_equal_a_custom_id(tmp_path):
                                 ("in.jsonl:2#1", "in.jsonl:2#1", False), ("c", "c", False),
                                 ("in.jsonl:5", "c", True), ("in.jsonl:6#1", None, True),
                                 ("in.jsonl:6", "in.jsonl:6", False)]
+
+
+def test_errors_leave_credentials_in_the_uri_out(tmp_path):
+    """Credentials written into an object store URI (s3://KEY:SECRET@bucket/...) are left out of
+    the messages, as for Parquet input: the scan's errors and write_responses' printed the URI as
+    given, secret and all, on stderr."""
+    import signal
+    import threading
+
+    pytest.importorskip("moto")
+    import pyarrow.fs as pafs
+
+    from conftest import free_port
+    from jobs.errors import InputError
+    from jobs.inputs import reader_for
+    from jobs.spec import JobSpec
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        for out in proc.stdout:  # the server prints its address once it listens
+            if f"Running on http://127.0.0.1:{port}" in out:
+                break
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        fs = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", allow_bucket_creation=True,
+                               access_key="KEYID", secret_key="THE-SECRET", region="us-east-1")
+        fs.create_dir("bkt")
+        with fs.open_output_stream("bkt/blank.jsonl") as f:
+            f.write(b"\n\n")
+        for name, fragment in [("missing.jsonl", ": no such file"), ("blank.jsonl", ": no request lines")]:
+            path = f"s3://KEYID:THE-SECRET@bkt/{name}?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+            spec = JobSpec.from_dict({"input": {"path": path, "format": "openai_batch"},
+                                      "output": {"path": str(tmp_path / "out")}})
+            with pytest.raises(InputError) as e:
+                reader_for(spec).scan(spec)
+            assert str(e.value).startswith(f"input.path s3://bkt/{name}?endpoint_override=") and fragment in str(e.value)
+            assert "THE-SECRET" not in str(e.value), str(e.value)
+        # the response file's errors too (here: an output that is no batchgen job's)
+        from jobs.errors import OutputError
+        from jobs.outputs.batch_responses import write_responses
+
+        with pytest.raises(OutputError) as e:
+            write_responses(f"s3://KEYID:THE-SECRET@bkt/nojob?endpoint_override=127.0.0.1:{port}&scheme=http"
+                            f"&region=us-east-1", str(tmp_path / "results.jsonl"))
+        assert "s3://bkt/nojob?" in str(e.value) and "THE-SECRET" not in str(e.value), str(e.value)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

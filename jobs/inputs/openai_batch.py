@@ -57,6 +57,7 @@ import pyarrow.fs as pafs
 
 from cluster.unit import UnitRequest, WorkUnit
 from engine.params import SamplingParams, check_sampling_value
+from jobs import uri
 from jobs.errors import InputError
 from jobs.inputs.prompts import check_messages, text_bos, tokenize
 from jobs.inputs.reader import InputFile, InputScan, open_input, resolve
@@ -163,6 +164,8 @@ def parse_line(raw: bytes, lineno: int, base: SamplingParams, where: str) -> Par
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         why: str | None = f"not valid JSON: {e}"
+    except RecursionError:  # json's decoder recurses once per nested array or object
+        why = "not valid JSON: nested too deeply"
     else:
         why = _parse_request(obj, out, base)
     if why is not None:
@@ -350,7 +353,7 @@ def _tool_calls(value: Any) -> tuple[list[dict] | None, str | None]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 return None, f"tool call {j}: function.arguments is not valid JSON: {e}"
         elif args is None:
             args = {}
@@ -432,14 +435,15 @@ class BatchReader:
         Raises InputError for a file that is missing, not a file, or holds no request line."""
         path = spec.input.path
         fs, p, source = resolve(path)
+        shown = uri.redact(path)  # no credentials written into the URI in messages
         try:
             info = fs.get_file_info(p)
         except (OSError, pa.ArrowException) as e:
-            raise InputError(f"input.path {path}: cannot access: {e}") from None
+            raise InputError(f"input.path {shown}: cannot access: {e}") from None
         if info.type == pafs.FileType.NotFound:
-            raise InputError(f"input.path {path}: no such file")
+            raise InputError(f"input.path {shown}: no such file")
         if info.type != pafs.FileType.File:
-            raise InputError(f"input.path {path}: input.format openai_batch needs one JSONL file, not a directory")
+            raise InputError(f"input.path {shown}: input.format openai_batch needs one JSONL file, not a directory")
         name = p.rsplit("/", 1)[-1]
         sha = hashlib.sha256()
         try:
@@ -447,9 +451,9 @@ class BatchReader:
                 bp, units, expected, count, ignored = _cut_lines(f, sha, name, source, spec.sampling_params(),
                                                                  spec.cluster.unit_rows)
         except (OSError, pa.ArrowException) as e:
-            raise InputError(f"input.path {path}: cannot read: {e}") from None
+            raise InputError(f"input.path {shown}: cannot read: {e}") from None
         if not units:
-            raise InputError(f"input.path {path}: no request lines (an OpenAI batch file has one JSON request a line)")
+            raise InputError(f"input.path {shown}: no request lines (an OpenAI batch file has one JSON request a line)")
         files = [InputFile(path=source, name=name, size=int(info.size or 0), num_rows=count, schema=pa.schema([]))]
         warnings = []
         for key, (n, first) in ignored.items():

@@ -50,9 +50,11 @@ import glob as globlib
 import hashlib
 import logging
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
@@ -62,7 +64,7 @@ from cluster.unit import UnitRequest, WorkUnit
 from jobs import uri
 from jobs.errors import InputError
 from jobs.ids import find_duplicate
-from jobs.inputs.prompts import RowLayout, requests_from_columns
+from jobs.inputs.prompts import RowLayout, Undecodable, requests_from_columns
 from jobs.inputs.reader import PACKAGE_PREFIX, InputFile, InputScan, modified_ns, open_input, resolve, source_for
 from jobs.inputs.row_groups import cut_file
 from jobs.inputs.row_params import check_sampling_column_type, rows_per_unit
@@ -103,7 +105,8 @@ class ParquetReader:
                     expected.update(rows_per_unit(_num_samples_values(f, spec.input.sampling_column),
                                                   [(u.index, u.row_start, u.row_end) for u in its],
                                                   spec.sampling.num_samples))
-        pt_schema = files[0].schema if files else pa.schema([])
+        # (a file with no rows may leave a column untyped: see check_input_schema)
+        pt_schema = next((f.schema for f in files if f.num_rows), files[0].schema) if files else pa.schema([])
         return InputScan(root=root, files=files, units=[u for its in file_units for u in its],
                          fingerprint_files=[[f.name, f.size, f.num_rows, f.content] for f in files],
                          # nullable whatever the first file declares: the files only agree on the
@@ -123,8 +126,27 @@ class ParquetReader:
         if table.num_rows != unit.num_rows:
             raise RuntimeError(f"{name}: rows {unit.row_start}..{unit.row_end} of unit {unit.index} could not be read "
                                f"(got {table.num_rows} rows; was the input file changed after the job started?)")
-        return requests_from_columns(self.layout, params, {c: table.column(c).to_pylist() for c in columns}, name,
+        return requests_from_columns(self.layout, params, {c: column_pylist(table.column(c)) for c in columns}, name,
                                      unit.row_start, tokenizer), decoded
+
+
+def column_pylist(column: pa.ChunkedArray) -> list[Any]:
+    """The column's values as Python values; text that is not valid UTF-8 (a file whose writer
+    did not check it) is an Undecodable in place of the row's value or struct field, so that
+    its row, not its unit, fails (jobs/inputs/prompts.py)."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        return [_py(v) for v in column]
+
+
+def _py(scalar: pa.Scalar) -> Any:
+    try:
+        return scalar.as_py()
+    except UnicodeDecodeError as e:
+        if isinstance(scalar, pa.StructScalar):  # field by field: a sampling struct keeps its num_samples
+            return {f.name: _py(scalar[f.name]) for f in scalar.type}
+        return Undecodable(f"text that is not valid UTF-8 ({e})")
 
 
 def _cut_files(spec: Any, found: list[tuple[str, str, int]],
@@ -135,23 +157,24 @@ def _cut_files(spec: Any, found: list[tuple[str, str, int]],
     rows the units decode, warnings)."""
     files: list[InputFile] = []
     warnings: list[str] = []
-    first: tuple[str, dict[str, str]] | None = None
+    first: dict[str, tuple[str, str]] = {}  # column -> (the first file that types it, its type)
     needed = [spec.input.column] + ([spec.input.id_column] if spec.input.id_column else []) + list(spec.input.passthrough)
     if spec.input.sampling_column:
         needed.append(spec.input.sampling_column)
     file_units: list[list[WorkUnit]] = []
     count = rows_decoded = 0
     for (source, name, size), (num_rows, schema, groups, content) in zip(found, footers):
-        check_input_schema(spec, name, schema)
-        types = {c: _normalize(schema.field(c).type) if c == spec.input.column else type_str(schema.field(c).type)
-                 for c in dict.fromkeys(needed)}
-        if first is None:
-            first = (name, types)
-        else:
-            for c, t in types.items():
-                if first[1][c] != t:
-                    raise InputError(f"{name}: column {c!r} has type {t}, but {first[0]} has {first[1][c]} "
-                                     f"(all input files must share the schema of the columns a job reads)")
+        check_input_schema(spec, name, schema, empty=num_rows == 0)
+        for c in dict.fromkeys(needed):
+            ft = schema.field(c).type
+            if num_rows == 0 and pa.types.is_null(ft):
+                continue  # no rows, no type (see check_input_schema): it agrees with every file
+            t = _normalize(ft) if c in (spec.input.column, spec.input.id_column) else type_str(ft)
+            if c not in first:
+                first[c] = (name, t)
+            elif first[c][1] != t:
+                raise InputError(f"{name}: column {c!r} has type {t}, but {first[c][0]} has {first[c][1]} "
+                                 f"(all input files must share the schema of the columns a job reads)")
         if num_rows == 0:
             msg = f"{name}: 0 rows (no units)"
             warnings.append(msg)
@@ -293,7 +316,11 @@ def discover(path: str, output: str | None = None) -> tuple[str, list[tuple[str,
 # ---------------------------------------------------------------- schema checks
 
 def _is_string(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
+    """A column whose values read as str: string, large_string, string_view, or one of them
+    dictionary-encoded (a pandas category column)."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
 
 
 def _is_list(t: pa.DataType) -> bool:
@@ -320,15 +347,23 @@ def check_prompt_type(fmt: str, t: pa.DataType) -> bool:
 
 
 def _normalize(t: pa.DataType) -> str:
-    """Type text with string/large_string and list/large_list unified (for cross-file checks)."""
-    return type_str(t).replace("large_string", "string").replace("large_list", "list")
+    """Type text with the string encodings (large, view, dictionary-encoded) and list/large_list
+    unified (for cross-file checks of the columns read as Python values: prompts and ids)."""
+    text = re.sub(r"dictionary<values=(large_string|string_view|string), indices=\w+, ordered=\d>", r"\1",
+                  type_str(t))
+    return text.replace("large_string", "string").replace("string_view", "string").replace("large_list", "list")
 
 
-def check_input_schema(spec: Any, name: str, schema: pa.Schema) -> None:
+def check_input_schema(spec: Any, name: str, schema: pa.Schema, empty: bool = False) -> None:
     """Raise InputError naming `name` and the column unless `schema` has the columns the job
-    reads (input.column of the format's type, id_column, passthrough, sampling_column)."""
+    reads (input.column of the format's type, id_column, passthrough, sampling_column).
+    empty: the file has no rows; then a column of type null passes (pandas writes an empty
+    object column, such as chat messages, so: it holds nothing to read)."""
     cols = schema.names
     inp = spec.input
+
+    def untyped(col: str) -> bool:
+        return empty and pa.types.is_null(schema.field(col).type)
 
     def missing(col: str, key: str) -> InputError:
         return InputError(f"{name}: column {col!r} ({key}) not found; the file has columns: {', '.join(cols)}")
@@ -341,14 +376,14 @@ def check_input_schema(spec: Any, name: str, schema: pa.Schema) -> None:
             hint = " (a chat column? set input.format: chat)"
         raise InputError(str(missing(inp.column, "input.column")) + hint)
     t = schema.field(inp.column).type
-    if not check_prompt_type(inp.format, t):
+    if not check_prompt_type(inp.format, t) and not untyped(inp.column):
         raise InputError(f"{name}: column {inp.column!r} has type {type_str(t)}, but input.format {inp.format} needs "
                          f"{_describe_expected(inp.format)}")
     if inp.id_column is not None:
         if inp.id_column not in cols:
             raise missing(inp.id_column, "input.id_column")
         it = schema.field(inp.id_column).type
-        if not (_is_string(it) or pa.types.is_integer(it)):
+        if not (_is_string(it) or pa.types.is_integer(it) or untyped(inp.id_column)):
             raise InputError(f"{name}: id column {inp.id_column!r} has type {type_str(it)}; expected a string or integer column")
     for col in inp.passthrough:
         if col not in cols:
@@ -356,7 +391,8 @@ def check_input_schema(spec: Any, name: str, schema: pa.Schema) -> None:
     if inp.sampling_column is not None:
         if inp.sampling_column not in cols:
             raise missing(inp.sampling_column, "input.sampling_column")
-        check_sampling_column_type(name, inp.sampling_column, schema.field(inp.sampling_column).type)
+        if not untyped(inp.sampling_column):
+            check_sampling_column_type(name, inp.sampling_column, schema.field(inp.sampling_column).type)
 
 
 def _read_footer(source: str, name: str) -> tuple[int, pa.Schema, tuple[int, ...], dict]:
@@ -423,15 +459,29 @@ def read_rows(source: str, row_start: int, row_end: int, columns: list[str]) -> 
 
 
 def _check_duplicate_ids(spec: Any, files: list[InputFile]) -> None:
+    """Raise InputError naming both rows for a prompt id used twice, or for a string id equal
+    to the prompt id "<file>:<row>" that a row with a null id gets (jobs/inputs/prompts.py):
+    that row's error rows and the other row's samples would share prompt ids."""
     col = spec.input.id_column
     files = [f for f in files if f.num_rows]
+    nulls: dict[int, set[int]] = {}  # file -> rows whose id is null (filled by the reads)
 
     def read(i: int):
         f = files[i]
+        row = 0
         try:
             with open_input(f.path) as fh:
                 for batch in pq.ParquetFile(fh).iter_batches(columns=[col], batch_size=65536):
-                    yield batch.column(0)
+                    arr = batch.column(0)
+                    if pa.types.is_dictionary(arr.type) or pa.types.is_string_view(arr.type):
+                        arr = arr.cast(pa.large_string())  # (take and filter have no string_view kernels)
+                    if _is_string(arr.type):
+                        arr = _invalid_text_as_null(arr)
+                    if arr.null_count:
+                        null_rows = np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False)) + row
+                        nulls.setdefault(i, set()).update(null_rows.tolist())
+                    row += len(arr)
+                    yield arr
         except (pa.ArrowException, OSError) as e:
             raise InputError(f"{f.name}: cannot read column {col!r}: {e}") from None
 
@@ -440,6 +490,41 @@ def _check_duplicate_ids(spec: Any, files: list[InputFile]) -> None:
         key, (fa, ra), (fb, rb) = dup
         raise InputError(f"duplicate prompt id {key!r} (input.id_column {col!r}): {files[fa].name} row {ra} "
                          f"and {files[fb].name} row {rb}")
+    if not nulls or pa.types.is_integer(files[0].schema.field(col).type):
+        return  # an integer id's text never holds the ":" of "<file>:<row>"
+    fallback = {f"{files[i].name}:{r}": (i, r) for i, rows in nulls.items() for r in rows}
+    values = pa.array(list(fallback), type=pa.string())
+    for i in range(len(files)):
+        row = 0
+        for arr in read(i):
+            hit = np.flatnonzero(pc.is_in(arr.cast(pa.string()), value_set=values).to_numpy(zero_copy_only=False))
+            if hit.size:
+                key = arr[int(hit[0])].as_py()
+                fi, fr = fallback[key]
+                raise InputError(f"{files[fi].name} row {fr}: prompt id is null (input.id_column {col!r}), and the "
+                                 f"prompt id its error rows would get, {key!r}, is the id of {files[i].name} row "
+                                 f"{row + int(hit[0])}: give row {fr} an id")
+            row += len(arr)
+
+
+def _invalid_text_as_null(arr: pa.Array) -> pa.Array:
+    """`arr` (strings) with its values that are not valid UTF-8 made null: such an id makes its
+    row an error row as a null id does (jobs/inputs/prompts.py), and is no key."""
+    try:
+        arr.validate(full=True)
+        return arr
+    except pa.ArrowInvalid:
+        pass
+
+    def valid(b: bytes | None) -> bool:
+        try:
+            b is None or b.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        return True
+
+    raw = arr.cast(pa.large_binary())
+    return pc.if_else(pa.array([valid(b) for b in raw.to_pylist()]), raw, None).cast(arr.type)
 
 
 def _num_samples_values(f: InputFile, column: str) -> list[Any] | None:

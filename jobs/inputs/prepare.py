@@ -8,12 +8,14 @@ the other scalar fields (str, int, float, bool, null; non-finite floats become n
 kept as columns (e.g. GSM8K's `answer`, for input.passthrough); lists and objects are
 dropped. Ids (--id-column) must be strings or integers, all of one kind (a float with an
 integral value, 3.0, is taken as the integer 3); a missing, null, bool or fractional id is an
-InputError naming the line. Blank lines are skipped. The file is written with
-`row_group_rows`-row groups (match the job's cluster.unit_rows, so that no file needs
+InputError naming the line. The input is UTF-8 (a leading byte order mark is skipped), and a
+line that is not is an InputError naming it too. Blank lines are skipped. The file is written
+with `row_group_rows`-row groups (match the job's cluster.unit_rows, so that no file needs
 staging, jobs/inputs/staging.py), through a temporary file and a rename.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
@@ -60,17 +62,25 @@ def _read_rows(input_path: str, column: str, target: str, fmt: str) -> tuple[lis
     rows: list[dict[str, Any]] = []
     extra: dict[str, None] = {}
     try:
-        fh = open(input_path, encoding="utf-8")
+        fh = open(input_path, "rb")  # lines end at b"\n" (a "\r" before it is JSON whitespace)
     except OSError as e:
         raise InputError(f"{input_path}: cannot open: {e.strerror or e}") from None
     with fh:
-        for lineno, line in enumerate(fh, 1):
+        for lineno, raw in enumerate(fh, 1):
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8):]  # a UTF-8 byte order mark (Windows tools write one)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"{input_path}:{lineno}: not UTF-8 text: {e}") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except ValueError as e:
                 raise InputError(f"{input_path}:{lineno}: invalid JSON: {e}") from None
+            except RecursionError:  # json's decoder recurses once per nested array or object
+                raise InputError(f"{input_path}:{lineno}: invalid JSON: nested too deeply") from None
             if not isinstance(obj, dict):
                 raise InputError(f"{input_path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             if column not in obj:

@@ -17,6 +17,8 @@ error names the file, the row and the column):
   tokenizer.vocab_size are errors.
 Columns (`requests_from_columns`, for a table's rows):
 - id_column (if set): a null id is an error row (its prompt_id falls back to "<file>:<row>");
+- a value that is text but not valid UTF-8 (an Undecodable, from the Parquet reader) makes its
+  row an error row naming the column (an id: as a null one; a passthrough value: null);
 - sampling_column (if set): the row's struct overrides the job's sampling
   (jobs/inputs/row_params.py); a bad value is an error row naming the field.
 The Parquet reader (jobs/inputs/parquet.py) and GenerationPool calls (jobs/pool_task.py) read
@@ -65,6 +67,29 @@ class RowLayout:
             cols.append(self.sampling_column)
         cols.extend(self.passthrough)
         return list(dict.fromkeys(cols))
+
+
+class Undecodable:
+    """An input value pyarrow cannot convert to Python: text that is not valid UTF-8 (a string
+    column of a file whose writer did not validate it). Its row becomes an error row naming the
+    column (a struct holds it in place of its field)."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def __repr__(self) -> str:
+        return f"<{self.why}>"
+
+
+def undecodable(value: Any) -> Undecodable | None:
+    """The Undecodable that `value` is or holds in a struct field, or None."""
+    if isinstance(value, Undecodable):
+        return value
+    if isinstance(value, dict):
+        return next((u for u in map(undecodable, value.values()) if u is not None), None)
+    return None
 
 
 def text_bos(tokenizer: Any) -> int | None:
@@ -180,19 +205,26 @@ def requests_from_columns(layout: RowLayout, params: Any, columns: dict[str, lis
         if ids is not None:
             if ids[i] is None:
                 error = f"{where} column {layout.id_column!r}: prompt id is null"
+            elif (bad := undecodable(ids[i])) is not None:
+                error = f"{where} column {layout.id_column!r}: prompt id is {bad.why}"
             else:
                 pid = str(ids[i])
         row_sampling = None
         if sampling is not None:
             row_sampling, why = row_params(params, sampling[i], f"{where} column {layout.sampling_column!r} ")
             error = error or why
+        row_passthrough = {c: passthrough[c][i] for c in layout.passthrough}
+        for c in (layout.column, *layout.passthrough):
+            if (bad := undecodable(columns[c][i])) is not None:
+                error = error or f"{where} column {c!r}: {bad.why}"
+                if c in row_passthrough:
+                    row_passthrough[c] = None  # (the output cannot hold it)
         tokens = None
         if error is None:
             tokens, why = tokenize(value, layout.format, tokenizer, bos, vocab, layout.chat_template_date, tools=tools)
             if why is not None:
                 error = f"{where} column {layout.column!r}: {why}"
                 tokens = None
-        out.append(UnitRequest(prompt_id=pid, prompt_tokens=tokens, error=error,
-                               passthrough={c: passthrough[c][i] for c in layout.passthrough},
+        out.append(UnitRequest(prompt_id=pid, prompt_tokens=tokens, error=error, passthrough=row_passthrough,
                                params=row_sampling))
     return out

@@ -47,6 +47,7 @@ import pyarrow.fs as pafs
 import pydantic_core
 
 from engine.tokenizers.stop_strings import completion_text, token_bytes
+from jobs import uri
 from jobs.errors import JobError, OutputError
 from jobs.outputs.commit import resolve_output
 from jobs.outputs.output_dir import OutputDir
@@ -162,12 +163,12 @@ def write_responses(output_path: str, jsonl_path: str) -> int:
     od = OutputDir(output_path)
     m = od.read_manifest()
     if m is None:
-        raise OutputError(f"{od.path}: not a batchgen output directory (no manifest)")
+        raise OutputError(f"{od.shown}: not a batchgen output directory (no manifest)")
     if (m.get("spec") or {}).get("input", {}).get("format") != "openai_batch":
-        raise OutputError(f"{od.path}: not the output of an openai_batch job")
+        raise OutputError(f"{od.shown}: not the output of an openai_batch job")
     missing = sorted({u["index"] for u in m["units"]} - od.committed_units())
     if missing:
-        raise JobError(f"{od.path}: {len(missing)} of {len(m['units'])} units are not committed yet; rerun the job "
+        raise JobError(f"{od.shown}: {len(missing)} of {len(m['units'])} units are not committed yet; rerun the job "
                        f"to finish it before writing responses")
     ctx = {"fingerprint": m["fingerprint"], "model": (m.get("spec") or {}).get("model", {}).get("path"),
            "created": calendar.timegm(time.strptime(m["created"], "%Y-%m-%dT%H:%M:%SZ"))}
@@ -198,7 +199,7 @@ def write_responses(output_path: str, jsonl_path: str) -> int:
             fs.delete_file(tmp)
         except Exception:  # noqa: BLE001
             pass
-        raise OutputError(f"{jsonl_path}: cannot write the responses: {e}") from None
+        raise OutputError(f"{uri.redact(jsonl_path)}: cannot write the responses: {e}") from None
     return n
 
 
