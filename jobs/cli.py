@@ -145,13 +145,14 @@ def run_batch(input_path: str, output: str, *, model: str | None = None, config:
               progress: bool | None = None) -> int:
     """`batchgen run-batch`: the job of batch_spec (resumed if it ran before), then the
     response JSONL `output` written from its dataset. Returns 0; raises the job's errors."""
+    from jobs import uri
     from jobs.outputs.batch_responses import write_responses
     from jobs.runner import run_job
 
     spec = batch_spec(input_path, output, model=model, config=config, output_dir=output_dir, overrides=overrides)
     run_job(spec, overwrite=overwrite, progress=progress)
     n = write_responses(spec.output.path, output)
-    print(f"wrote {n} responses to {output}")
+    print(f"wrote {n} responses to {uri.redact(output)}")
     return 0
 
 

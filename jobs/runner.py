@@ -276,13 +276,14 @@ def show_examples(spec: Any, plan: Any, out: Any, n: int = 2, width: int = 600) 
     their prompts, so a person sees what the model wrote. Nothing for the untrained
     "tiny-random" model (its text is noise) or when the first unit holds only errors."""
     from engine.loading.builtin import TINY_RANDOM
-    from jobs.inputs.parquet import read_rows  # examples are shown for Parquet inputs only
+    from jobs.inputs.parquet import column_pylist, read_rows  # examples are shown for Parquet inputs only
 
     if spec.model.path == TINY_RANDOM or not plan.units or spec.input.format == "openai_batch":
         return ""
     unit = plan.units[0]
     rows = out.read_part(unit.index, ["sample_index", "text", "finish_reason"]).to_pylist()
-    prompts = read_rows(unit.source, unit.row_start, unit.row_end, [spec.input.column]).column(0).to_pylist()
+    # (column_pylist: a prompt that is not valid UTF-8 was an error row, skipped below, not a crash here)
+    prompts = column_pylist(read_rows(unit.source, unit.row_start, unit.row_end, [spec.input.column]).column(0))
     firsts = [r for r in rows if r["sample_index"] == 0]  # sample 0 of each prompt, in prompt order
     lines = []
     for j, prompt in enumerate(prompts):

@@ -401,6 +401,9 @@ def test_text_that_is_not_utf8_is_an_error_row(tmp_path):
     assert reqs[3].prompt_tokens == [1] + [10 + b for b in b"yes"]
     outs = [error_output(None, r.prompt_id, r.prompt_tokens, r.params, r.error or "engine said no") for r in reqs]
     assert task.write_unit(plan.units[0], reqs, outs, FakeTok()).rows == 10
+    from jobs.runner import show_examples  # the run's closing examples read the prompts again: no crash
+
+    assert spec.model.path != "tiny-random" and show_examples(spec, plan, OutputDir(spec.output.path)) == ""
     spec = JobSpec.from_dict({"input": {"path": str(tmp_path / "rows.parquet")},
                               "output": {"path": str(tmp_path / "out2")}}, "job.yaml")
     plan = plan_job(spec)

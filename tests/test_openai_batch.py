@@ -781,3 +781,21 @@ def test_errors_leave_credentials_in_the_uri_out(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_run_batch_prints_its_output_without_credentials(tmp_path, monkeypatch, capsys):
+    """`run-batch`'s closing line names the response file with a URI's credentials left out
+    (it printed s3://KEY:SECRET@... as given)."""
+    import jobs.outputs.batch_responses as responses
+    import jobs.runner as runner
+    from jobs.cli import run_batch
+
+    batch = tmp_path / "in.jsonl"
+    batch.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                 "body": {"model": "m", "prompt": "hi", "max_tokens": 2}}) + "\n")
+    monkeypatch.setattr(runner, "run_job", lambda spec, **kw: None)  # the job itself is tested above
+    monkeypatch.setattr(responses, "write_responses", lambda job_output, output: 1)
+    out = "s3://KEYID:THE-SECRET@bkt/out.jsonl?endpoint_override=127.0.0.1:9&scheme=http"
+    assert run_batch(str(batch), out, model="tiny-random", output_dir=str(tmp_path / "job")) == 0
+    printed = capsys.readouterr().out
+    assert "wrote 1 responses to s3://bkt/out.jsonl?endpoint_override=" in printed and "THE-SECRET" not in printed
