@@ -204,6 +204,10 @@ def _race_plain(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
 
 
 _RACE_CAP = 4096  # candidates per row before a row races its whole vocabulary
+# |s0| from which a row races its whole vocabulary: the compiled bound tells scores 1e-6
+# apart, and float64 scores round by their ulp, 2**-23 below 2**30 (logits of a few units at
+# a temperature of 1e-14 and below made it miss every token, the winner included: token 0)
+_RACE_MAGNITUDE = 2.0 ** 30
 
 
 def _race_candidates(kernels, logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
@@ -219,7 +223,9 @@ def _race_candidates(kernels, logits: torch.Tensor, temperature: torch.Tensor, k
     Their scores are computed as _race_plain computes every token's (float64(q) - log(-log
     u)), and the first maximum wins, as torch.argmax picks it over the whole row. A row with
     more than _RACE_CAP candidates (a nearly flat distribution) or a non-finite s0 races its
-    whole vocabulary instead. Each row's arithmetic is its own, so batching cannot change it.
+    whole vocabulary instead, as does one whose scores are too large for the bound to resolve
+    (|s0| >= _RACE_MAGNITUDE: a tiny temperature). Each row's arithmetic is its own, so
+    batching cannot change it.
     """
     B, V = logits.shape
     threads = torch.get_num_threads()
@@ -229,7 +235,7 @@ def _race_candidates(kernels, logits: torch.Tensor, temperature: torch.Tensor, k
     s0 = q.gather(1, v0[:, None])[:, 0].double() - race_noise(keys, positions, v0[:, None])[:, 0]
     idx, u, count = kernels.race_candidates(_token_hash(V, logits.device), keys, positions, q, s0.contiguous(),
                                             _RACE_CAP, threads)
-    full = (count > _RACE_CAP) | ~torch.isfinite(s0)
+    full = (count > _RACE_CAP) | ~(s0.abs() < _RACE_MAGNITUDE)  # NaN and infinities too
     c = max(1, int(count.clamp(max=_RACE_CAP).max()))
     pad = torch.arange(c) >= count[:, None]
     idx, u = idx[:, :c].masked_fill(pad, 0), u[:, :c].masked_fill(pad, 0.5)

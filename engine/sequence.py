@@ -13,7 +13,8 @@ then forces the template's rendering of the result, as the calculator's output i
 
 A sample ends on a stop token (kept as its last token, with mask 1 and its logprob: the
 model chose to stop, and a trainer must score that choice), on a stop string completed in
-its text (engine/tokenizers/stop_strings.py; every token kept), or at max_tokens / the context window.
+its sampled text (engine/tokenizers/stop_strings.py; every token kept; forced tool output is
+not matched), or at max_tokens / the context window.
 """
 from __future__ import annotations
 
@@ -145,7 +146,9 @@ class Sequence:
         Sets finish_reason when the sample ends: "stop" for a sampled stop token (kept as the
         last token) or a completed stop string (stop_reason says which), "length" at
         max_tokens or when the sequence fills `max_len` positions. Stop strings are matched on
-        the sample's whole text, forced tool output included.
+        the sampled text only: forced tool output is not the model's, so it neither completes
+        a stop string (a chat template's "<|im_end|>" in a tool message would end every call)
+        nor joins the text a match spans.
         """
         forced = logprob is None
         self.tokens.append(token)
@@ -154,10 +157,12 @@ class Sequence:
         if not forced and token in self.request.stop_ids:
             self.finish_reason, self.stop_reason = "stop", token
             return
-        data = token_bytes(tokenizer, token) if self.stop_matcher is not None or self.scanner is not None else b""
+        scan = not forced and (self.stop_matcher is not None or self.scanner is not None)
+        data = token_bytes(tokenizer, token) if scan else b""
         if self.stop_matcher is not None:
-            hit = self.stop_matcher.feed(data)
-            if hit is not None:
+            if forced:
+                self.stop_matcher.reset()
+            elif (hit := self.stop_matcher.feed(data)) is not None:
                 self.finish_reason, self.stop_reason = "stop", hit
                 return
         if self.scanner is not None and not forced:

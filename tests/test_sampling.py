@@ -282,3 +282,23 @@ def test_race_over_candidates_picks_the_whole_vocabularys_token(V, monkeypatch):
     _, _, count = kernels.race_candidates(_token_hash(V, torch.device("cpu")), keys, pos, q, s0, S._RACE_CAP, 2)
     assert (count[:8] == S._RACE_CAP + 1).all()  # flat rows overflow to the whole vocabulary
     assert count[17:].float().mean() < V / 10, count[17:]  # shaped rows keep a small part
+
+
+def test_a_tiny_temperature_races_as_the_whole_vocabulary_does():
+    """Temperatures down to 1e-37 (logits / T near float32's largest) give the whole
+    vocabulary's race, bit for bit: the argmax token and a processed logprob of 0. (The
+    candidate bound cannot resolve float64 scores that large: from about 1e-14 it kept no
+    token in about a third of the rows, which took token 0 with a processed logprob of -1e16.)"""
+    from engine.sampling import _race_plain
+
+    g = torch.Generator().manual_seed(5)
+    B, V = 32, 49152
+    logits = torch.randn(B, V, generator=g) * 3
+    keys = torch.tensor([request_key(1, f"p{b}", b) for b in range(B)], dtype=torch.long)
+    pos = torch.arange(B, dtype=torch.long) + 10
+    for t in (1e-9, 1e-14, 1e-15, 1e-20, 1e-37):
+        temperature = torch.full((B,), t)
+        want = _race_plain(logits, temperature, keys, pos, True, whole_vocabulary=True)
+        got = _race_plain(logits, temperature, keys, pos, True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), t
+        assert torch.equal(got[0], logits.argmax(dim=-1)) and (got[1] == 0).all(), t

@@ -311,6 +311,34 @@ def test_max_calls_and_max_turns_are_enforced(parts, scripted):
     assert s.mask[third.end:] == [1] * (260 - third.end)  # nothing forced: the model goes on
 
 
+def tagged(x: int) -> str:
+    """Return x as an answer."""
+    return f"<answer>{x}</answer>"
+
+
+def test_stop_strings_are_matched_on_sampled_text_not_on_forced_tool_output(parts, scripted):
+    """Stop strings that the forced result holds (the template's "<|im_end|>" and "user", a
+    tool output holding "</answer>") do not end the sample: the result is forced whole and
+    the model goes on; its own "</answer>" ends it ("stop", the last token sampled, mask 1),
+    and `text` is cut there, not at the forced occurrence. (Before, every sample with such a
+    stop string ended at the first forced token, mask 0, its tool result never shown.)"""
+    from engine.tokenizers.stop_strings import completion_text
+
+    model, tok = parts
+    eng = Engine(model, tok, tools=[tagged])
+    scripted(eng, {"q": [call_text("tagged", {"x": 5}), "It is 5.</answer> more"]})
+    params = SamplingParams(num_samples=1, max_tokens=150, seed=3, stop_token_ids=[],
+                            stop=["</answer>", "<|im_end|>", "user"])
+    s = eng.generate([chat(tok)], params, prompt_ids=["q"])[0][0]
+    (c,) = s.tool_calls
+    assert (c.output, c.error) == ("<answer>5</answer>", None)
+    assert s.tokens[c.forced_start:c.end] == ToolResponses(tok, eng.tool_turns.box.schemas()).suffix(c.output)
+    assert (s.finish_reason, s.stop_reason, s.mask[-1]) == ("stop", "</answer>", 1) and s.logprobs[-1] is not None
+    assert c.end < len(s.tokens) and set(s.mask[c.end:]) == {1}
+    text = completion_text(tok, s.tokens, s.stop_reason)
+    assert text == tok.decode(s.tokens[:c.end]) + "It is 5."
+
+
 def test_a_waiting_sample_holds_no_one_back_and_its_tokens_do_not_change(parts, scripted):
     """Sample A calls a tool that blocks; sample B keeps decoding meanwhile (B gains tokens
     while A waits). A's tokens and logprobs equal those of a run where the tool answers at

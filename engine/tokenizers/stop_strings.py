@@ -57,17 +57,24 @@ class StopStringMatcher:
         self.tail = window[-self.keep:] if self.keep else b""
         return None if best is None else best[1]
 
+    def reset(self) -> None:
+        """Forget the bytes fed so far: no match spans this point (forced tool output, which
+        is not matched, lies between)."""
+        self.tail = b""
+
 
 def completion_text(tokenizer: Any, tokens: list[int], stop_reason: int | str | None) -> str:
     """A finished sample's text: `tokens` decoded without the stop token that ended it, and
     cut before the stop string that ended it.
 
     stop_reason: Sample.stop_reason (an int: tokens[-1] is that stop token; a str: the stop
-    string completed in the last token). The cut is at the stop string's first occurrence in
-    tokenizer.decode(tokens); where the tokenizer's decoding differs from the tokens' raw
-    bytes there (SentencePiece drops a leading space, clean_up_tokenization_spaces joins
-    punctuation) and the string is not found, the text is the raw bytes before it, decoded.
-    Raises ValueError for token ids the tokenizer cannot decode.
+    string completed in the last token). The cut is at the occurrence of the stop string that
+    the last token completed: the first one to end in it, in the tokens' raw bytes (earlier
+    occurrences can lie in forced tool output, which stop strings are not matched on), found
+    in tokenizer.decode(tokens) as the same, n-th, occurrence; where the tokenizer's decoding
+    differs from the tokens' raw bytes there (SentencePiece drops a leading space,
+    clean_up_tokenization_spaces joins punctuation) and it is not found, the text is the raw
+    bytes before it, decoded. Raises ValueError for token ids the tokenizer cannot decode.
     """
     toks = list(tokens)
     if isinstance(stop_reason, int) and not isinstance(stop_reason, bool) and toks and toks[-1] == stop_reason:
@@ -75,9 +82,18 @@ def completion_text(tokenizer: Any, tokens: list[int], stop_reason: int | str | 
     text = tokenizer.decode(toks)
     if not isinstance(stop_reason, str):
         return text
+    raw = b"".join(token_bytes(tokenizer, t) for t in toks)
+    b = stop_reason.encode("utf-8")
+    last = len(token_bytes(tokenizer, toks[-1])) if toks else 0
+    j = raw.find(b, max(0, len(raw) - last - len(b) + 1))  # the occurrence ending in the last token
+    if j < 0:
+        j = raw.find(b)
+    n, k = 0, raw.find(b)
+    while 0 <= k < j:  # occurrences before it (in forced tool output)
+        n, k = n + 1, raw.find(b, k + 1)
     i = text.find(stop_reason)
+    for _ in range(n):
+        i = text.find(stop_reason, i + 1) if i >= 0 else -1
     if i >= 0:
         return text[:i]
-    raw = b"".join(token_bytes(tokenizer, t) for t in toks)
-    j = raw.find(stop_reason.encode("utf-8"))
     return raw[: j if j >= 0 else len(raw)].decode("utf-8", errors="replace")
