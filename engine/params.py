@@ -65,6 +65,12 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name}: {e}") from None
 
 
+# A prompt's samples are one request's rows, held together until they are written: a bound
+# far above any use (OpenAI's n stops at 128) that keeps a typo (1e12) an error row, not a
+# MemoryError that fails its unit and then the job
+MAX_NUM_SAMPLES = 1_000_000
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -83,8 +89,8 @@ def check_sampling_value(name: str, v: Any) -> Any:
     ValueError("must be ..., got X") for a bad value, KeyError for an unknown name.
     """
     if name == "num_samples":
-        if not _is_int(v) or v < 1:
-            raise ValueError(f"must be an integer >= 1, got {v!r}")
+        if not _is_int(v) or not 1 <= v <= MAX_NUM_SAMPLES:
+            raise ValueError(f"must be an integer from 1 to {MAX_NUM_SAMPLES:,}, got {v!r}")
     elif name == "max_tokens":
         if v is not None and (not _is_int(v) or v < 1):
             raise ValueError(f"must be an integer >= 1, got {v!r}")

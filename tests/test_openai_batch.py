@@ -72,7 +72,7 @@ def test_body_parameters_map_to_sampling_params():
     (line(url="/v1/embeddings"), "url: '/v1/embeddings' is not supported"),
     (json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": [1]}), "body: must be a JSON object"),
     (line(temperature=-1), "body.temperature: must be a finite number >= 0"),
-    (line(n=0), "body.n: must be an integer >= 1"),
+    (line(n=0), "body.n: must be an integer from 1 to 1,000,000"),
     (line(max_completion_tokens="ten"), "body.max_completion_tokens: must be an integer >= 1"),
     (line(stop=["ok", ""]), "body.stop: must be a non-empty string or a list of them"),
     (line(top_logprobs=3, logprobs=True), "body.top_logprobs: 3 is not supported"),

@@ -67,6 +67,10 @@ def test_row_params_rules():
     assert row_params(base, {"logprobs_mode": "cooked"})[1] == "field 'logprobs_mode': must be one of raw, processed, got 'cooked'"
     assert [row_num_samples(v, 2) for v in (None, {}, {"num_samples": None}, {"num_samples": 4}, {"num_samples": -1})] \
         == [2, 2, 2, 4, 1]
+    # a typo's 10^12 samples: one error row naming the bound (it was a MemoryError failing the unit, then the job)
+    p, err = row_params(base, {"num_samples": 10**12})
+    assert err == "field 'num_samples': must be an integer from 1 to 1,000,000, got 1000000000000"
+    assert p.num_samples == 1 and row_num_samples({"num_samples": 10**12}, 2) == 1
 
 
 def test_sampling_column_is_checked_before_work(tmp_path):
