@@ -229,6 +229,31 @@ def test_chat_template_sources(root, tmp_path):
         tok.render_chat([{"role": "user", "content": "x"}])
 
 
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_tools_render_with_the_tool_use_template(root, tmp_path):
+    """With tools, a tokenizer holding named templates renders with its "tool_use" one, as
+    transformers' get_chat_template picks it (Hermes-2-Pro, Command R); without tools, with
+    "default". A GGUF file's tokenizer.chat_template.tool_use likewise (llama.cpp's
+    common_chat_templates_apply uses it for a request with tools)."""
+    named = [{"name": "default", "template": "{{ 'DEFAULT ' + messages[0]['content'] }}"},
+             {"name": "tool_use", "template": "{{ 'TOOLS ' + (tools | tojson) + ' ' + messages[0]['content'] }}"}]
+    d = variant(root, tmp_path, "qwen2", {"chat_template": named})
+    from transformers import AutoTokenizer
+
+    ref, tok = AutoTokenizer.from_pretrained(str(d)), HFTokenizer.from_dir(d)
+    conv = [{"role": "user", "content": "x"}]
+    for tools in (TOOLS, None):
+        want = ref.apply_chat_template(conv, tools=tools, add_generation_prompt=True, tokenize=True)["input_ids"]
+        assert tok.render_chat(conv, tools=tools) == want, tools
+    assert pickle.loads(pickle.dumps(tok)).render_chat_text(conv, tools=TOOLS).startswith("TOOLS [")
+    gguf_tok = HFTokenizer.from_gguf(_byte_level(tmp_path / "named.gguf", [("ab", 1)], template=named))
+    assert gguf_tok.render_chat_text(conv) == "DEFAULT x"
+    assert gguf_tok.render_chat_text(conv, tools=TOOLS) == "TOOLS " + json.dumps(TOOLS) + " x"
+
+
 def test_bad_directories_are_named_errors(root, tmp_path):
     """Missing tokenizer.json, malformed JSON and an added token whose id disagrees name the file."""
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
@@ -510,6 +535,29 @@ def test_gguf_llama3_family_defaults(pre, tmp_path):
     off = HFTokenizer.from_gguf(_byte_level(tmp_path / "b.gguf", extra, merges=["a b", "b c"], pre=pre, ids=ids,
                                             add_bos=False))
     assert off.prepend_bos is False
+
+
+@pytest.mark.parametrize("pre", [None, "default", "gpt-2"])
+def test_gguf_default_pre_tokenizer_splits_as_llama_cpp(pre, tmp_path):
+    """A byte-level GGUF with tokenizer.ggml.pre "default", or none (older conversions), splits as
+    llama.cpp does (src/llama-vocab.cpp, llm_tokenizer_bpe, the `default:` regex list, each regex
+    splitting the pieces the one before left): punctuation runs alone, then GPT-2's split, then
+    digit runs, then groups of three digits; so no merge joins "'" to "t", " " to ",", or "3" to
+    "4" across a group. "gpt-2" keeps GPT-2's split alone."""
+    extra = [("'t", 1), ("\u0120,", 1), ("12", 1), ("123", 1), ("34", 1)]
+    merges = ["' t", "\u0120 ,", "3 4", "1 2", "12 3"]
+    tok = HFTokenizer.from_gguf(_byte_level(tmp_path / "d.gguf", extra, merges=merges, pre=pre))
+    t, space_comma, n12, n123, n34 = range(256, 261)
+    d, o, n = ord("d"), ord("o"), ord("n")
+    if pre == "gpt-2":
+        assert tok.encode("don't") == [d, o, n, t]
+        assert tok.encode("a ,") == [ord("a"), space_comma]
+        assert tok.encode("1234") == [n12, n34]
+    else:
+        assert tok.encode("don't") == [d, o, n, ord("'"), ord("t")]
+        assert tok.encode("a ,") == [ord("a"), ord(" "), ord(",")]
+        assert tok.encode("1234") == [n123, ord("4")]
+    assert tok.decode(tok.encode("don't a , 1234")) == "don't a , 1234"
 
 
 def test_gguf_non_ascii_control_tokens_keep_their_text_and_ids(tmp_path):

@@ -9,7 +9,8 @@ reference where the two differ, and transformers 5.x's GGUF tokenizer
 Keys read: `tokenizer.ggml.model`, `.pre`, `.tokens`, `.token_type`, `.merges`, `.scores`,
 `.bos_token_id`, `.eos_token_id`, `.unknown_token_id`, `.padding_token_id`, `.eot_token_id`,
 `.eom_token_id`, `.fim_*_token_id`, `.add_bos_token`, `.add_space_prefix`, and
-`tokenizer.chat_template`.
+`tokenizer.chat_template` (with `tokenizer.chat_template.tool_use`, the template llama.cpp
+renders a request with tools with, when the file has one).
 
 Tokenizer models (`tokenizer.ggml.model`):
 - "gpt2": byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM2, ...). NORMAL tokens outside the
@@ -40,6 +41,10 @@ Where the two references differ, this follows llama.cpp, the format's owner:
   tokenizer.json do; transformers 5.x uses GPT-2's split alone, which differs on runs of
   whitespace before a digit ("a  1": llama.cpp a|ĠĠ|1, transformers a|Ġ|Ġ|1). Other texts are
   identical (SmolLM2's vocabulary has no token joining a digit to anything).
+- "default", and a file without `tokenizer.ggml.pre`, split with llama.cpp's default regex list
+  (DEFAULT_SPLITS: punctuation runs alone, then GPT-2's split, then digit runs in threes:
+  "don't" is don|'|t, "a 12345" a|" "|123|45); transformers uses GPT-2's split alone (don|'t,
+  a|" 12345").
 - "llama" honours `add_space_prefix = false` (no "▁" before the text); transformers ignores it.
 - "llama" puts "▁" before text after a special token, and before text that starts with a
   space ("<s>Hi": <s>|▁Hi; " Hi": ▁|▁Hi); transformers 5 only at the start, and not before a
@@ -75,10 +80,17 @@ GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}
                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 GPT2 = "gpt2"            # GPT-2's own split (the ByteLevel pre-tokenizer's regex)
 DIGITS_GPT2 = "digits"   # each digit alone, then GPT-2's split
+# llama.cpp's split for "default" and for a file without tokenizer.ggml.pre (src/llama-vocab.cpp,
+# llm_tokenizer_bpe's `default:` case): these regexes one after another, each splitting the pieces
+# the one before left (punctuation runs alone, then GPT-2's split, then digit runs, in threes).
+DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+",
+                  r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+                  r"\p{N}+", r"[0-9][0-9][0-9]")
+DEFAULT = "default"
 
 # tokenizer.ggml.pre -> how byte-level BPE splits text before merging
 PRE_TOKENIZERS: dict[str, str] = {
-    "default": GPT2, "gpt-2": GPT2,
+    "default": DEFAULT, "gpt-2": GPT2,
     "smollm": DIGITS_GPT2,
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
                      "jina-v5-nano", "dbrx", "smaug-bpe"), LLAMA3_SPLIT),
@@ -224,8 +236,9 @@ def _byte_level_pre_tokenizer(pre: str, where: str) -> Any:
     if kind == DIGITS_GPT2:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(kind), behavior="isolated", invert=False),
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    splits = DEFAULT_SPLITS if kind == DEFAULT else (kind,)
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in splits]
+                                   + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def _merges(meta: _Metadata) -> list[tuple[str, str]] | None:
@@ -366,6 +379,9 @@ def build_gguf_tokenizer(source: Any, cls: type) -> Any:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, backend.token_to_id(bos))])
     template = meta.get("tokenizer.chat_template")
+    tool_use = meta.get("tokenizer.chat_template.tool_use")  # llama.cpp renders tools with it
+    if tool_use is not None:
+        template = {"tool_use": tool_use, **({} if template is None else {"default": template})}
     return cls(backend, special_tokens_map=variables, chat_template=template, name=where, stop_token_ids=stops)
 
 

@@ -60,7 +60,8 @@ class HFTokenizer:
         special_tokens_map: template variable -> token text, e.g. {"bos_token": "<s>",
             "eos_token": "</s>"}; "bos_token" and "eos_token" also give bos_token_id and the stop
             token. Each must be a token of `backend`.
-        chat_template: the Jinja source, a {name: source} dict (its "default" is used), or None.
+        chat_template: the Jinja source, a {name: source} dict (its "default" is used, its
+            "tool_use" when tools are given), or None.
         clean_up_tokenization_spaces: transformers' decode() flag (ignored for BPE models, as there).
         name: where it came from, for messages.
         stop_token_ids: the tokens that end generation when a request names none; None: the
@@ -250,9 +251,10 @@ class HFTokenizer:
         date: the day the template's `strftime_now` sees (a date or "YYYY-MM-DD"; None: now,
         in UTC; engine/tokenizers/chat_template.py says why).
         tools: JSON schemas of the tools the model may call ({"type": "function", "function":
-        {...}}), handed to the template as `tools`; a template that never reads `tools`
-        (SmolLM2's) gets them as Hermes's tool block in the system message instead
-        (engine/tool_calls.py `with_hermes_system`).
+        {...}}), handed to the template as `tools`; the tokenizer's "tool_use" template renders
+        them when it has one (transformers and llama.cpp pick it for tools). A template that
+        never reads `tools` (SmolLM2's) gets them as Hermes's tool block in the system message
+        instead (engine/tool_calls.py `with_hermes_system`).
         Raises ValueError: the template's own message when it raises (e.g. roles that do not
         alternate), a Jinja error, or "... has no chat template ..." without a template.
         """
@@ -262,14 +264,17 @@ class HFTokenizer:
                          tools: list[dict] | None = None) -> str:
         """The text `render_chat` encodes (add_generation_prompt: end with the assistant's
         header). Raises as render_chat."""
-        if self._template is None:
+        template = self._template
+        if tools and isinstance(self._template_source, Mapping) and "tool_use" in self._template_source:
+            template = self._template_source["tool_use"]  # transformers' get_chat_template (llama.cpp too)
+        if template is None:
             names = sorted(self._template_source) if isinstance(self._template_source, Mapping) else None
             raise ValueError(f"tokenizer {self.name} has no chat template"
                              + (f" named 'default' (it has {names})" if names else "")
                              + "; send token ids or plain text prompts instead")
-        if tools and not template_reads_tools(self._template):
+        if tools and not template_reads_tools(template):
             messages, tools = with_hermes_system(messages, tools), None
-        return render_chat_template(self._template, messages, self._map, add_generation_prompt=add_generation_prompt,
+        return render_chat_template(template, messages, self._map, add_generation_prompt=add_generation_prompt,
                                     date=date, tools=tools or None)
 
 
