@@ -14,7 +14,10 @@ thread: every call's units join one queue (`UnitDispatcher.add_units`), the thre
 a job) and hands each committed unit to its call's `on_result`; everything else that
 touches the dispatcher (submit, abort, pause, weights) is a command run on that thread
 between rounds (`call`), so the dispatcher's books have one writer. Rounds wait at most
-`poll_s` for a reply, which bounds how long a command waits. Rounds go on while any worker
+`poll_s` for a reply, which bounds how long a command waits behind them; a weights swap is
+a command too, and may take long (a hung worker is given up only after start_timeout_s):
+`submit` only posts its command, and `abort` and `pause` stop waiting at their timeout,
+their command still queued, to run once the swap is done. Rounds go on while any worker
 holds a copy, after every call has ended too: a copy left by a failed call, or a second
 copy whose unit committed, is collected (its result ignored: its unit is settled), so the
 worker's slot frees, a broken engine is replaced before the next call, and pause("wait")
@@ -30,13 +33,21 @@ through the dispatcher's books (first copy wins), so no row is lost or duplicate
 Pause modes (vLLM's pause_generation):
 - "abort": abort every open call, then hold new units until `resume`;
 - "wait": dispatch nothing new; `pause` returns once no unit is on a worker (units already on a
-  worker finish; units of a call not yet sent wait for `resume`);
+  worker finish; units of a call not yet sent wait for `resume`). While "keep" holds, the
+  engines are idle already: `pause` returns at once (the held samples stay held; the units
+  holding them cannot finish before `resume`);
 - "keep": dispatch nothing new, and every worker's engine aborts its unfinished requests and
   holds their samples (GenerationWorker.pause_engine), so the engines are idle and weights
   can be swapped; `resume` continues them (Engine.continue_request: tokens kept, their KV
   recomputed with the weights then loaded).
-While paused, unit deadlines do not run, and `resume` moves the running copies' start times
-on by the pause's length.
+Unit deadlines run in "wait" and "abort" (the units on the workers still run, and a hung
+worker holding one is replaced as in a run, its units queued for `resume`); while "keep"
+holds samples on purpose they do not, and `resume` moves the running copies' start times on
+by the time held. A worker that does not answer pause_engine or resume_engine, judged as a
+weights swap judges it (cluster/weight_sync.py HangDeadline: no answer within
+min(start_timeout_s, 60 s) while its engine stays still, or none to progress()), or that
+died or broke meanwhile, is replaced, uncharged: its units go back to the queue, so
+`pause` and `resume` never wait on it nor leave it running unpaused.
 
 A call fails (on_done(error)) when the dispatcher raises (a unit failed max_unit_attempts
 times, no worker can start): every open call fails then, since one failure can leave
@@ -78,6 +89,7 @@ class RolloutCall:
 @dataclass(eq=False)
 class _Command:
     fn: Callable[[], Any]
+    cancel: Callable[[BaseException], None] | None = None  # run instead of fn when the runner closed first
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
@@ -121,10 +133,21 @@ class RolloutRunner:
     # ------------------------------------------------------------------ commands
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run fn() on the runner's thread between rounds and return what it returns (or
-        raise what it raises): how anything else touches the dispatcher while calls run."""
+        raise what it raises): how anything else touches the dispatcher while calls run.
+        Raises RuntimeError when closed."""
         if threading.current_thread() is self._thread:
             return fn()
-        cmd = _Command(fn)
+        cmd = self._post(fn)
+        cmd.done.wait()
+        if cmd.error is not None:
+            raise cmd.error
+        return cmd.result
+
+    def _post(self, fn: Callable[[], Any], cancel: Callable[[BaseException], None] | None = None) -> _Command:
+        """Queue fn() to run on the runner's thread and return its command at once (its
+        `done` is set once it ran; cancel(error) runs instead if the runner closes first).
+        Raises RuntimeError when closed."""
+        cmd = _Command(fn, cancel)
         with self._cv:
             if self._closed:
                 raise RuntimeError("this pool is closed")
@@ -133,15 +156,26 @@ class RolloutRunner:
                 self._thread.start()
             self._commands.append(cmd)
             self._cv.notify_all()
-        cmd.done.wait()
+        return cmd
+
+    def _call_within(self, fn: Callable[[], Any], end: float | None) -> tuple[bool, Any]:
+        """(True, fn()'s result) once fn() ran on the runner's thread (raising what it
+        raises), or (False, None) at monotonic time `end` (None: no limit) if it has not run
+        by then: it stays queued, and runs once the thread is free (after a weights swap)."""
+        if threading.current_thread() is self._thread:
+            return True, fn()
+        cmd = self._post(fn)
+        if not cmd.done.wait(None if end is None else max(0.0, end - time.monotonic())):
+            return False, None
         if cmd.error is not None:
             raise cmd.error
-        return cmd.result
+        return True, cmd.result
 
     def submit(self, units: Iterable[WorkUnit], on_result: Callable[[UnitResult], None],
                on_done: Callable[[BaseException | None], None] | None = None) -> RolloutCall:
-        """Queue a call's units (returns at once). Raises ValueError for a unit index queued
-        already, RuntimeError when closed."""
+        """Queue a call's units; returns at once, a weights swap running or not (the call
+        starts after it). Raises RuntimeError when closed; a unit index queued already
+        (ValueError) fails the call (on_done(error))."""
         units = {u.index: u for u in units}
         call = RolloutCall(units=units, on_result=on_result, on_done=on_done, remaining=set(units))
         if not units:
@@ -150,23 +184,31 @@ class RolloutRunner:
                     raise RuntimeError("this pool is closed")
             self._end(call, None)
             return call
-        self.call(lambda: self._start(call))
+        self._post(lambda: self._start(call), lambda exc: self._fail_unstarted(call, exc))
         return call
 
     def abort(self, call: RolloutCall, timeout_s: float | None = None) -> bool:
-        """End `call` (see the module docstring); True once every unit is in."""
-        self.call(lambda: self._abort(call))
-        return call.wait(timeout_s)
+        """End `call` (see the module docstring); True once every unit is in, False if
+        `timeout_s` passed first (the abort stays under way: behind a weights swap, it runs
+        once the swap is done)."""
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self._call_within(lambda: self._abort(call), end)[0]:
+            return False
+        return call.wait(None if end is None else max(0.0, end - time.monotonic()))
 
     def pause(self, mode: str = "abort", timeout_s: float | None = None) -> bool:
         """Pause generation (see the module docstring for the modes); returns True once the
         pause holds (abort: the open calls ended; wait: no unit on a worker; keep: every
-        engine idle, its samples held), False if `timeout_s` passed first. Raises ValueError
-        for another mode."""
+        engine idle, its samples held), False if `timeout_s` passed first (the pause still
+        takes hold: behind a weights swap, once the swap is done). Raises ValueError for
+        another mode."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-        calls, idle = self.call(lambda: self._pause(mode))
         end = None if timeout_s is None else time.monotonic() + timeout_s
+        ran, got = self._call_within(lambda: self._pause(mode), end)
+        if not ran:
+            return False
+        calls, idle = got
         for c in calls:
             if not c.wait(None if end is None else max(0.0, end - time.monotonic())):
                 return False
@@ -207,6 +249,8 @@ class RolloutRunner:
                 if self._closed:
                     for c in self._commands:
                         c.error = RuntimeError("this pool is closed")
+                        if c.cancel is not None:
+                            c.cancel(c.error)
                         c.done.set()
                     return
                 commands, self._commands = self._commands, []
@@ -219,7 +263,7 @@ class RolloutRunner:
                     self._settle_aborted()
                 if self._calls or self._copies_out():  # copies of ended calls are collected too
                     self.dispatcher.advance(self._on_result, self.poll_s, dispatch=self._paused is None,
-                                            deadlines=self._paused is None)
+                                            deadlines=self._paused != "keep")
                 self._check_waiters()
             except BaseException as exc:  # noqa: BLE001 - UnitFailed and the like end every open call
                 failed = True
@@ -231,7 +275,14 @@ class RolloutRunner:
                         self._cv.wait(self.poll_s)
 
     def _start(self, call: RolloutCall) -> None:
-        self.dispatcher.add_units(call.units.values())
+        if call.done.is_set():
+            return
+        try:
+            self.dispatcher.add_units(call.units.values())
+        except Exception as exc:  # noqa: BLE001 - a unit index queued already, the dispatcher closed
+            call.remaining -= self._by_index.keys()  # another call's units: not this call's to forget
+            self._end(call, exc)
+            return
         self._calls.append(call)
         for i in call.units:
             self._by_index[i] = call
@@ -250,6 +301,17 @@ class RolloutRunner:
             return
         if not call.remaining:
             self._end(call, None)
+
+    def _fail_unstarted(self, call: RolloutCall, error: BaseException) -> None:
+        """End a call whose units never reached the dispatcher (the runner closed first)."""
+        call.remaining = set()
+        call.error = error
+        if call.on_done is not None:
+            try:
+                call.on_done(error)
+            except BaseException:  # noqa: BLE001 - a consumer's callback never stops the runner
+                pass
+        call.done.set()
 
     def _end(self, call: RolloutCall, error: BaseException | None) -> None:
         if call.done.is_set():
@@ -308,8 +370,8 @@ class RolloutRunner:
             self._on_result(r)
 
     def _pause(self, mode: str) -> tuple[list[RolloutCall], threading.Event]:
-        if self._paused is None:
-            self._paused_at = time.monotonic()
+        if mode == "keep" and self._paused != "keep":
+            self._paused_at = time.monotonic()  # the running copies are held from now on
         if self._paused != "keep":
             self._paused = mode
         idle = threading.Event()
@@ -319,6 +381,8 @@ class RolloutRunner:
             for c in calls:
                 self._abort(c)
             idle.set()
+        elif mode == "wait" and self._paused == "keep":
+            idle.set()  # the engines hold their samples, idle: their units finish after resume
         elif mode == "wait":
             self._waiters.append((lambda: not any(w.copies for w in self.dispatcher.slots.live()), idle))
         else:
@@ -328,26 +392,30 @@ class RolloutRunner:
         return calls, idle
 
     def _on_every_worker(self, method: str) -> None:
-        """Call GenerationWorker.`method` on every live worker and wait for each (60 s)."""
-        import ray
+        """Call GenerationWorker.`method` on every live worker and wait for each; a worker that
+        died, failed (a broken engine) or hangs (HangDeadline, as in a weights swap: no
+        answer within min(start_timeout_s, 60 s) while its engine stays still, or none to
+        progress()) is replaced, uncharged, its units queued again."""
+        from cluster.weight_sync import HangDeadline
 
-        refs = [getattr(w.handle, method).remote() for w in self.dispatcher.slots.live()]
-        for ref in refs:
+        live = self.dispatcher.slots.live()
+        deadline = HangDeadline(min(self.dispatcher.slots.start_timeout_s, HangDeadline.PROGRESS_S), live)
+        for ref, w in [(getattr(w.handle, method).remote(), w) for w in live]:
             try:
-                ray.get(ref, timeout=60)
-            except Exception:  # noqa: BLE001 - a worker gone: the dispatcher requeues its units
-                pass
+                deadline.get(ref, w)
+            except Exception as exc:  # noqa: BLE001 - gone, broken or hung: never paused (or resumed) for sure
+                self.dispatcher._replace(w, deadline.why(w, method, exc), charge=False)
 
     def _resume(self) -> None:
         if self._paused is None:
             return
         if self._paused == "keep":
             self._on_every_worker("resume_engine")
-        held = time.monotonic() - self._paused_at
-        for w in self.dispatcher.slots.live():  # a pause is not a slow unit, nor a stalled one
-            for c in w.copies.values():
-                c.sent += held
-                c.watch_since += held
+            held = time.monotonic() - self._paused_at
+            for w in self.dispatcher.slots.live():  # held samples are not a slow unit, nor a stalled one
+                for c in w.copies.values():
+                    c.sent += held
+                    c.watch_since += held
         self._paused = None
 
     def _check_waiters(self) -> None:

@@ -163,7 +163,8 @@ class GenerationPool:
         `generate` takes them): `handle.results()` yields each prompt's group of rows as soon
         as all its samples are done, `handle.result()` every row (what `generate` returns),
         `handle.abort()` ends the call (jobs/rollout_handle.py). Calls may overlap; while the
-        pool is paused a call's units wait for `resume`.
+        pool is paused a call's units wait for `resume`, and during a weights swap the call
+        starts after it (submit still returns at once).
         Units are small, so that groups come back early: about 1/(2 x workers x units in
         flight) of the call each (one prompt for 64 prompts on 2 workers), at most
         cluster.unit_rows; `unit_rows` sets it (bench/bench_rollouts.py measures the choice).
@@ -189,8 +190,10 @@ class GenerationPool:
         "abort"); "wait" lets the units on the workers finish and sends no more; "keep"
         stops every engine at once, holding its unfinished samples (their tokens; the KV is
         recomputed on resume, with the weights then loaded). In every mode nothing new
-        starts until `resume()`; calls submitted meanwhile wait. Returns True once the pause
-        holds (False if `timeout_s` passed first). Raises ValueError for another mode."""
+        starts until `resume()`; calls submitted meanwhile wait. "wait" while "keep" holds
+        returns at once. Returns True once the pause holds (False if `timeout_s` passed
+        first, behind a weights swap too: the pause then takes hold after it). Raises
+        ValueError for another mode."""
         return self._runner.pause(mode, timeout_s)
 
     def resume(self) -> None:

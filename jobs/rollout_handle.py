@@ -111,7 +111,8 @@ class RolloutHandle:
         """End the call: finished samples come back as they are, unfinished ones with their
         tokens so far and finish_reason "abort", samples never started with no tokens and
         "abort"; every sample of the call exactly once. Returns True once every unit is in
-        (False if `timeout_s` passed first); `results()` and `result()` then give the rest.
+        (False if `timeout_s` passed first, behind a weights swap too: the abort then runs
+        after it); `results()` and `result()` then give the rest.
         The pool takes the next call at once. A call already ended (done(): finished,
         failed, or ended by the pool's close) is left as it is: True, even once the pool
         is closed."""

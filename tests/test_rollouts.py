@@ -18,7 +18,10 @@ On a real Ray head (one pool of 2 workers for the module; `base` then `trained` 
   the full call, unfinished ones "abort" with a prefix of their full tokens;
 - pause("keep"), load_weights(trained) or update_weights(trained's state dict), resume():
   samples running at the pause carry the pool's weight version v then v + 1, their version-v
-  tokens are those of the call on `base` alone, and the pool serves the next call.
+  tokens are those of the call on `base` alone, and the pool serves the next call;
+- one hung (SIGSTOPped) worker never holds the caller: pause("wait") and pause("keep")
+  replace it, and submit() and abort(timeout_s) do not wait behind a swap held by one;
+  pause("wait") while "keep" holds returns at once.
 """
 from __future__ import annotations
 
@@ -516,3 +519,119 @@ def test_calls_submitted_from_several_threads_at_once_each_get_their_own_rows(po
         seeds |= seed
         assert same_rows(rows) == same_rows(pool.generate(_prompts()[lo:hi], {"seed": seed.pop()}))
     assert len(seeds) == len(slices)
+
+
+def _stop_a_worker_holding_units(pool) -> int:
+    """The pid of a worker that holds units of the running call, stopped (SIGSTOP)."""
+    import os
+    import signal
+
+    pid = pool._runner.call(lambda: [w for w in pool.dispatcher.slots.live() if w.copies][0].info["pid"])
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def _cont(pid: int) -> None:
+    import os
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGCONT)  # killed when replaced; the old code's worker answers now
+    except ProcessLookupError:
+        pass
+
+
+def test_pause_wait_while_keep_holds_returns_at_once(pool):
+    """pause("wait") after pause("keep"): the engines hold their samples, idle, so the pause
+    holds at once; resume() continues them and the call gets every sample. (It used to
+    wait for the held units to finish, which they cannot before resume: never without a
+    timeout.)"""
+    h = pool.submit(_prompts(long_tokens=120), SEED)
+    next(h.results(timeout_s=120))
+    try:
+        assert pool.pause("keep", timeout_s=30)
+        assert pool.pause("wait", timeout_s=5)
+    finally:
+        pool.resume()
+    assert h.result(timeout_s=120).num_rows == N_PROMPTS * N_SAMPLES
+
+
+def test_pause_wait_replaces_a_stopped_worker_holding_units(pool):
+    """During pause("wait") the units on the workers still run, so their deadlines do too: a
+    worker stopped (SIGSTOP) while holding units passes the unit deadline (2 s here) and,
+    without progress for the suspect timeout (1 s here), is replaced; its units wait in the
+    queue, pause("wait") returns, and after resume() the call gets every sample. (Deadlines
+    were off during any pause: the stopped worker was never replaced and pause("wait")
+    never returned.)"""
+    units, slots = pool.dispatcher.units, pool.dispatcher.slots
+    h = pool.submit(_prompts(long_tokens=120), SEED)
+    next(h.results(timeout_s=120))
+    stopped = _stop_a_worker_holding_units(pool)
+    try:
+        pool._runner.call(lambda: (setattr(units, "unit_timeout_s", 2.0), setattr(slots, "suspect_timeout_s", 1.0)))
+        assert pool.pause("wait", timeout_s=30)
+    finally:
+        pool._runner.call(lambda: (setattr(units, "unit_timeout_s", None), setattr(slots, "suspect_timeout_s", None)))
+        _cont(stopped)
+        pool.resume()
+    assert h.result(timeout_s=120).num_rows == N_PROMPTS * N_SAMPLES
+    assert stopped not in {s["pid"] for s in pool.engine_states()}
+
+
+def test_pause_keep_replaces_a_stopped_worker(pool):
+    """pause("keep") with a worker stopped (SIGSTOP) while holding units judges it as a swap
+    does (start_timeout_s, 5 s here, and no answer to progress()): it is replaced,
+    uncharged, its units queued for resume(), and the call gets every sample. (It used to
+    wait 60 s for it, then return True with that worker never paused: once it ran again it
+    could take resume_engine before pause_engine and hold its samples for ever.)"""
+    slots = pool.dispatcher.slots
+    timeout = slots.start_timeout_s
+    h = pool.submit(_prompts(long_tokens=120), SEED)
+    next(h.results(timeout_s=120))
+    stopped = _stop_a_worker_holding_units(pool)
+    try:
+        slots.start_timeout_s = 5.0
+        assert pool.pause("keep", timeout_s=30)
+        assert stopped not in pool._runner.call(lambda: [w.info["pid"] for w in slots.live()])
+    finally:
+        slots.start_timeout_s = timeout
+        _cont(stopped)
+        pool.resume()
+    assert h.result(timeout_s=120).num_rows == N_PROMPTS * N_SAMPLES
+
+
+def test_submit_and_abort_do_not_wait_behind_a_long_swap(pool, ckpts, monkeypatch):
+    """While a weights swap waits on a stopped worker (start_timeout_s, 4 s here, then no
+    answer to progress()), submit() returns at once and abort(timeout_s=1) returns False
+    after about 1 s, its abort still under way; once the swap is done the call ends with
+    every sample "abort". (Both used to wait for the whole swap.)"""
+    import os
+    import signal
+    import threading
+
+    slots = pool.dispatcher.slots
+    timeout = slots.start_timeout_s
+    started = threading.Event()
+    swap = pool.dispatcher.load_weights
+    monkeypatch.setattr(pool.dispatcher, "load_weights", lambda *a, **k: (started.set(), swap(*a, **k))[1])
+    stopped = pool.engine_states()[0]["pid"]
+    os.kill(stopped, signal.SIGSTOP)
+    swapping = threading.Thread(target=pool.load_weights, args=(str(ckpts["base"]),), daemon=True)
+    try:
+        slots.start_timeout_s = 4.0
+        swapping.start()
+        assert started.wait(30)
+        t = time.monotonic()
+        h = pool.submit(_prompts()[:8], SEED)
+        assert time.monotonic() - t < 1.0
+        assert not h.abort(timeout_s=1)
+        assert time.monotonic() - t < 3.0
+        swapping.join(120)
+    finally:
+        slots.start_timeout_s = timeout
+        _cont(stopped)
+    assert not swapping.is_alive()
+    assert h.abort(timeout_s=30)
+    rows = h.result().to_pylist()
+    assert len(rows) == 8 * N_SAMPLES and {r["finish_reason"] for r in rows} == {"abort"}
+    assert stopped not in {s["pid"] for s in pool.engine_states()}
