@@ -66,7 +66,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
     Raises SpecError (exit code 2) for a missing or unreadable file, invalid YAML (with
     line and column), a value YAML cannot build (an impossible date: with its key and line),
-    something else than a mapping of sections, or an unknown section.
+    a key given twice in one mapping (with its key and lines), something else than a mapping
+    of sections, or an unknown section.
     """
     source = str(path)
     try:
@@ -88,7 +89,49 @@ def read_config(path: str | Path) -> dict[str, Any]:
         # not YAMLError: the text parses, but a scalar resolves to a type that cannot hold it
         # (unquoted `chat_template_date: 2026-02-30` is a timestamp, and no such day exists)
         raise SpecError(f"{source}: {_unbuildable_value(text, e)}") from None
+    duplicate = _duplicate_key(text)
+    if duplicate:
+        raise SpecError(f"{source}: {duplicate}") from None
     return normalise_sections(data, source)
+
+
+def _duplicate_key(text: str) -> str | None:
+    """The message for a key given twice in one mapping (yaml.safe_load keeps the last one
+    silently: a second `sampling:` section would drop the first's keys), naming its dotted
+    key path and both lines; None if there is none. Keys a merge (`<<: *anchor`) brings in
+    may be overridden, as YAML defines."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+    builder = yaml.SafeLoader("")
+    seen: set[int] = set()  # nodes walked (an alias repeats a node)
+
+    def walk(node: yaml.Node | None, path: list[str]) -> str | None:
+        if node is None or id(node) in seen:
+            return None
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            return next((d for i, v in enumerate(node.value) if (d := walk(v, path + [str(i)]))), None)
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        first: dict[Any, yaml.Node] = {}
+        for k, v in node.value:
+            if not isinstance(k, yaml.ScalarNode) or k.tag == "tag:yaml.org,2002:merge":
+                continue
+            try:
+                key = builder.construct_object(k, deep=True)
+                hash(key)
+            except (ValueError, TypeError, yaml.YAMLError):
+                continue
+            if key in first:
+                a, b = first[key].start_mark, k.start_mark
+                return (f"{'.'.join(path + [str(key)])}: given twice, at line {a.line + 1}, column {a.column + 1} "
+                        f"and line {b.line + 1}, column {b.column + 1} (a mapping holds each key once)")
+            first[key] = k
+        return next((d for k, v in node.value if (d := walk(v, path + [str(getattr(k, "value", "?"))]))), None)
+
+    return walk(root, [])
 
 
 def _unbuildable_value(text: str, error: Exception) -> str:

@@ -15,8 +15,8 @@ Order of work (every check that can refuse the job happens before Ray starts):
 3. OutputDir.prepare: new / resume / overwrite, fingerprint check (OutputError, exit 2);
 4. skip committed units (resume), remove temp files and probes of interrupted writes and
    damaged part files (empty or cut short, as a power loss can leave them: their units run
-   again), stage input files whose row groups are too large for their units
-   (jobs/inputs/staging.py);
+   again), remove a _SUCCESS of an earlier run when units remain, stage input files whose
+   row groups are too large for their units (jobs/inputs/staging.py);
 5. connect Ray: cluster.address None starts a private local instance sized for the workers
    with the GPUs Ray detects (shut down at the end); "auto", "host:port" or "ray://..."
    joins a cluster (left running). A Ray instance already initialised in this process is
@@ -165,6 +165,10 @@ def run_job(spec: Any, overwrite: bool = False, *, progress: bool | None = None,
         # not committed, and must go for its unit's commit (a link) to succeed again
         committed = out.committed_units(remove_damaged=True)
         todo = [u for u in plan.units if u.index not in committed]
+        if todo:
+            # a _SUCCESS of an earlier run (a part since deleted or found damaged) would claim
+            # the output whole while this run is under way, and after it if it stops
+            out.clear_success()
         log.info("job %s: %d prompts, %d units (%d committed, %d to run), output %s (%s)%s", plan.fingerprint[:12],
                  plan.num_prompts, len(plan.units), len(plan.units) - len(todo), len(todo), out.shown, mode,
                  f"; took over the output lease of {lease.took_over}" if lease.took_over else "")

@@ -270,6 +270,23 @@ class SamplingSpec(_Section):
         return list(v) if isinstance(v, tuple) else v
 
 
+def _not_json(v: Any, where: str = "") -> str | None:
+    """What in `v` JSON cannot hold as it is (a key that is not a string, a date, a
+    non-finite number), with where it is; None for plain JSON."""
+    if isinstance(v, dict):
+        for k, item in v.items():
+            if not isinstance(k, str):
+                return f"the key {k!r}{where and ' in ' + where} is not a string (quote it)"
+            if why := _not_json(item, f"{where}.{k}" if where else k):
+                return why
+        return None
+    if isinstance(v, list):
+        return next((why for i, item in enumerate(v) if (why := _not_json(item, f"{where}[{i}]"))), None)
+    if v is None or isinstance(v, (str, bool, int)) or isinstance(v, float) and math.isfinite(v):
+        return None
+    return f"{where or 'the value'}: {v!r} is not a JSON value (quote it to give a string)"
+
+
 class FunctionToolSpec(_Section):
     """One tool the model may call in the Hermes format (engine/tool_runner.py Tool): its
     `function` is imported on the workers, on first use; only its syntax is checked here."""
@@ -296,6 +313,11 @@ class FunctionToolSpec(_Section):
     def _parameters(cls, v: dict | None) -> dict | None:
         if v is not None and v.get("type") != "object":
             raise ValueError(f'must be a JSON schema object ({{"type": "object", "properties": {{...}}}}), got {v!r}')
+        why = None if v is None else _not_json(v)
+        if why:
+            # the chat template and the fingerprint take it as JSON (a YAML date or a number as a
+            # key crashed them, exit 1, after the checks)
+            raise ValueError(f"must be JSON: {why}")
         return v
 
     @field_validator("timeout_s")

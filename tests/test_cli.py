@@ -231,6 +231,9 @@ def test_plan_reports_resume_and_refuses_another_jobs_output(tmp_path, capsys):
     write_part(spec.output.path, 1, pa.table({"x": [1]}))
     assert main(["plan", str(cfg)]) == 0
     assert ": resume, 1 of 3 units committed" in capsys.readouterr().out
+    write_part(spec.output.path, 99, pa.table({"x": [1]}))  # no unit of this job: not counted (it said 2 of 3)
+    assert main(["plan", str(cfg)]) == 0
+    assert ": resume, 1 of 3 units committed" in capsys.readouterr().out
     assert main(["plan", str(cfg), "--set", "sampling.seed=5"]) == 2
     out = capsys.readouterr().out
     assert "holds another job's output" in out and "sampling.seed: 0 -> 5" in out

@@ -344,6 +344,9 @@ def corrupt(kind, tmp_path, od, plan, task):
     if kind == "orphan":
         (out / ".tmp-part-000001-abcdef.parquet").write_bytes(b"partial")
         return ".tmp-part-000001-abcdef.parquet: orphan temporary file"
+    if kind == "orphan_in_batchgen":  # a manifest, lease or hash cache write cut short (status counts it)
+        (out / "_batchgen" / ".tmp-0123abcd").write_text("{")
+        return "_batchgen/.tmp-0123abcd: orphan temporary file"
     if kind == "unexpected":
         (out / "notes.txt").write_text("hi")
         return "notes.txt: unexpected file"
@@ -367,7 +370,8 @@ def corrupt(kind, tmp_path, od, plan, task):
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["rows", "fingerprint", "schema", "duplicate", "duplicate_in_file", "orphan", "unexpected", "extra_unit",
+@pytest.mark.parametrize("kind", ["rows", "fingerprint", "schema", "duplicate", "duplicate_in_file", "orphan",
+                                  "orphan_in_batchgen", "unexpected", "extra_unit",
                                   "success_missing", "truncated", "no_manifest", "bad_manifest"])
 def test_verify_catches(tmp_path, kind):
     spec, plan, task, od = make_job(tmp_path)
@@ -537,6 +541,33 @@ def test_resume_reruns_units_whose_part_is_empty_or_cut_short(tmp_path, run_inli
     assert od.status()["summary"]["units_this_run"] == 2
 
 
+def test_a_resume_that_stops_leaves_no_success_marker_of_the_earlier_run(tmp_path, run_inline, monkeypatch):
+    """A finished output whose part was deleted (as a damaged part's message advises) has a
+    _SUCCESS that no longer holds; the rerun removes it before its units run, so a rerun that
+    stops leaves no marker claiming every unit is in (it stayed: `status` said "success
+    marker: yes" at 2/3 units and `verify` exited 1); the rerun that finishes writes it again."""
+    from cluster.unit import UnitFailed
+    from jobs.errors import JobFailed
+
+    spec, plan, task, od = make_job(tmp_path)
+    assert run_inline(spec) == 0
+    os.remove(Path(od.path) / part_name(1))
+    assert od.status()["success"]
+
+    def fail(self, units, **kw):
+        raise UnitFailed("unit 1 failed 3 times: boom")
+
+    run_units = InlineDispatcher.run
+    monkeypatch.setattr(InlineDispatcher, "run", fail)
+    with pytest.raises(JobFailed):
+        run_inline(spec)
+    assert not od.status()["success"] and od.verify() == []
+    monkeypatch.setattr(InlineDispatcher, "run", run_units)
+    assert run_inline(spec) == 0
+    st = od.status()
+    assert st["success"] and st["summary"]["units_this_run"] == 1 and st["summary"]["samples"] == 20
+
+
 def test_a_part_whose_footer_cannot_be_read_is_named_when_the_run_ends(tmp_path, run_inline):
     """A part that ends like a Parquet file but whose footer is garbage is taken for committed
     at the start; the end of the run cannot read it and fails naming the file and what to do
@@ -606,7 +637,8 @@ def test_leftovers_of_a_crash_are_batchgens_own_and_removed(tmp_path, run_inline
         (out / rel).write_text("probe")
     os.remove(out / SUCCESS)
     problems = od.verify()
-    assert [p.split(":")[0] for p in problems] == probes[:2] and all("orphan temporary file" in p for p in problems)
+    # those under _batchgen/ too, as status counts them
+    assert [p.split(":")[0] for p in problems] == probes and all("orphan temporary file" in p for p in problems)
     assert od.status()["temp_files"] == 3
     assert run_inline(spec) == 0
     assert not any((out / rel).exists() for rel in probes) and od.verify() == []

@@ -113,6 +113,15 @@ def test_bad_overrides(tmp_path, override, fragment):
     ("model: {chat_template_date: 2026-02-30}",
      "model.chat_template_date: cannot read '2026-02-30' at line 1, column 29: day is out of range for month"),
     ("- a\n- b", "expected a mapping of sections"),
+    # a key given twice: YAML keeps the last silently (the first section's keys were lost)
+    ("sampling: {seed: 1}\nsampling: {num_samples: 2}",
+     "sampling: given twice, at line 1, column 1 and line 2, column 1 (a mapping holds each key once)"),
+    ("sampling:\n  seed: 1\n  'seed': 2", "sampling.seed: given twice, at line 2, column 3 and line 3, column 3"),
+    # tool parameters the chat template and the fingerprint take as JSON (they crashed, exit 1)
+    ("tools: [{name: a, function: 'operator:add', parameters: {type: object, properties: {x: {default: 2026-01-01}}}}]",
+     "tools.functions.0.parameters: must be JSON: properties.x.default: datetime.date(2026, 1, 1) is not a JSON value"),
+    ("tools: [{name: a, function: 'operator:add', parameters: {type: object, properties: {1: {}, b: {}}}}]",
+     "tools.functions.0.parameters: must be JSON: the key 1 in properties is not a string"),
 ])
 def test_validation_messages_name_file_and_key(tmp_path, yaml_text, fragment):
     p = write(tmp_path, yaml_text)
@@ -303,3 +312,12 @@ def test_load_job_spec_keeps_a_jobspecs_python_tools(tmp_path):
     assert load_job_spec(spec).fingerprint_dict() == spec.fingerprint_dict()
     with pytest.raises(SpecError, match="used twice"):
         load_job_spec(spec, {"tools.functions": [{"name": "add", "function": "operator:add"}]})
+
+
+def test_merge_keys_may_override_and_anchors_are_read(tmp_path):
+    """Keys a YAML merge (`<<: *anchor`) brings in may be given again (YAML defines the
+    explicit one to win), unlike a key written twice."""
+    spec = load_spec(write(tmp_path, "sampling: &s {seed: 3, num_samples: 2}\n"
+                                     "cluster: {unit_rows: 5}\n"
+                                     "model:\n  <<: {path: tiny-random, max_num_seqs: 4}\n  max_num_seqs: 6\n"))
+    assert (spec.sampling.seed, spec.sampling.num_samples, spec.model.max_num_seqs) == (3, 2, 6)

@@ -109,10 +109,10 @@ class OutputChecks:
         expected_schema = [[n, t] for n, t in m.get("output_schema", [])]
         parts: list[tuple[str, int]] = []
         for rel, _ in self._entries():
-            if rel.startswith("_batchgen/") or rel == SUCCESS:
-                continue
-            if LEFTOVER_RE.match(rel):  # a temporary file or a probe
+            if LEFTOVER_RE.match(rel):  # a temporary file or a probe, _batchgen/'s included (as status counts them)
                 problems.append(f"{rel}: orphan temporary file (an interrupted write; resuming the job removes it)")
+                continue
+            if rel.startswith("_batchgen/") or rel == SUCCESS:
                 continue
             mm = PART_RE.match(rel)
             if not mm or int(mm.group(1)) not in units:

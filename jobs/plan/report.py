@@ -65,6 +65,7 @@ def describe_plan(spec: Any) -> tuple[str, int]:
     if manifest is not None:
         if manifest.get("fingerprint") == plan.fingerprint:
             done, damaged = out.check_parts()
+            done &= {u.index for u in plan.units}  # a part of another index is not one of this job's units
             lines.append(f"output:        {out.shown}: resume, {len(done):,} of {len(plan.units):,} units committed"
                          + (f"; {len(damaged):,} part file(s) damaged, which `run` removes and runs again: "
                             + ", ".join(f"{rel} ({why})" for rel, why in damaged[:5])
