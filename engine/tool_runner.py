@@ -16,6 +16,7 @@ hung tool never blocks the others or the interpreter's exit.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -133,10 +134,16 @@ class Tool:
 
     @classmethod
     def of(cls, obj: "Tool | Callable | dict") -> "Tool":
-        """A Tool from a Tool, a callable (named by its __name__) or a dict of Tool's fields."""
+        """A Tool from a Tool, a callable (named by its __name__) or a dict of Tool's fields.
+        Raises ValueError naming an unknown or missing field, or a bad value."""
         if isinstance(obj, Tool):
             return obj
         if isinstance(obj, dict):
+            keys = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
+            why = next((f"unknown field {k!r}" for k in obj if k not in keys), None) or next(
+                (f"the field {k!r} is required" for k in ("name", "function") if k not in obj), None)
+            if why is not None:
+                raise ValueError(f"tool {obj.get('name', '?')!r}: {why} (fields: {', '.join(keys)})")
             return cls(**obj)
         if callable(obj):
             return cls(name=getattr(obj, "__name__", "tool"), function=obj)

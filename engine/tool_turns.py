@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,20 @@ from engine.tool_calls import ToolResponses, parse_tool_call
 from engine.tool_runner import ToolBox, ToolError, ToolRunner
 
 MAX_BLOCK_S = 0.05  # longest `wait` blocks when only tool calls are left: new requests may arrive
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _utf8(text: str) -> str:
+    """`text` with its lone surrogates as U+FFFD: a Python str that is not valid UTF-8 (a tool
+    returning os.listdir's undecodable file names, an exception message quoting them, a call
+    whose JSON writes "\\udc00") can be neither tokenized nor written to the output's Parquet."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def _arguments_text(arguments: dict) -> str:
+    """The call's arguments as JSON text; lone surrogates stay as JSON escapes (see _utf8)."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    return json.dumps(arguments) if _SURROGATE.search(text) else text
 
 
 @dataclass(slots=True)
@@ -71,8 +86,8 @@ class ToolTurns:
         call = ToolCall(start=start, end=len(seq.tokens), expr=text, output=None, error=None)
         seq.tool_calls.append(call)
         parsed = parse_tool_call(text)
-        call.name = parsed.name
-        call.arguments = None if parsed.arguments is None else json.dumps(parsed.arguments, ensure_ascii=False)
+        call.name = None if parsed.name is None else _utf8(parsed.name)
+        call.arguments = None if parsed.arguments is None else _arguments_text(parsed.arguments)
         if seq.finish_reason is not None:
             call.error = f"not run: the sample ended ({seq.finish_reason}) with the call"
             return
@@ -105,12 +120,14 @@ class ToolTurns:
             p: PendingCall = seq.pending
             if p.future.done():
                 took = getattr(p.future, "batchgen_done_at", now) - p.t0  # queue + run, not our polling
+                output, error = None, None
                 try:
-                    self._answer(seq, p.call, p.future.result(), None, took)
+                    output = p.future.result()
                 except ToolError as e:
-                    self._answer(seq, p.call, None, str(e), took)
+                    error = str(e)
                 except BaseException as e:  # noqa: BLE001 - a tool's own failure, never the engine's
-                    self._answer(seq, p.call, None, f"{p.call.name} raised {type(e).__name__}: {e}", took)
+                    error = f"{p.call.name} raised {type(e).__name__}: {e}"
+                self._answer(seq, p.call, output, error, took)  # outside: its own failure is not the tool's
             elif (deadline := p.deadline()) is not None and now > deadline:
                 self.runner.abandon(p.future)
                 self._answer(seq, p.call, None, f"{p.call.name} timed out after {p.timeout_s:g} s", now - p.t0)
@@ -146,7 +163,8 @@ class ToolTurns:
         seq.pending = None
 
     def _answer(self, seq: Any, call: ToolCall, output: str | None, error: str | None, latency: float) -> None:
-        text = output if error is None else f"Error: {error}"
+        error = None if error is None else _utf8(error)
+        text = _utf8(output) if error is None else f"Error: {error}"
         call.output, call.error, call.latency_s = text, error, latency
         toks = self.responses.suffix(text)
         call.forced_start = len(seq.tokens)

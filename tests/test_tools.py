@@ -32,6 +32,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
+import json
 import math
 import sys
 import threading
@@ -572,3 +573,92 @@ def test_gsm8k_classifier_classes():
     assert c("5x2", "10") == "not plain: expression syntax"
     assert c("$5*2", "10") == "not plain: expression syntax"
     assert c("3/4", "3/4") == "not plain: result is not a number"
+
+
+# ---------------------------------------------------------------------------------------
+# 5. function tools: text that is not valid UTF-8, Tool fields (engine/tool_turns.py, tool_runner.py)
+
+try:  # the engine fixtures of the Hermes tests: a random Llama, Qwen2.5's tokenizer and template
+    import test_tool_calls as _hermes
+except (ImportError, pytest.skip.Exception):  # no engine or transformers: the calculator tests still run
+    _hermes = None
+else:
+    parts, scripted, call_text, chat = _hermes.parts, _hermes.scripted, _hermes.call_text, _hermes.chat
+
+needs_engine = pytest.mark.skipif(_hermes is None, reason="engine or transformers not importable")
+
+
+def listdir_like() -> str:
+    """A directory listing, as os.listdir gives a file name that is not UTF-8."""
+    return "a.txt b\udcff.txt"
+
+
+def open_like(path: str = "") -> str:
+    raise FileNotFoundError("no such file: 'c\udcff.txt'")
+
+
+@needs_engine
+def test_text_that_is_not_utf8_is_forced_as_u_fffd_and_never_stops_the_engine(parts, scripted):
+    """A Python str that is not valid UTF-8 (lone surrogates: os.listdir's undecodable names,
+    an exception quoting one, a call whose JSON writes "\\udc00" in its name or arguments)
+    cannot be tokenized or written to Parquet. The tool's result and error are forced with
+    U+FFFD in their place; the arguments are recorded as JSON with the escape; every sample
+    completes, and its tool_calls convert to the output's Arrow type. (Before, the call name
+    and the raising tool stopped the whole engine with "TypeError: TextInputSequence must be
+    str", the result was reported as the tool raising TypeError, and the arguments failed
+    the output's Parquet.)"""
+    import pyarrow as pa
+
+    from engine import SamplingParams
+    from engine.engine import Engine
+    from engine.tool_calls import ToolResponses
+    from jobs.outputs.schema import TOOL_CALL_TYPE
+
+    model, tok = parts
+    eng = Engine(model, tok, tools=[listdir_like, open_like])
+    cases = {"result": (call_text("listdir_like", {}), "a.txt b\ufffd.txt", None),
+             "raises": (call_text("open_like", {}), None, "open_like raised FileNotFoundError: no such file: "
+                                                           "'c\ufffd.txt'"),
+             "arguments": ('<tool_call>\n{"name": "open_like", "arguments": {"path": "\\udc00"}}\n</tool_call>', None,
+                           "open_like raised FileNotFoundError"),
+             "name": ('<tool_call>\n{"name": "\\udc00", "arguments": 1}\n</tool_call>', None,
+                      "the arguments of \ufffd must be a JSON object")}
+    scripted(eng, {k: [v[0]] for k, v in cases.items()})
+    params = SamplingParams(num_samples=1, max_tokens=56, seed=3, stop_token_ids=[])
+    res = eng.generate([chat(tok, tools=eng.tool_turns.box.schemas())] * len(cases), params, prompt_ids=list(cases))
+    responses = ToolResponses(tok, eng.tool_turns.box.schemas())
+    for (pid, (_, output, error)), (s,) in zip(cases.items(), res):
+        c = s.tool_calls[0]
+        assert s.finish_reason == "length" and s.error is None and c.forced_start is not None, pid
+        if error is None:
+            assert (c.output, c.error) == (output, None), pid
+        else:
+            assert error in c.error and c.output == f"Error: {c.error}", (pid, c.error)
+        assert s.tokens[c.forced_start:c.end] == responses.suffix(c.output)[:c.end - c.forced_start], pid
+        assert set(s.mask[c.forced_start:c.end]) == {0} and set(s.logprobs[c.forced_start:c.end]) == {None}
+        pa.array([[{f: getattr(c, f) for f in TOOL_CALL_TYPE.names} for c in s.tool_calls]],
+                 pa.list_(TOOL_CALL_TYPE))  # what the output's Parquet takes (jobs/task.py unit_table)
+    arguments = res[2][0].tool_calls[0].arguments
+    assert arguments == '{"path": "\\udc00"}' and arguments.encode() and json.loads(arguments) == {"path": "\udc00"}
+    assert res[3][0].tool_calls[0].name == "\ufffd"
+
+
+def test_tool_fields_given_as_a_dict_are_checked_by_name():
+    """Tool.of / ToolBox / JobSpec.with_python_tools take a dict of Tool fields: an unknown or a
+    missing field is a ValueError (SpecError for the job) naming it, as a bad value is. (Before:
+    a bare TypeError from the dataclass, past with_python_tools' SpecError.)"""
+    pytest.importorskip("pydantic")
+    from engine.tool_runner import Tool, ToolBox
+    from jobs.errors import SpecError
+    from jobs.spec import JobSpec
+
+    def add(a: int, b: int) -> str:
+        return str(a + b)
+
+    assert Tool.of({"name": "add", "function": add, "timeout_s": 5}).timeout_s == 5
+    with pytest.raises(ValueError, match="unknown field 'timeout'"):
+        ToolBox([{"name": "add", "function": add, "timeout": 5}])
+    with pytest.raises(ValueError, match="'function' is required"):
+        Tool.of({"name": "add"})
+    with pytest.raises(SpecError, match="'name' is required"):
+        JobSpec.model_validate({}).with_python_tools([{"function": add}])
