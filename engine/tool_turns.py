@@ -107,8 +107,8 @@ class ToolTurns:
         if error is not None:
             self._answer(seq, call, None, error, 0.0)
             return
-        seq.pending = PendingCall(call, self.runner.submit(tool, parsed.arguments), time.perf_counter(),
-                                  float(tool.timeout_s))
+        t0 = time.perf_counter()  # before submit: a quick call's thread may return before submit does
+        seq.pending = PendingCall(call, self.runner.submit(tool, parsed.arguments), t0, float(tool.timeout_s))
         self.waiting.append(seq)
 
     def poll(self) -> bool:

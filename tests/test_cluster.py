@@ -740,7 +740,7 @@ def test_submit_job_with_a_mocked_client(tmp_path, monkeypatch, capsys):
     assert kw["entrypoint"] == ("python -m jobs.cli run configs/demo.yaml --set sampling.max_tokens=8 "
                                 "--set cluster.address=auto")
     env = kw["runtime_env"]
-    assert env["working_dir"] == str(ROOT) and ".git" in env["excludes"] and "out/demo" in env["excludes"]
+    assert env["working_dir"] == str(ROOT) and ".git" in env["excludes"] and "/out/demo" in env["excludes"]  # anchored
     printed = capsys.readouterr().out
     assert "raysubmit_123" in printed and "ray job logs --follow raysubmit_123 --address http://head:8265" in printed
 
