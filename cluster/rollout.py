@@ -303,15 +303,10 @@ class RolloutRunner:
             self._end(call, None)
 
     def _fail_unstarted(self, call: RolloutCall, error: BaseException) -> None:
-        """End a call whose units never reached the dispatcher (the runner closed first)."""
+        """End a call whose units never reached the dispatcher (the runner closed first): none
+        of its indices are in the books, so there is nothing of its own to forget."""
         call.remaining = set()
-        call.error = error
-        if call.on_done is not None:
-            try:
-                call.on_done(error)
-            except BaseException:  # noqa: BLE001 - a consumer's callback never stops the runner
-                pass
-        call.done.set()
+        self._end(call, error)
 
     def _end(self, call: RolloutCall, error: BaseException | None) -> None:
         if call.done.is_set():
