@@ -300,7 +300,9 @@ def _botocore_client(fs: pafs.FileSystem, opts: dict[str, Any]) -> Any:
     return botocore.session.get_session().create_client("s3", config=config, **kw)
 
 
-def _error_code(e: Exception) -> tuple[str, int]:
+def s3_error_code(e: Exception) -> tuple[str, int]:
+    """A botocore ClientError's (error code, HTTP status): ("", 0) for any other exception
+    (no answer: a connection or timeout error). Shared with lease.py's conditional writes."""
     response = getattr(e, "response", None) or {}
     return (str((response.get("Error") or {}).get("Code") or ""),
             int((response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0))
@@ -316,7 +318,7 @@ def _put_if_absent(client: Any, final: str, data: pa.Buffer | bytes) -> bool:
             client.put_object(Bucket=bucket, Key=key, Body=body, IfNoneMatch="*")
             return True
         except Exception as e:  # noqa: BLE001 - botocore's errors, mapped below
-            code, status = _error_code(e)
+            code, status = s3_error_code(e)
             if code == "PreconditionFailed" or status == 412:
                 return False  # committed already: first commit wins
             if (code == "ConditionalRequestConflict" or status == 409) and attempt + 1 < CONFLICT_RETRIES:
@@ -329,7 +331,7 @@ def _put_if_absent(client: Any, final: str, data: pa.Buffer | bytes) -> bool:
 SECOND_PUT_SUCCEEDED = "a second conditional PUT of the same new object succeeded"
 
 
-def _refusal(status: int) -> bool:
+def store_refuses(status: int) -> bool:
     """Whether an error answer to a conditional PUT is the store refusing it, as it would
     again (a client error: 400 InvalidArgument, 501 NotImplemented, ...), rather than the
     request failing this time (no answer, a server error, throttling, a timeout, a conflict)."""
@@ -339,7 +341,7 @@ def _refusal(status: int) -> bool:
 def _probe(client: Any, final: str) -> str | None:
     """None if the store honours If-None-Match on PUT, else why not: writes a probe object
     next to `final` twice, conditionally (the second must be refused), then removes it.
-    Raises OSError when the store did not answer the question (see _refusal): nothing is
+    Raises OSError when the store did not answer the question (see store_refuses): nothing is
     learnt from a failed request."""
     bucket, key = final.split("/", 1)
     probe = f"{key.rsplit('/', 1)[0] + '/' if '/' in key else ''}{PROBE_PREFIX}if-none-match-{uuid.uuid4().hex}"
@@ -348,10 +350,10 @@ def _probe(client: Any, final: str) -> str | None:
             try:
                 client.put_object(Bucket=bucket, Key=probe, Body=b"probe", IfNoneMatch="*")
             except Exception as e:  # noqa: BLE001
-                code, status = _error_code(e)
+                code, status = s3_error_code(e)
                 if attempt == "second" and (code == "PreconditionFailed" or status == 412):
                     return None
-                if not _refusal(status):
+                if not store_refuses(status):
                     raise OSError(f"the {attempt} PUT of the probe object s3://{bucket}/{probe} failed: {e}") from e
                 return f"a conditional PUT was refused: {code or type(e).__name__} {status or ''}".rstrip()
         return SECOND_PUT_SUCCEEDED

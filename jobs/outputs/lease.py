@@ -59,7 +59,7 @@ import uuid
 
 from jobs import uri
 from jobs.errors import JobFailed, OutputError
-from jobs.outputs.commit import _error_code, _refusal, commit_file, conditional_writes
+from jobs.outputs.commit import s3_error_code, store_refuses, commit_file, conditional_writes
 from jobs.outputs.layout import LEASE
 from jobs.outputs.output_dir import OutputDir
 
@@ -198,7 +198,7 @@ class OutputLease:
         try:
             got = client.get_object(Bucket=bucket, Key=key)
         except Exception as e:  # noqa: BLE001 - botocore's errors
-            if _error_code(e)[1] == 404:
+            if s3_error_code(e)[1] == 404:
                 return None, None
             raise OSError(f"cannot read s3://{bucket}/{key}: {e}") from e
         return got["Body"].read().decode("utf-8").strip() or None, got.get("ETag")
@@ -214,10 +214,10 @@ class OutputLease:
                 return ""
             return client.put_object(Bucket=bucket, Key=key, Body=text.encode(), IfMatch=etag).get("ETag") or ""
         except Exception as e:  # noqa: BLE001 - botocore's errors, mapped below
-            code, status = _error_code(e)
+            code, status = s3_error_code(e)
             if code in ("PreconditionFailed", "NoSuchKey") or status in (404, 412):
                 return None
-            if not _refusal(status):
+            if not store_refuses(status):
                 raise OSError(f"conditional write of s3://{bucket}/{key} failed: {e}") from e
         log.warning("the store refuses If-Match on s3://%s/%s: writing the output lease without it", bucket, key)
         if text is None:
