@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -266,6 +267,33 @@ def test_sharded_and_bin_weights_load_identically(checkpoint, tmp_path):
     assert "shards" in load_llama_checkpoint(sharded, CPU, torch.float32).info.description
 
 
+@pytest.mark.parametrize("index_name, content, pattern", [
+    ("model.safetensors.index.json", {"weight_map": {}}, r"weight_map must be a non-empty object"),
+    ("pytorch_model.bin.index.json", {"weight_map": {}}, r"weight_map must be a non-empty object"),
+    ("model.safetensors.index.json", {"weight_map": {"model.norm.weight": 3}}, r"weight_map must be"),
+    ("model.safetensors.index.json", {"metadata": {}}, r"weight_map must be"),
+    ("model.safetensors.index.json", b"\xff\xfe garbage", r"not valid JSON"),
+])
+def test_malformed_shard_index_is_named(checkpoint, tmp_path, index_name, content, pattern):
+    """A shard index with no shards listed (an empty weight_map), shard names that are not
+    strings, or bytes that are not UTF-8 JSON is a CheckpointError naming the index file, for
+    the loader and for a weight swap's skeleton alike (an empty index crashed with an
+    IndexError, non-UTF-8 bytes with a bare UnicodeDecodeError)."""
+    from engine.loading.checkpoint import model_skeleton
+
+    d, _ = checkpoint("qwen2")
+    p = tmp_path / "ckpt"
+    p.mkdir()
+    shutil.copy(d / "config.json", p / "config.json")
+    shutil.copy(d / "model.safetensors", p / "model-00001-of-00001.safetensors")
+    (p / index_name).write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+    where = re.escape(str(p / index_name))
+    with pytest.raises(CheckpointError, match=where + r": .*" + pattern):
+        load_llama_checkpoint(p, CPU, torch.float32)
+    with pytest.raises(CheckpointError, match=where + r": .*" + pattern):
+        model_skeleton(p, "cpu", torch.float32)
+
+
 def test_load_engine_detects_llama_family(checkpoint, tmp_path):
     """A config.json of the Llama family is detected from model_type / architectures and
     loads through load_engine (float32 on CPU with dtype auto), tokenizer given explicitly."""
@@ -428,6 +456,16 @@ def test_unsupported_architectures_are_named(checkpoint, tmp_path):
                                                                        model_type="gemma2"))
     with pytest.raises(CheckpointError, match=r"Gemma2ForCausalLM is not supported"):
         detect_format(gemma)
+    # a config that names neither model_type nor architectures: its architecture is unknown,
+    # said as such (it was read as GPT-2's and failed with "n_embd must be a positive integer")
+    bare = _variant(tmp_path, d, "bare", edit_cfg=lambda c: (c.pop("model_type"), c.pop("architectures")))
+    with pytest.raises(CheckpointError, match=r"config\.json: names neither model_type nor architectures.*"
+                                              r"supported: GPT2LMHeadModel, LlamaForCausalLM"):
+        load_engine(bare, device="cpu")
+    (tmp_path / "gpt2").mkdir()  # an early GPT-2 config.json names neither and is still GPT-2's
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"n_embd": 64, "n_layer": 2, "n_head": 4,
+                                                               "vocab_size": V}))
+    assert detect_format(tmp_path / "gpt2") == "gpt2"
     odd = _variant(tmp_path, d, "odd", edit_cfg=lambda c: c.update(architectures=["Qwen2ForCausalLM"]))
     with pytest.raises(CheckpointError, match=r"Qwen2ForCausalLM is not supported for model_type 'llama'"):
         load_llama_checkpoint(odd, CPU, torch.float32)

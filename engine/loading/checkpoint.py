@@ -130,12 +130,17 @@ def _hf_format(config_path: Path) -> str:
     if not isinstance(mt, (str, type(None))) or not isinstance(archs, list):
         raise CheckpointError(f"{config_path}: model_type must be a string and architectures a list, "
                               f"got {mt!r} and {archs!r}")
+    supported = ", ".join(["GPT2LMHeadModel"] + supported_architectures())
+    if mt is None and not archs and "n_embd" not in cfg:
+        # GPT-2's early config.json files name neither and still load (they have n_embd); any
+        # other config without them would otherwise be read as GPT-2 and fail on GPT-2's keys
+        raise CheckpointError(f"{config_path}: names neither model_type nor architectures, so its architecture "
+                              f"is unknown; add them (supported: {supported})")
     if mt == "gpt2" or (mt is None and (not archs or any(a in _GPT2_ARCHITECTURES for a in archs))):
         return "gpt2"
     if mt in ARCHITECTURES or (mt is None and any(a in ARCHITECTURES.values() for a in archs)):
         return "llama"
     name = archs[0] if archs else f"model_type {mt!r}"
-    supported = ", ".join(["GPT2LMHeadModel"] + supported_architectures())
     raise CheckpointError(f"{config_path}: {name} is not supported; supported: {supported}")
 
 

@@ -43,11 +43,14 @@ def weight_files(directory: Path) -> tuple[list[Path], str]:
         files = [st]
     elif st_idx.is_file() or pt_idx.is_file():
         idx = st_idx if st_idx.is_file() else pt_idx
-        try:
-            weight_map = json.loads(idx.read_text())["weight_map"]
-            files = [directory / f for f in sorted(set(weight_map.values()))]
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{idx}: not a shard index (no weight_map: {e})") from None
+        # read_json names the file for bytes that are not UTF-8 JSON; an empty or malformed
+        # weight_map is refused here, so that no shard list is empty (`where` names files[0])
+        weight_map = read_json(idx).get("weight_map")
+        if (not isinstance(weight_map, dict) or not weight_map
+                or not all(isinstance(f, str) and f for f in weight_map.values())):
+            raise CheckpointError(f"{idx}: not a shard index: weight_map must be a non-empty object of tensor "
+                                  f"name -> shard file name, got {str(weight_map)[:100]!r}")
+        files = [directory / f for f in sorted(set(weight_map.values()))]
     elif pt.is_file():
         files = [pt]
     else:
