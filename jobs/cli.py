@@ -115,12 +115,20 @@ def batch_spec(input_path: str, output: str, *, model: str | None = None, config
                output_dir: str | None = None, overrides: Sequence[str] = ()) -> Any:
     """The JobSpec `batchgen run-batch` runs: the config's keys (if any), --model, the --set
     overrides, then input.path = the batch file, input.format = openai_batch and output.path =
-    `output_dir` (default batch_output_dir(output)). Raises SpecError naming the key."""
+    `output_dir` (default batch_output_dir(output)). Raises SpecError naming the key, or when
+    `output` is the input file: the responses, written once the job is done, would replace the
+    requests."""
     import copy
 
     from jobs.config import apply_override, read_config
+    from jobs.errors import SpecError
     from jobs.spec import JobSpec
 
+    if _same_file(input_path, output):
+        from jobs import uri
+
+        raise SpecError(f"run-batch: -o {uri.redact(output)} is the input file -i {uri.redact(input_path)}; the "
+                        f"responses would replace the requests (name another response file)")
     source = config or "run-batch"
     data: dict[str, Any] = {}
     if config:
@@ -138,6 +146,23 @@ def batch_spec(input_path: str, output: str, *, model: str | None = None, config
     inp.update({"path": input_path, "format": "openai_batch"})
     data.setdefault("output", {})["path"] = output_dir or batch_output_dir(output)
     return JobSpec.from_dict(data, source)
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths `a` and `b` name one file: local paths after resolving symbolic links (or
+    one file under two hard links), URIs by their location without credentials or options."""
+    import os
+
+    from jobs import uri
+
+    if uri.is_uri(a) or uri.is_uri(b):
+        return uri.split_query(uri.redact(a))[0] == uri.split_query(uri.redact(b))[0]
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
 
 
 def run_batch(input_path: str, output: str, *, model: str | None = None, config: str | None = None,

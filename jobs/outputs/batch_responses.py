@@ -27,7 +27,9 @@ and `created` is the job's start (its manifest), so the file written after a res
 equals the file of an uninterrupted one. usage.completion_tokens counts every generated
 token, the kept stop token included (as vLLM counts them); a choice's logprobs cover the
 tokens of its content and a stop string, not the stop token (vLLM's include it). An error's
-`param` is the body field its message names (null for the line's envelope). docs/formats.md
+`param` is the body field its message names (null for the line's envelope); an error of the
+engine's, which knows no file or line (a prompt longer than the context window), is given the
+"<file> line <n>: body.<field>: " the parser's errors start with. docs/formats.md
 lists where batchgen's file differs from vLLM's.
 """
 from __future__ import annotations
@@ -171,7 +173,8 @@ def write_responses(output_path: str, jsonl_path: str) -> int:
         raise JobError(f"{od.shown}: {len(missing)} of {len(m['units'])} units are not committed yet; rerun the job "
                        f"to finish it before writing responses")
     ctx = {"fingerprint": m["fingerprint"], "model": (m.get("spec") or {}).get("model", {}).get("path"),
-           "created": calendar.timegm(time.strptime(m["created"], "%Y-%m-%dT%H:%M:%SZ"))}
+           "created": calendar.timegm(time.strptime(m["created"], "%Y-%m-%dT%H:%M:%SZ")),
+           "file": m["files"][0]["name"]}
     fs, target = resolve_output(jsonl_path)
     parent = target.rsplit("/", 1)[0] if "/" in target else ""
     tmp = f"{parent}/.tmp-{uuid.uuid4().hex}-{target.rsplit('/', 1)[-1]}" if parent else f".tmp-{uuid.uuid4().hex}"
@@ -206,6 +209,10 @@ def write_responses(output_path: str, jsonl_path: str) -> int:
 # "<file> line <n>: body.<param>: ..." (jobs/inputs/openai_batch.py's messages): the body field
 # an error names, the OpenAI error's `param`
 _PARAM = re.compile(r" line \d+: body\.([A-Za-z_][A-Za-z0-9_]*)")
+# the engine's refusals of a prompt (engine.Engine._check_prompt: "prompt has N tokens, more
+# than the context window ...", "prompt token i is ...", "empty prompt ..."): the line's
+# messages (chat) or prompt (completions) is the field they are about
+_ENGINE_PROMPT_ERROR = re.compile(r"empty prompt|prompt ")
 
 
 def _response(rows: list[dict[str, Any]], ctx: dict[str, Any]) -> dict[str, Any]:
@@ -218,6 +225,10 @@ def _response(rows: list[dict[str, Any]], ctx: dict[str, Any]) -> dict[str, Any]
     error = next((r["error"] for r in rows if r["error"]), None)
     if error is not None or any(r["choice"] is None for r in rows):
         message = error or "no choice was generated"
+        where = f"{ctx['file']} line {r0['batch_line']}: "
+        if not message.startswith(where):  # the engine's: it knows no file, line nor field
+            field = "messages" if r0["endpoint"] == CHAT_URL else "prompt"
+            message = where + (f"body.{field}: " if _ENGINE_PROMPT_ERROR.match(message) else "") + message
         param = _PARAM.search(message)
         return {"id": rid, "custom_id": r0["custom_id"],
                 "response": {"status_code": 400, "request_id": request_id, "body": None},
