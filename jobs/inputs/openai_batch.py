@@ -21,8 +21,9 @@ passes them. Everything else that would change the answer (top_logprobs > 0, com
 logprobs > 0, penalties, logit_bias, tools, response_format, stream, echo, best_of, ...:
 _DEFAULT_ONLY and _FEATURES) is refused, for that line only: a malformed line (a string
 holding a lone UTF-16 surrogate included), a bad value or an unsupported parameter becomes an
-error line (status_code 400) naming the line and the field, and the others run. Keys batchgen does not know, in the body or in a message, are
-ignored with a warning naming them (as vLLM does), not refused.
+error line (status_code 400) naming the line and the field, and the others run. Keys batchgen
+does not know, in the body or in a message, are ignored with a warning naming them (as vLLM
+does), not refused.
 `custom_id` is the request's prompt_id (it keys the sampling noise, so a request's samples do
 not depend on its position in the file); a custom_id used twice makes the later line an error.
 A line without a usable custom_id, and such a repeat, has the prompt id "<file>:<line>", or
