@@ -31,6 +31,7 @@ admitted, `step()` blocks on the tools (at most engine/tool_turns.py MAX_BLOCK_S
 """
 from __future__ import annotations
 
+import numbers
 from pathlib import Path
 from typing import Any, Iterable, Sequence as Seq
 
@@ -95,8 +96,9 @@ class Engine:
     Attribute batched_sampling: the sampler's GPU path (engine/sampling.py: every row of a
     kind in one pass, no host synchronisation), True on a GPU; on CPU tensors it gives the
     CPU path's bits, so tests set it there.
-    Raises ValueError if the budget cannot hold one sequence of max_seq_len tokens, or when
-    tools are given and the tokenizer cannot render tool messages (no chat template).
+    Raises ValueError for a max_seq_len that is not an integer >= 1, if the budget cannot hold
+    one sequence of max_seq_len tokens, or when tools are given and the tokenizer cannot
+    render tool messages (no chat template).
     Not thread-safe: one thread drives an engine (cluster/worker.py serialises access).
     """
 
@@ -109,7 +111,12 @@ class Engine:
         info = model.info
         p = next(model.parameters())
         self.device, self.dtype = p.device, model.kv_dtype  # bfloat16 weights: a bfloat16 KV cache
-        self.max_seq_len = min(max_seq_len or info.context_len, info.context_len)
+        # refused, not read as "no limit" (0) or as a window no prompt fits (-5: every request an error)
+        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral)
+                                        or max_seq_len < 1):
+            raise ValueError(f"Engine: max_seq_len must be an integer >= 1 (or None for the model's context window), "
+                             f"got {max_seq_len!r}")
+        self.max_seq_len = min(int(max_seq_len or info.context_len), info.context_len)
         self.prefix_sharing = prefix_sharing
         bs = BLOCK_SIZE
         pos_bytes = KVCache.bytes_per_position(info.n_layer, info.n_kv_head, info.head_dim, self.dtype)
@@ -191,7 +198,12 @@ class Engine:
         prompt_tokens: token ids; prompt_id: keys the sampling noise with params.seed and the
         sample index (so the same prompt_id and seed give the same samples anywhere).
         request_id: returned with the output (default: prompt_id).
+        Raises TypeError when `params` is not a SamplingParams (a dict failed later with an
+        AttributeError about stop_token_ids).
         """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"add_request: params must be an engine.params.SamplingParams, got "
+                            f"{type(params).__name__} {params!r}")
         prompt_id = str(prompt_id)
         request_id = prompt_id if request_id is None else request_id
         toks = list(prompt_tokens)
@@ -541,11 +553,17 @@ class Engine:
         prompts: list of token-id lists. params: one SamplingParams for all, or one per prompt.
         prompt_ids: key each prompt's sampling noise (default: the prompt's index, "0", "1", ...);
             give stable ids to get the same samples whatever the batch.
-        Raises ValueError if the lists' lengths differ; bad prompts come back as samples with
+        Raises ValueError if the lists' lengths differ, TypeError for params that are not
+        SamplingParams (before any request is queued); bad prompts come back as samples with
         finish_reason "error", the others go on.
         """
         n = len(prompts)
-        plist = [params] * n if isinstance(params, SamplingParams) else list(params)
+        if isinstance(params, SamplingParams):
+            plist = [params] * n
+        else:
+            plist = None if params is None or isinstance(params, (dict, str)) else list(params)
+            if plist is None or not all(isinstance(p, SamplingParams) for p in plist):
+                raise TypeError(f"generate: params must be a SamplingParams or a list of them, got {params!r}")
         ids = [str(i) for i in range(n)] if prompt_ids is None else [str(x) for x in prompt_ids]
         if len(plist) != n or len(ids) != n:
             raise ValueError(f"generate: {n} prompts but {len(plist)} params and {len(ids)} prompt_ids")

@@ -21,7 +21,8 @@ class SamplingParams:
             included; the model's context window also ends a sample (finish_reason "length").
             None: no limit but the context window (max_seq_len minus the prompt), as the
             OpenAI chat API does without max_tokens.
-        temperature: 0 is greedy (argmax); > 0 divides the logits before sampling.
+        temperature: 0, or anything below 1e-5, is greedy (argmax, as vLLM: logits / T would
+            overflow float32 near 1e-38); otherwise it divides the logits before sampling.
         top_k: keep the k most likely tokens; 0 (or None) keeps all.
         top_p: nucleus sampling, keep the smallest set whose probability reaches top_p;
             in (0, 1], 1 keeps all.
@@ -100,8 +101,9 @@ def check_sampling_value(name: str, v: Any) -> Any:
         return float(v)
     elif name == "top_k":
         v = 0 if v is None else v
-        if not _is_int(v) or v < 0:
-            raise ValueError(f"must be an integer >= 0 (0 disables it), got {v!r}")
+        # bounded as the engine's int64 tensor holds it (2**63 failed the whole batch's step)
+        if not _is_int(v) or not 0 <= v < 2**63:
+            raise ValueError(f"must be an integer >= 0 (0 disables it) and below 2**63, got {v!r}")
     elif name == "top_p":
         if not _is_number(v) or not 0.0 < v <= 1.0:
             raise ValueError(f"must be in (0, 1], got {v!r}")

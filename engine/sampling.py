@@ -15,7 +15,8 @@ noise depends only on its own key, batching cannot change it. See "Gumbel-max tr
 
 Order of operations (the same as Hugging Face's warpers and vLLM): logits / temperature,
 then top_k, then top_p on the renormalised top_k distribution, then min_p (relative to
-the most likely token), then the race among the surviving tokens. temperature 0 is argmax.
+the most likely token), then the race among the surviving tokens. A temperature below
+1e-5 (0 included) is argmax (GREEDY_BELOW).
 
 Logprobs come in two kinds (SamplingParams.logprobs_mode), both in nats, fp32:
 - raw (token_logprobs): log_softmax(logits)[token] at temperature 1 with no truncation;
@@ -370,15 +371,22 @@ def _to_device(host: torch.Tensor, dev: torch.device) -> torch.Tensor:
 
 _CHUNK_ROWS = 32
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): logits / T overflows float32
+# from about 1e-38 (|logit| / T past 3.4e38), where the first infinite token won the race and
+# the processed logprob was NaN; long before that, the race is an argmax but among logits
+# within a few T of the best. Compared with the float32 value the engine holds, so 1e-5
+# itself still samples.
+GREEDY_BELOW = float(torch.tensor(1e-5, dtype=torch.float32))
+
 
 def row_kinds(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
               min_p: torch.Tensor) -> list[tuple]:
-    """How each row is sampled: ("greedy",), ("top_k", k), ("sorted",) (top_p / min_p without
-    top_k) or ("plain",). Arguments as sample_with_logprobs's (a device-to-host copy when
-    they live on a GPU: call it on the host tensors)."""
+    """How each row is sampled: ("greedy",) (temperature below GREEDY_BELOW), ("top_k", k),
+    ("sorted",) (top_p / min_p without top_k) or ("plain",). Arguments as sample_with_logprobs's
+    (a device-to-host copy when they live on a GPU: call it on the host tensors)."""
     out = []
     for t, k, p, m in zip(temperature.tolist(), top_k.tolist(), top_p.tolist(), min_p.tolist()):
-        if t <= 0:
+        if t < GREEDY_BELOW:
             out.append(("greedy",))
         elif k > 0:
             out.append(("top_k", int(k)))

@@ -135,6 +135,46 @@ def test_context_window_ends_with_length_and_long_prompt_is_an_error(model):
     assert [len(s.tokens) for s in res[4]] == [50, 50]
 
 
+def test_top_k_beyond_the_vocabulary_keeps_it_all_and_past_int64_is_refused(model):
+    """A top_k above the vocabulary keeps every token (the same samples as top_k = V), up to
+    2**63 - 1; 2**63 is refused by SamplingParams naming the field (it passed, then failed
+    the whole step converting to an int64 tensor and left the engine unusable)."""
+    V = model.info.vocab_size
+    kw = dict(num_samples=2, max_tokens=6, stop_token_ids=[], logprobs_mode="processed")
+    want = Engine(model, TOK).generate(PROMPTS[:2], SamplingParams(top_k=V, **kw))
+    for k in (V + 1, 2**63 - 1):
+        got = Engine(model, TOK).generate(PROMPTS[:2], SamplingParams(top_k=k, **kw))
+        assert toks(got) == toks(want) and [[s.logprobs for s in r] for r in got] == \
+            [[s.logprobs for s in r] for r in want]
+    with pytest.raises(ValueError, match=r"SamplingParams.top_k: must be an integer >= 0 .* below 2\*\*63"):
+        SamplingParams(top_k=2**63)
+
+
+def test_max_seq_len_must_be_a_positive_integer(model):
+    """Engine(max_seq_len=...) refuses 0, negatives and floats naming the argument (0 meant
+    the whole context window, -5 made every prompt an error row "more than the context
+    window of -5 tokens", 2.5 failed inside torch); a limit above the context is clipped."""
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="max_seq_len must be an integer >= 1"):
+            Engine(model, TOK, max_seq_len=bad)
+    assert Engine(model, TOK, max_seq_len=10**9).max_seq_len == model.info.context_len
+    assert Engine(model, TOK, max_seq_len=None).max_seq_len == model.info.context_len
+
+
+def test_params_that_are_not_sampling_params_are_a_type_error(model):
+    """A dict (or None) for params is a TypeError naming params, raised before any request
+    is queued (a dict failed inside add_request with "'str' object has no attribute
+    'stop_token_ids'"), and the engine still serves the next call."""
+    eng = Engine(model, TOK)
+    for bad in ({"temperature": 0}, [{"temperature": 0}], None, [SamplingParams(), {"temperature": 0}]):
+        with pytest.raises(TypeError, match="params must be a SamplingParams"):
+            eng.generate([[1, 2], [3]][:len(bad) if isinstance(bad, list) else 1], bad)
+        assert not eng.has_unfinished_requests()
+    with pytest.raises(TypeError, match="add_request: params must be"):
+        eng.add_request([1, 2], {"temperature": 0}, "x")
+    assert len(eng.generate([[1, 2]], SamplingParams(max_tokens=3, stop_token_ids=[]))[0][0].tokens) == 3
+
+
 def test_num_samples_larger_than_the_cache():
     """A request with more samples than slots runs in groups and equals a big-cache run."""
     m = ToyLM(seed=3).eval()

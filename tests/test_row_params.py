@@ -71,6 +71,11 @@ def test_row_params_rules():
     p, err = row_params(base, {"num_samples": 10**12})
     assert err == "field 'num_samples': must be an integer from 1 to 1,000,000, got 1000000000000"
     assert p.num_samples == 1 and row_num_samples({"num_samples": 10**12}, 2) == 1
+    # a top_k past int64 (JSON has no bound; 1e20 from a float column is integral): an error row,
+    # not the OverflowError that failed the engine's whole step
+    for big in (2**63, 1e20):
+        p, err = row_params(base, {"top_k": big})
+        assert err == f"field 'top_k': must be an integer >= 0 (0 disables it) and below 2**63, got {int(big)}"
 
 
 def test_sampling_column_is_checked_before_work(tmp_path):

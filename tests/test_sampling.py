@@ -302,3 +302,29 @@ def test_a_tiny_temperature_races_as_the_whole_vocabulary_does():
         got = _race_plain(logits, temperature, keys, pos, True)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), t
         assert torch.equal(got[0], logits.argmax(dim=-1)) and (got[1] == 0).all(), t
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["cpu", "gpu_path"])
+def test_temperatures_below_1e_5_are_greedy_with_finite_logprobs(batched):
+    """A temperature below 1e-5 is greedy, as in vLLM: the argmax token and a processed
+    logprob of 0, with every kind of truncation (logits / T overflowed float32 from about
+    1e-38: the first infinite token won the race, often token 0, with a NaN processed
+    logprob). 1e-5 itself still samples."""
+    from engine.sampling import row_kinds, sample_step
+
+    g = torch.Generator().manual_seed(9)
+    B, V = 8, 300
+    logits = torch.randn(B, V, generator=g) * 3
+    keys = torch.tensor([request_key(2, "t", b) for b in range(B)], dtype=torch.long)
+    pos = torch.arange(B, dtype=torch.long) + 4
+    for t in (1e-38, 1e-40, 1e-45, 1e-20, 9e-6):
+        for tk, tp, mp in ((0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.1)):
+            args = (torch.full((B,), t), torch.full((B,), tk), torch.full((B,), tp), torch.full((B,), mp))
+            kinds = row_kinds(*args)
+            for processed in (True, False):
+                toks, lps = sample_step(logits.clone(), *args, keys, pos, kinds, [processed] * B, batched=batched)
+                assert torch.equal(toks, logits.argmax(dim=-1)), (t, tk, tp, mp)
+                assert torch.isfinite(lps).all() and (not processed or (lps == 0).all()), (t, tk, tp, mp, lps)
+            assert kinds == [("greedy",)] * B, t
+    assert row_kinds(torch.full((1,), 1e-5), torch.zeros(1, dtype=torch.long), torch.ones(1), torch.zeros(1)) \
+        == [("plain",)]
