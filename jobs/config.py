@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -20,11 +21,23 @@ from jobs.errors import SpecError
 from jobs.spec import JobSpec, spec_sections
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that reads a number in exponent form without a dot (`1e-5`, `2E3`) as
+    a float, as YAML 1.2 and JSON do: PyYAML follows YAML 1.1, whose float needs a dot and a
+    signed exponent, so `temperature: 1e-5` (or 1.5e3) was a string the job refused as not a
+    number."""
+
+
+ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                   re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+                                   list("-+.0123456789"))
+
+
 def apply_override(data: dict[str, Any], override: str, source: str = "--set") -> None:
     """Apply one `a.b=value` override to the raw config dict in place.
 
-    The value is parsed with yaml.safe_load ("0.7" -> 0.7, "[1,2]" -> [1, 2], "null" -> None,
-    "" -> None). Raises SpecError for a malformed override or an unknown key path.
+    The value is parsed as YAML (ConfigLoader: "0.7" -> 0.7, "1e-5" -> 1e-05, "[1,2]" -> [1, 2],
+    "null" -> None, "" -> None). Raises SpecError for a malformed override or an unknown key path.
     """
     if "=" not in override:
         raise SpecError(f"--set {override!r}: expected KEY=VALUE, e.g. sampling.temperature=0.7")
@@ -42,7 +55,7 @@ def apply_override(data: dict[str, Any], override: str, source: str = "--set") -
         raise SpecError(f"--set {override!r}: unknown key {key} (keys of {section}: {', '.join(fields)})")
     is_str = fields[name].annotation in (str, str | None)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.load(raw, Loader=ConfigLoader) if raw.strip() else None
     except yaml.YAMLError as e:
         raise SpecError(f"--set {override!r}: {key}: value is not valid YAML: {e}") from None
     except (ValueError, TypeError) as e:
@@ -79,7 +92,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise SpecError(f"{source}: cannot read config: {e}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=ConfigLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -101,10 +114,10 @@ def _duplicate_key(text: str) -> str | None:
     key path and both lines; None if there is none. Keys a merge (`<<: *anchor`) brings in
     may be overridden, as YAML defines."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=ConfigLoader)
     except yaml.YAMLError:
         return None
-    builder = yaml.SafeLoader("")
+    builder = ConfigLoader("")
     seen: set[int] = set()  # nodes walked (an alias repeats a node)
 
     def walk(node: yaml.Node | None, path: list[str]) -> str | None:
@@ -139,10 +152,10 @@ def _unbuildable_value(text: str, error: Exception) -> str:
     carry no position): the first scalar that fails again on its own, named by its dotted
     key path, line and column; else the error alone."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=ConfigLoader)
     except yaml.YAMLError:
         root = None
-    builder = yaml.SafeLoader("")
+    builder = ConfigLoader("")
 
     def fails(node: yaml.Node) -> bool:
         try:

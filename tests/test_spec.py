@@ -321,3 +321,21 @@ def test_merge_keys_may_override_and_anchors_are_read(tmp_path):
                                      "cluster: {unit_rows: 5}\n"
                                      "model:\n  <<: {path: tiny-random, max_num_seqs: 4}\n  max_num_seqs: 6\n"))
     assert (spec.sampling.seed, spec.sampling.num_samples, spec.model.max_num_seqs) == (3, 2, 6)
+
+
+def test_exponent_numbers_without_a_dot_are_numbers(tmp_path):
+    """`temperature: 1e-5` in a config file or `--set sampling.temperature=1e-5`: a float, as
+    YAML 1.2 and JSON read it. PyYAML's YAML 1.1 read `1e-5` (and `1.5e3`, whose exponent has
+    no sign) as strings, which the job refused (exit 2, "must be a finite number"). Words that
+    only look numeric stay strings, and a string key keeps what it is given."""
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("sampling:\n  temperature: 1e-5\n  top_p: 9.5e-1\n  min_p: .5E-1\n")
+    s = load_spec(str(cfg)).sampling
+    assert (s.temperature, s.top_p, s.min_p) == (1e-5, 0.95, 0.05)
+    assert load_spec(str(cfg), ["sampling.temperature=2E-1"]).sampling.temperature == 0.2
+    d: dict = {}
+    for value in ("1e", "e5", "1e5x"):
+        apply_override(d, f"sampling.stop={value}")
+        assert d["sampling"]["stop"] == value
+    apply_override(d, "output.path=1e5")
+    assert d["output"]["path"] == "1e5"
