@@ -170,3 +170,40 @@ def test_syntax_errors_bad_messages_and_the_compile_cache():
     hits = compile_template.cache_info().hits
     render_chat_template(src, [{"role": "user", "content": "x"}], {})
     assert compile_template.cache_info().hits == hits + 1
+
+
+def test_parquet_chat_messages_reach_the_template_with_their_tool_fields(root, tmp_path):
+    """A chat column whose messages carry an earlier tool call (an assistant's tool_calls, null
+    content, the arguments as OpenAI's JSON text) and the tool's answer (tool_call_id) renders
+    as transformers' apply_chat_template renders that conversation (arguments as an object), on
+    Qwen2.5's and Llama 3.2's templates: the fields were dropped, and the call vanished from the
+    prompt. The struct's null fields (a user message's tool_calls) are absent keys; arguments
+    that are not JSON make their row an error row naming the column and the message."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jobs.plan.planner import plan_job
+    from jobs.spec import JobSpec
+    from jobs.task import JobTask
+
+    def conv(args):
+        return [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]
+
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"messages": [conv('{"city": "Paris"}'), conv("{city")]}), path)
+    assert pq.read_table(path).column("messages").to_pylist()[0][0]["tool_calls"] is None  # the struct's null
+    spec = JobSpec.from_dict({"input": {"path": str(path), "format": "chat"}})
+    plan = plan_job(spec)
+    for name in ("qwen2", "llama3"):
+        tok, ref = HFTokenizer.from_dir(C.case_dir(name, root)), C.reference(name, root)
+        good, bad = JobTask(spec, plan).read_unit(plan.units[0], tok)
+        assert good.error is None, good.error
+        want = ref.apply_chat_template(conv({"city": "Paris"}), add_generation_prompt=True, tokenize=True)
+        assert good.prompt_tokens == want["input_ids"], (name, tok.decode(good.prompt_tokens))
+        assert "get_weather" in tok.decode(good.prompt_tokens)
+        assert bad.prompt_tokens is None
+        assert bad.error.startswith("c.parquet row 1 column 'messages': message 1 tool call 0: function.arguments "
+                                    "is not valid JSON"), bad.error

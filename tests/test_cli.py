@@ -70,6 +70,10 @@ def test_prepare_chat_with_id_column(tmp_path):
      "in.jsonl:2: id field 'id' is 2 (int), but line 1 has a str id"),
     (['{"q": "a", "id": 1}', '{"q": "b", "id": 1.0}'], ["--id-column", "id"],
      "in.jsonl:2: duplicate id 1 (also on line 1)"),
+    # a field named as the column the prompt becomes: it was dropped silently
+    (['{"q": "a", "prompt": "Q: a"}'], [], "in.jsonl:1: field 'prompt' is also the column the prompt field 'q' becomes"),
+    (['{"q": "a"}', '{"q": "b", "messages": "m"}'], ["--format", "chat"],
+     "in.jsonl:2: field 'messages' is also the column the prompt field 'q' becomes"),
 ])
 def test_prepare_errors_exit_2(tmp_path, capsys, lines, args, fragment):
     src = write_jsonl(tmp_path / "in.jsonl", lines)
@@ -77,6 +81,17 @@ def test_prepare_errors_exit_2(tmp_path, capsys, lines, args, fragment):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and fragment in err, err
     assert not (tmp_path / "p.parquet").exists()
+
+
+def test_prepare_keeps_a_field_named_line(tmp_path):
+    """A field named `_line` is kept like any other scalar field, and can be the id column:
+    it was dropped (a name prepare used for its own line numbers), and with --id-column _line
+    the file was written without its id column."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"q": "a", "_line": 7}, {"q": "b", "_line": 9}])
+    assert main(["prepare", str(src), str(tmp_path / "p.parquet"), "--column", "q"]) == 0
+    assert pq.read_table(tmp_path / "p.parquet").to_pylist() == [{"prompt": "a", "_line": 7}, {"prompt": "b", "_line": 9}]
+    assert main(["prepare", str(src), str(tmp_path / "i.parquet"), "--column", "q", "--id-column", "_line"]) == 0
+    assert pq.read_table(tmp_path / "i.parquet").column("_line").to_pylist() == [7, 9]
 
 
 def test_prepare_integral_float_ids_become_integers_that_run_takes(tmp_path):

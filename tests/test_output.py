@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -328,6 +329,10 @@ def corrupt(kind, tmp_path, od, plan, task):
         meta[b"batchgen.fingerprint"] = b"0" * 64
         pq.write_table(t.replace_schema_metadata(meta), out / part_name(1))
         return "part-000001.parquet: fingerprint 000000000000 does not match"
+    if kind == "unit_metadata":  # valid JSON, not an object (verify raised AttributeError)
+        t = pq.read_table(out / part_name(1))
+        pq.write_table(t.replace_schema_metadata({**t.schema.metadata, b"batchgen.unit": b"[1]"}), out / part_name(1))
+        return "part-000001.parquet: unit metadata says index None, expected 1"
     if kind == "schema":
         t = pq.read_table(out / part_name(2))
         pq.write_table(t.drop_columns(["text"]).replace_schema_metadata(t.schema.metadata), out / part_name(2))
@@ -370,7 +375,7 @@ def corrupt(kind, tmp_path, od, plan, task):
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["rows", "fingerprint", "schema", "duplicate", "duplicate_in_file", "orphan",
+@pytest.mark.parametrize("kind", ["rows", "fingerprint", "unit_metadata", "schema", "duplicate", "duplicate_in_file", "orphan",
                                   "orphan_in_batchgen", "unexpected", "extra_unit",
                                   "success_missing", "truncated", "no_manifest", "bad_manifest"])
 def test_verify_catches(tmp_path, kind):
@@ -380,6 +385,47 @@ def test_verify_catches(tmp_path, kind):
     expected = corrupt(kind, tmp_path, od, plan, task)
     problems = od.verify()
     assert any(expected in p for p in problems), problems
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda m: m["units"][1].pop("expected_rows"), "units[1] has no expected_rows"),
+    (lambda m: m["units"][1].update(expected_rows="8"), "units[1] expected_rows must be a non-negative integer, got '8'"),
+    (lambda m: m["units"].__setitem__(2, None), "units[2] must be an object with index"),
+    (lambda m: m["units"][0].pop("index"), "units[0] has no index"),
+    (lambda m: m["units"][2].update(index=0), "units[2] index 0 is also the index of an earlier unit"),
+    (lambda m: m["units"][1].update(row_end=None), "units[1] row_end must be a non-negative integer, got None"),
+    (lambda m: m.update(units=5), "units must be a list, got int"),
+    (lambda m: m.update(fingerprint=None), "fingerprint must be a string, got None"),
+    (lambda m: m.update(fingerprint_data=[1]), "fingerprint_data must be an object, got list"),
+    (lambda m: m.update(output_schema=[["prompt_id"]]), "output_schema must be a list of [column, type] pairs"),
+    (lambda m: m.update(num_prompts="10"), "num_prompts must be a non-negative integer, got '10'"),
+])
+def test_a_damaged_manifest_entry_is_named_by_status_verify_plan_and_run(tmp_path, edit, why):
+    """A manifest whose values are hand-edited or wrong (a unit entry without a key, a value of
+    the wrong type) is an error naming the file and the entry: `status` and `run` exit 2,
+    `verify` reports it as its problem, `plan` says `run` refuses it; they raised KeyError or
+    TypeError from the middle of reading the parts."""
+    from jobs.cli import main
+    from jobs.plan.report import describe_plan
+
+    spec, plan, task, od = make_job(tmp_path)
+    run_all(spec, plan, task, od)
+    path = Path(od.path) / MANIFEST
+    m = json.loads(path.read_text())
+    edit(m)
+    path.write_text(json.dumps(m))
+    want = f"{MANIFEST} is damaged: {why}"
+    with pytest.raises(OutputError, match=re.escape(want)):
+        od.status()
+    assert main(["status", od.path]) == 2
+    problems = od.verify()
+    assert len(problems) == 1 and want in problems[0], problems
+    assert main(["verify", od.path]) == 1
+    text, code = describe_plan(spec)
+    assert code == 2 and want in text, text
+    with pytest.raises(OutputError, match=re.escape(want) + ".*pass --overwrite"):
+        od.prepare(plan, spec)
+    assert od.prepare(plan, spec, overwrite=True) == "overwrite"
 
 
 def test_status_counts_only_committed_and_reports_unreadable(tmp_path):
@@ -393,6 +439,22 @@ def test_status_counts_only_committed_and_reports_unreadable(tmp_path):
     os.remove(Path(od.path) / MANIFEST)
     with pytest.raises(OutputError, match="no _batchgen/manifest.json"):
         od.status()
+
+
+@pytest.mark.parametrize("counts", [b"{", b"[1]", b'{"prompts": "x"}'])
+def test_status_names_a_part_whose_counts_metadata_is_damaged(tmp_path, counts):
+    """A part file whose batchgen.counts metadata is not a JSON object of counts (a file
+    rewritten by another tool) is listed as unreadable by `status`, naming it, and not
+    counted; status raised JSONDecodeError or TypeError from its footer thread."""
+    spec, plan, task, od = make_job(tmp_path)
+    run_all(spec, plan, task, od)
+    t = pq.read_table(Path(od.path) / part_name(0))
+    pq.write_table(t.replace_schema_metadata({**t.schema.metadata, b"batchgen.counts": counts}),
+                   Path(od.path) / part_name(0))
+    st = od.status()
+    assert st["units_done"] == 2 and st["rows"] == 12, st
+    assert [u.split(":")[0] for u in st["unreadable_units"]] == [part_name(0)], st["unreadable_units"]
+    assert "batchgen.counts metadata is not an object of counts" in st["unreadable_units"][0]
 
 
 def test_resume_keeps_committed_units(tmp_path):

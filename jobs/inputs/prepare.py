@@ -6,7 +6,8 @@
 The prompt field becomes `prompt` (text) or `messages` = [{role: "user", content}] (chat);
 the other scalar fields (str, int, float, bool, null; non-finite floats become null) are
 kept as columns (e.g. GSM8K's `answer`, for input.passthrough); lists and objects are
-dropped. Ids (--id-column) must be strings or integers, all of one kind (a float with an
+dropped. A field named as the prompt's column (`prompt` / `messages`) beside the --column
+field is an InputError naming the line (the prompt would replace it). Ids (--id-column) must be strings or integers, all of one kind (a float with an
 integral value, 3.0, is taken as the integer 3); a missing, null, bool or fractional id is an
 InputError naming the line. The input is UTF-8 (a leading byte order mark is skipped), and a
 line that is not is an InputError naming it too. Blank lines are skipped. The file is written
@@ -25,6 +26,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs.errors import InputError, OutputError
+
+# a row's line number: a key no JSON field can be (a field named "_line" is kept, and can be the id)
+LINE = object()
 
 
 def prepare_jsonl(input_path: str, output_path: str, column: str = "prompt", id_column: str | None = None,
@@ -57,8 +61,10 @@ def prepare_jsonl(input_path: str, output_path: str, column: str = "prompt", id_
 
 
 def _read_rows(input_path: str, column: str, target: str, fmt: str) -> tuple[list[dict[str, Any]], dict[str, None]]:
-    """The file's lines as rows ({"_line": n, target: prompt, other scalar fields}) and the
-    other fields' names, in first-seen order."""
+    """The file's lines as rows ({LINE: n, target: prompt, other scalar fields}) and the
+    other fields' names, in first-seen order. A field named as the target column (`prompt` or
+    `messages`) beside another prompt field is an InputError naming the line: the prompt
+    would replace it, and it was lost."""
     rows: list[dict[str, Any]] = []
     extra: dict[str, None] = {}
     try:
@@ -88,10 +94,13 @@ def _read_rows(input_path: str, column: str, target: str, fmt: str) -> tuple[lis
             text = obj[column]
             if text is not None and not isinstance(text, str):
                 raise InputError(f"{input_path}:{lineno}: field {column!r} must be a string, got {type(text).__name__}")
-            row: dict[str, Any] = {"_line": lineno}
+            if target != column and target in obj:
+                raise InputError(f"{input_path}:{lineno}: field {target!r} is also the column the prompt field "
+                                 f"{column!r} becomes; rename it (or use --column {target})")
+            row: dict[str, Any] = {LINE: lineno}
             row[target] = text if fmt == "text" else (None if text is None else [{"role": "user", "content": text}])
             for k, v in obj.items():
-                if k == column or k in (target, "_line"):
+                if k == column:
                     continue
                 if v is None or isinstance(v, (str, int, float, bool)):
                     if isinstance(v, float) and not math.isfinite(v):
@@ -110,14 +119,14 @@ def _add_ids(rows: list[dict[str, Any]], extra: dict[str, None], id_column: str,
     have = [r for r in rows if id_column in r]
     if not have:
         for r in rows:
-            r[id_column] = r["_line"]
+            r[id_column] = r[LINE]
         extra.setdefault(id_column)
         return
     seen: dict[Any, int] = {}
     kind: tuple[type, int] | None = None  # (str or int, the first line with an id)
     for r in rows:
         v = r.get(id_column)
-        where = f"{input_path}:{r['_line']}"
+        where = f"{input_path}:{r[LINE]}"
         if v is None:
             # (_read_rows made NaN and infinities null, and dropped lists and objects)
             raise InputError(f"{where}: id field {id_column!r} is missing, null, not finite, a list or an object; "
@@ -131,13 +140,13 @@ def _add_ids(rows: list[dict[str, Any]], extra: dict[str, None], id_column: str,
         if not isinstance(v, str) and not -2 ** 63 <= v < 2 ** 64:
             raise InputError(f"{where}: id field {id_column!r} is {v}, outside the 64-bit integer range")
         if kind is None:
-            kind = (type(v), r["_line"])
+            kind = (type(v), r[LINE])
         elif type(v) is not kind[0]:
             raise InputError(f"{where}: id field {id_column!r} is {json.dumps(v)} ({type(v).__name__}), but line "
                              f"{kind[1]} has a {kind[0].__name__} id; ids must all be strings or all integers")
         if v in seen:
             raise InputError(f"{where}: duplicate id {v!r} (also on line {seen[v]})")
-        seen[v] = r["_line"]
+        seen[v] = r[LINE]
 
 
 def _table(rows: list[dict[str, Any]], extra: dict[str, None], target: str, input_path: str) -> pa.Table:

@@ -8,7 +8,14 @@ error names the file, the row and the column):
   tokenizer may say explicitly with a boolean `prepend_bos` attribute.
   Errors: null, empty string, encodes to nothing.
 - chat: `tokenizer.render_chat(messages, date=...)` after checking the structure here (a non-empty
-  list of {role, content} with string values). Roles and their order are the model's rule:
+  list of {role, content} with string values). A table's message (a Parquet struct, a
+  GenerationPool dict) reaches the template with all its fields, as transformers'
+  apply_chat_template gets them (name, tool_calls, tool_call_id, reasoning_content, ...:
+  templates render earlier tool calls from them), but for a null field, which is an absent
+  key (a Parquet struct has every field on every message, and templates test `'tool_calls'
+  in message`); as for an OpenAI batch line, an assistant's null content beside tool calls
+  is "" and a tool call's JSON-text arguments become an object (`table_messages`).
+  Roles and their order are the model's rule:
   render_chat raises for what its format refuses (nanochat's alternation, an exception
   raised by a Hugging Face chat template) and the row's error carries its message. A
   template that prints the date sees the job's one date (`model.chat_template_date`, carried
@@ -27,6 +34,7 @@ prompt tokenized by `tokenize`.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,15 +141,60 @@ def check_messages(messages: Any) -> str | None:
     return None
 
 
+def table_messages(value: Any) -> tuple[Any, str | None]:
+    """A table's chat prompt as its template gets it (module docstring): every field of each
+    message but the null ones, an assistant's null content beside tool calls as "", and tool
+    calls' JSON-text arguments as objects; or (None, why) for tool calls batchgen cannot hand
+    to a template. Everything else about the structure is check_messages' to judge."""
+    if not isinstance(value, (list, tuple)):
+        return value, None
+    out: list[Any] = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        msg = {k: v for k, v in m.items() if v is not None or k in ("role", "content")}
+        if msg.get("content") is None and msg.get("role") == "assistant" and msg.get("tool_calls"):
+            msg["content"] = ""
+        if "tool_calls" in msg:
+            calls, why = _tool_calls(msg["tool_calls"])
+            if why is not None:
+                return None, f"message {i} {why}"
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out, None
+
+
+def _tool_calls(value: Any) -> tuple[list[Any] | None, str | None]:
+    """A message's tool calls with each function's arguments as an object: OpenAI's API (and
+    a Parquet file, whose struct cannot hold every tool's arguments) gives them as JSON text,
+    transformers' templates print them with `tojson` and would print the text quoted."""
+    if not isinstance(value, (list, tuple)):
+        return None, f"tool_calls: must be a list, got {type(value).__name__}"
+    calls: list[Any] = []
+    for j, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+            except (ValueError, RecursionError) as e:
+                return None, f"tool call {j}: function.arguments is not valid JSON: {e}"
+            call = {**call, "function": {**fn, "arguments": args}}
+        calls.append(call)
+    return calls, None
+
+
 def tokenize(value: Any, fmt: str, tokenizer: Any, bos: int | None, vocab: int | None,
              chat_date: str | None = None,
-             message_keys: tuple[str, ...] = (), tools: list[dict] | None = None) -> tuple[list[int] | None, str | None]:
+             message_keys: tuple[str, ...] | None = (),
+             tools: list[dict] | None = None) -> tuple[list[int] | None, str | None]:
     """(token ids, None) or (None, why) for one prompt of format `fmt` (text, chat or tokens);
     `bos`: text_bos(tokenizer) for text prompts, `vocab`: the tokenizer's vocab_size,
     `chat_date`: the day a chat template renders at. A chat message reaches the template as
     its role and content, and the `message_keys` it has (an OpenAI batch line's name,
-    tool_calls, tool_call_id). `tools`: JSON schemas a chat template lists (the job's function
-    tools; engine/tokenizers/hf_tokenizer.py `render_chat`)."""
+    tool_calls, tool_call_id; None: all its keys, a table's messages after table_messages).
+    `tools`: JSON schemas a chat template lists (the job's function tools;
+    engine/tokenizers/hf_tokenizer.py `render_chat`)."""
     if fmt == "text":
         if value is None:
             return None, "prompt is null"
@@ -155,9 +208,9 @@ def tokenize(value: Any, fmt: str, tokenizer: Any, bos: int | None, vocab: int |
             return None, "prompt encodes to no tokens"
         return ([bos] + ids if bos is not None else ids), None
     if fmt == "chat":
-        msgs = None if value is None else [{"role": m.get("role"), "content": m.get("content"),
-                                            **{k: m[k] for k in message_keys if k in m}}
-                                           if isinstance(m, dict) else m for m in value]
+        msgs = value if value is None or message_keys is None else [
+            {"role": m.get("role"), "content": m.get("content"), **{k: m[k] for k in message_keys if k in m}}
+            if isinstance(m, dict) else m for m in value]
         why = check_messages(msgs)
         if why is not None:
             return None, why
@@ -221,7 +274,12 @@ def requests_from_columns(layout: RowLayout, params: Any, columns: dict[str, lis
                     row_passthrough[c] = None  # (the output cannot hold it)
         tokens = None
         if error is None:
-            tokens, why = tokenize(value, layout.format, tokenizer, bos, vocab, layout.chat_template_date, tools=tools)
+            why = None
+            if layout.format == "chat":
+                value, why = table_messages(value)
+            if why is None:
+                tokens, why = tokenize(value, layout.format, tokenizer, bos, vocab, layout.chat_template_date,
+                                       message_keys=None, tools=tools)
             if why is not None:
                 error = f"{where} column {layout.column!r}: {why}"
                 tokens = None

@@ -49,6 +49,49 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: d}
 
 
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+UNIT_KEYS = ("index", "row_start", "row_end", "expected_rows")
+
+
+def manifest_problem(m: dict[str, Any]) -> str | None:
+    """What is wrong with the values of a manifest that status, verify, plan and resume read
+    (None if nothing): a hand-edited or half-written manifest is named, key and unit entry,
+    in an OutputError (exit code 2; verify reports it as its problem) rather than met as a
+    KeyError or TypeError halfway through reading the parts."""
+    if not isinstance(m["fingerprint"], str):
+        return f"fingerprint must be a string, got {m['fingerprint']!r}"[:200]
+    if not isinstance(m.get("fingerprint_data", {}), (dict, type(None))):
+        return f"fingerprint_data must be an object, got {type(m['fingerprint_data']).__name__}"
+    for key in ("num_samples", "num_prompts"):
+        if m.get(key) is not None and not _count(m[key]):
+            return f"{key} must be a non-negative integer, got {m[key]!r}"[:200]
+    schema = m.get("output_schema", [])
+    if not isinstance(schema, list) or not all(isinstance(f, list) and len(f) == 2 and all(isinstance(x, str) for x in f)
+                                               for f in schema):
+        return "output_schema must be a list of [column, type] pairs of strings"
+    units = m["units"]
+    if not isinstance(units, list):
+        return f"units must be a list, got {type(units).__name__}"
+    seen: set[int] = set()
+    for i, u in enumerate(units):
+        if not isinstance(u, dict):
+            return f"units[{i}] must be an object with {', '.join(UNIT_KEYS)}, got {u!r}"[:200]
+        for key in UNIT_KEYS:
+            if key not in u:
+                return f"units[{i}] has no {key}"
+            if not _count(u[key]):
+                return f"units[{i}] {key} must be a non-negative integer, got {u[key]!r}"[:200]
+        if u["row_end"] < u["row_start"]:
+            return f"units[{i}] row_end {u['row_end']} is before its row_start {u['row_start']}"
+        if u["index"] in seen:
+            return f"units[{i}] index {u['index']} is also the index of an earlier unit"
+        seen.add(u["index"])
+    return None
+
+
 def _redacted(spec: dict[str, Any]) -> dict[str, Any]:
     """A spec dump (JobSpec.to_dict) with the credentials of its input and output URIs
     left out (jobs/uri.py redact), as the manifest keeps it."""
@@ -175,6 +218,9 @@ class OutputDir(OutputChecks):
             raise OutputError(f"{self.shown}: {MANIFEST} is unreadable: {e}") from None
         if not isinstance(data, dict) or "fingerprint" not in data or "units" not in data:
             raise OutputError(f"{self.shown}: {MANIFEST} is not a batchgen manifest (no fingerprint/units)")
+        why = manifest_problem(data)
+        if why is not None:
+            raise OutputError(f"{self.shown}: {MANIFEST} is damaged: {why}")
         return data
 
     def has_manifest(self) -> bool:
@@ -286,10 +332,9 @@ class OutputDir(OutputChecks):
         mode = "new"
         try:
             old = self.read_manifest()
-        except OutputError:
+        except OutputError as e:
             if not overwrite:
-                raise OutputError(f"output.path {self.shown}: {MANIFEST} is unreadable; pass --overwrite to start "
-                                  f"over (this deletes the previous output)") from None
+                raise OutputError(f"{e}; pass --overwrite to start over (this deletes the previous output)") from None
             old = {"fingerprint": None}
         if old is not None:
             if old["fingerprint"] == plan.fingerprint:
@@ -474,9 +519,14 @@ class OutputDir(OutputChecks):
                 md = self._part_metadata(rel)
             except (OSError, pa.ArrowException) as e:
                 return rel, e
-            c = json.loads((md.metadata or {}).get(META_COUNTS, b"{}"))
-            c["rows"] = md.num_rows
-            return rel, {k: int(c.get(k, 0)) for k in COUNT_KEYS}
+            raw = (md.metadata or {}).get(META_COUNTS, b"{}")
+            try:  # a part rewritten by another tool: named as unreadable, never a traceback
+                c = json.loads(raw)
+                c["rows"] = md.num_rows
+                return rel, {k: int(c.get(k, 0)) for k in COUNT_KEYS}
+            except (ValueError, TypeError, AttributeError):
+                return rel, ValueError(f"its {META_COUNTS.decode()} metadata is not an object of counts: "
+                                       f"{raw[:100]!r}")
 
         parts = [rel for rel, _ in self._parts(total)]
         with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(parts)))) as ex:

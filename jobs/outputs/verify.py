@@ -46,13 +46,15 @@ class OutputChecks:
                     exp_s = ", ".join(f"{n}: {t}" for n, t in expected_schema)
                     got_s = ", ".join(f"{n}: {t}" for n, t in got)
                     problems.append(f"{rel}: schema mismatch: expected [{exp_s}], got [{got_s}]")
-                fp = kv.get(META_FINGERPRINT, b"").decode()
+                fp = kv.get(META_FINGERPRINT, b"").decode(errors="replace")
                 if fp != m["fingerprint"]:
                     problems.append(f"{rel}: fingerprint {fp[:12] or '<none>'} does not match the manifest's "
                                     f"{m['fingerprint'][:12]} (written by another job)")
                 try:
                     meta_unit = json.loads(kv.get(META_UNIT, b"{}"))
                 except ValueError:
+                    meta_unit = {}
+                if not isinstance(meta_unit, dict):  # (a file rewritten by another tool): named below
                     meta_unit = {}
                 if meta_unit.get("index") != idx:
                     problems.append(f"{rel}: unit metadata says index {meta_unit.get('index')!r}, expected {idx}")
