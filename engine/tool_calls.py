@@ -43,14 +43,24 @@ class ParsedCall:
     error: str | None = None
 
 
+def _unparsable(e: Exception) -> str:
+    """Why json.loads gave up on well-formed-looking text (the text itself is too large to quote)."""
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e).split(":")[0]
+
+
 def parse_tool_call(text: str) -> ParsedCall:
     """The call between <tool_call> and </tool_call>: a JSON object {"name": str, "arguments":
     object} ("arguments" may also be a JSON string holding an object, as some models write it;
-    missing means {}). Never raises: a bad call comes back with `error` saying why."""
+    missing means {}). Never raises: a bad call comes back with `error` saying why (the text
+    is the model's: json.loads also raises RecursionError for brackets nested past the
+    interpreter's recursion limit and a plain ValueError for an integer of over 4300 digits,
+    and either escaping would end the engine's step loop)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         return ParsedCall(None, None, f"the tool call is not JSON ({e.msg} at character {e.pos}): {text.strip()!r}")
+    except (ValueError, RecursionError) as e:
+        return ParsedCall(None, None, f"the tool call cannot be parsed ({_unparsable(e)})")
     if not isinstance(obj, dict):
         return ParsedCall(None, None, f'a tool call must be a JSON object {{"name": ..., "arguments": {{...}}}}, '
                                       f"got {text.strip()!r}")
@@ -63,6 +73,8 @@ def parse_tool_call(text: str) -> ParsedCall:
             args = json.loads(args)
         except json.JSONDecodeError as e:
             return ParsedCall(name, None, f"the arguments of {name} are not JSON ({e.msg}): {args!r}")
+        except (ValueError, RecursionError) as e:
+            return ParsedCall(name, None, f"the arguments of {name} cannot be parsed ({_unparsable(e)})")
     if args is None:
         args = {}
     if not isinstance(args, dict):
@@ -180,23 +192,36 @@ class ToolResponses:
     (engine/tokenizers/hf_tokenizer.py); `tools` the schemas the prompts list.
     `suffix(result)` -> the token ids that follow the assistant's text: the turn's end, the
     tool message with `result`, the next assistant header. Raises ValueError at construction
-    when the tokenizer has no chat template or its template refuses a tool message.
+    when the tokenizer has no chat template, its template refuses a tool message, or its
+    prompt with tools asks for calls in another format than <tool_call> (Llama 3.x's asks for
+    bare JSON): no call of that model would ever be recognised.
+
+    The result goes inside <tool_response> tags unless the template's own tool message has
+    them: asked of the rendering, not of the `chat_template` source, because with tools the
+    tokenizer may render with another template (a "tool_use" one, as Hermes-2-Pro's), which
+    wraps results itself.
     """
 
     def __init__(self, tokenizer: Any, tools: list[dict]):
         render = getattr(tokenizer, "render_chat_text", None)
         source = getattr(tokenizer, "chat_template", None)
+        name = getattr(tokenizer, "name", tokenizer)
         if render is None or not source:
-            raise ValueError(f"tokenizer {getattr(tokenizer, 'name', tokenizer)!r} has no chat template: tool results "
+            raise ValueError(f"tokenizer {name!r} has no chat template: tool results "
                              f"cannot be rendered as tool messages (nanochat models have the calculator only)")
         self.tokenizer = tokenizer
         self.tools = tools
-        self.native = template_reads_tools(source)
+        self.native = True  # the probe renders the tool message as given
         try:
-            self.suffix_text("probe")
+            self.native = "<tool_response>" in self.suffix_text("probe")
+            prompt = render([{"role": "user", "content": "."}], add_generation_prompt=True, tools=tools or None)
         except ValueError as e:
-            raise ValueError(f"the chat template of {getattr(tokenizer, 'name', tokenizer)!r} cannot render a tool "
+            raise ValueError(f"the chat template of {name!r} cannot render a tool "
                              f"message after an assistant turn: {e}") from None
+        if tools and OPEN.decode() not in prompt:
+            raise ValueError(f"the chat template of {name!r} lists tools in its own call format (its prompt with "
+                             f"tools never names {OPEN.decode()}, as Llama 3.x's asks for bare JSON): batchgen "
+                             f"recognises Hermes {OPEN.decode()} calls only, so this model's calls would never run")
 
     def suffix_text(self, result: str) -> str:
         content = result if self.native else f"<tool_response>\n{result}\n</tool_response>"

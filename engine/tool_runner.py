@@ -105,7 +105,8 @@ class Tool:
         from the function's docstring and signature (`function_schema`).
     timeout_s: seconds a call may run before it is abandoned and answered with an error
         (from when a thread starts it: time queued behind other calls does not count).
-    max_calls: calls one sample may make (None: no limit but the engine's max_turns).
+    max_calls: calls one sample may make, every call naming it counted (one with arguments
+        that do not parse too); None: no limit but the engine's max_turns.
     Raises ValueError naming the field for a bad name, path, timeout or max_calls.
     """
 
@@ -250,40 +251,45 @@ class ToolRunner:
         self.max_workers = max_workers
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._idle = 0
-        self._busy = 0  # threads running a call that has not been abandoned
+        self._idle = 0  # threads not running a call (started ones included, before their first)
+        self._queued = 0  # calls in the queue that no thread has taken yet
+        self._busy = 0  # threads that have not been abandoned
 
     def submit(self, tool: Tool, arguments: dict) -> Future:
         fut: Future = Future()
         self._queue.put((fut, tool, arguments))
         with self._lock:
+            self._queued += 1
             self._grow()
         return fut
 
     def _grow(self) -> None:
-        # under the lock: a thread for queued calls when none is idle and fewer than max_workers run
-        if self._idle == 0 and self._busy < self.max_workers and not self._queue.empty():
+        # Under the lock: a thread for each queued call that no idle thread will take, while
+        # fewer than max_workers exist. Counting queued calls, not whether some thread is idle:
+        # one idle thread must not stand for several calls submitted in one step, which would
+        # then run one after another (behind a slow one) with free threads left unused.
+        while self._queued > self._idle and self._busy < self.max_workers:
             self._busy += 1
+            self._idle += 1  # idle from birth: the next submit does not start another for this call
             threading.Thread(target=self._work, name="batchgen-tool", daemon=True).start()
 
     def abandon(self, fut: Future) -> None:
         """Give up on a running call: its thread no longer counts as a worker (it exits when
         the call returns) and its result is dropped."""
-        if fut.cancel() or fut.done():
+        if fut.cancel():
             return
-        with self._lock:
-            if not getattr(fut, "_batchgen_abandoned", False):
+        with self._lock:  # done() under the lock: a call that returned meanwhile keeps its thread a worker
+            if not fut.done() and not getattr(fut, "_batchgen_abandoned", False):
                 fut._batchgen_abandoned = True  # type: ignore[attr-defined]
                 self._busy -= 1
                 self._grow()  # calls queued behind the hung one get a thread
 
     def _work(self) -> None:
         while True:
-            with self._lock:
-                self._idle += 1
             item = self._queue.get()
             with self._lock:
                 self._idle -= 1
+                self._queued -= 1
             fut, tool, arguments = item
             if fut.set_running_or_notify_cancel():
                 fut.batchgen_started_at = time.perf_counter()  # type: ignore[attr-defined]
@@ -294,8 +300,10 @@ class ToolRunner:
                 except BaseException as e:  # noqa: BLE001 - delivered to the engine with the future
                     fut.batchgen_done_at = time.perf_counter()  # type: ignore[attr-defined]
                     fut.set_exception(e)
-            if getattr(fut, "_batchgen_abandoned", False):
-                return  # another thread took this one's place while it hung
+            with self._lock:
+                if getattr(fut, "_batchgen_abandoned", False):
+                    return  # another thread took this one's place while it hung
+                self._idle += 1
 
 
 __all__ = ["Tool", "ToolBox", "ToolError", "ToolRunner", "call_tool", "check_function_path", "check_tool_name",

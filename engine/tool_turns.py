@@ -99,11 +99,15 @@ class ToolTurns:
         tool = None if error else self.box.by_name.get(parsed.name)
         if error is None and tool is None:
             error = f"unknown tool {parsed.name!r} (tools: {', '.join(self.box.by_name) or 'none'})"
-        if error is None:
-            used = seq.calls_by_name.get(tool.name, 0)
-            if tool.max_calls is not None and used >= tool.max_calls:
+        if call.name is not None:
+            # Every call that names a tool counts towards its max_calls, run or not (bad
+            # arguments, refused): a continuation counts the calls it replays so
+            # (Sequence._restore_hermes_calls), from their records, and must refuse the calls
+            # after them exactly as the uninterrupted sample did.
+            used = seq.calls_by_name.get(call.name, 0)
+            if error is None and tool.max_calls is not None and used >= tool.max_calls:
                 error = f"{tool.name} may be called {tool.max_calls} times per sample"
-            seq.calls_by_name[tool.name] = used + 1
+            seq.calls_by_name[call.name] = used + 1
         if error is not None:
             self._answer(seq, call, None, error, 0.0)
             return

@@ -41,6 +41,24 @@ def test_parse_tool_call_accepts_hermes_json_and_names_what_is_wrong():
     assert "must be a JSON object" in parse_tool_call('{"name": "add", "arguments": [1]}').error
 
 
+def test_parse_tool_call_never_raises_for_json_that_python_will_not_parse():
+    """json.loads raises RecursionError for brackets nested past the recursion limit and a
+    plain ValueError (not JSONDecodeError) for an integer of over 4300 digits; a model in a
+    repetition loop writes either (Qwen's tokenizer has one token per digit). Both escaped
+    parse_tool_call and ended the engine's step loop (a 1,200-deep "[" call crashed
+    Engine.generate); each is now an error on the call, in the call or in its JSON-text
+    arguments."""
+    deep, digits = "[" * 5000, "1" * 5000
+    for text, why in [(deep, "nested too deeply"), ('{"name": "add", "arguments": ' + deep, "nested too deeply"),
+                      ('{"name": "add", "arguments": {"a": ' + digits + "}}", "4300 digits")]:
+        p = parse_tool_call(text)
+        assert p.arguments is None and why in p.error and p.error.startswith("the tool call cannot be parsed"), p
+    for inner, why in [(deep, "nested too deeply"), ('{"a": ' + digits + "}", "4300 digits")]:
+        p = parse_tool_call(json.dumps({"name": "add", "arguments": inner}))
+        assert p.name == "add" and p.arguments is None and why in p.error, p
+        assert p.error.startswith("the arguments of add cannot be parsed")
+
+
 def test_scanner_finds_calls_split_across_tokens_and_their_start_token():
     """Tags split over several tokens are found when the closing token arrives; the start is
     the token where "<tool_call>" begins; text outside tags and a lone closing tag are not
@@ -105,6 +123,35 @@ def test_runner_replaces_an_abandoned_thread():
     with pytest.raises(ToolError, match="returned int"):
         runner.submit(Tool("n", not_text), {}).result(timeout=10)
     release.set()
+
+
+def test_runner_starts_a_thread_for_each_call_submitted_while_one_thread_is_idle():
+    """Two calls submitted back to back (two samples calling in one step) while one thread
+    is idle both run at once: the second does not wait for the first, however long it
+    takes, while fewer than max_workers threads exist. (Before, a thread was started only
+    when none was idle, and one idle thread stood for both calls: the second ran after the
+    first, a hung tool holding it back until its timeout, with three threads unused.)"""
+    from engine.tool_runner import ToolRunner
+
+    runner = ToolRunner(max_workers=4)
+    assert runner.submit(Tool("add", add), {"a": 1, "b": 2}).result(timeout=10) == "3"
+    while runner._idle != 1:  # its thread is back waiting for work (a few bytecodes after the result)
+        pass
+    gate, first_started = threading.Event(), threading.Event()
+
+    def slow() -> str:
+        first_started.set()
+        gate.wait(30)
+        return "slow"
+
+    try:
+        first = runner.submit(Tool("slow", slow), {})
+        second = runner.submit(Tool("quick", lambda: "quick"), {})
+        assert first_started.wait(10)
+        assert second.result(timeout=10) == "quick" and not first.done()
+    finally:
+        gate.set()
+    assert first.result(timeout=10) == "slow"
 
 
 # ----------------------------------------------------------------------------- engine
@@ -420,6 +467,47 @@ def test_template_without_tools_gets_hermes_prompt_and_tool_response_tags(parts)
         "<|im_end|>\n<|im_start|>tool\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_a_tool_use_template_that_wraps_results_itself_gets_them_once(parts):
+    """A tokenizer with named templates renders prompts with tools with its "tool_use" one
+    (Hermes-2-Pro's layout: a ChatML default that never reads `tools`, a tool_use template
+    that lists them and writes a tool message inside <tool_response> itself). Whether to wrap
+    results was read from the default's source, so the forced result held the tags twice."""
+    _, tok = parts
+    from engine.tokenizers.hf_tokenizer import HFTokenizer
+
+    default = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
+               "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
+    tool_use = ("{{'<|im_start|>system\n<tools> ' + (tools | tojson) + ' </tools> Call as <tool_call>\n"
+                "{\"name\": <function-name>, \"arguments\": <args-dict>}\n</tool_call><|im_end|>\n'}}"
+                "{% for m in messages %}{% if m['role'] == 'tool' %}{{'<|im_start|>tool\n<tool_response>\n' + "
+                "m['content'] + '\n</tool_response><|im_end|>\n'}}{% else %}{{'<|im_start|>' + m['role'] + '\n' + "
+                "m['content'] + '<|im_end|>\n'}}{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
+    named = HFTokenizer(tok.backend, special_tokens_map=tok.special_tokens_map,
+                        chat_template={"default": default, "tool_use": tool_use}, name="hermes-2-pro")
+    schemas = ToolBox([add]).schemas()
+    prompt = named.render_chat_text([{"role": "user", "content": "hi"}], tools=schemas)
+    assert prompt.startswith("<|im_start|>system\n<tools>")
+    assert ToolResponses(named, schemas).suffix_text("5") == (
+        "<|im_end|>\n<|im_start|>tool\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_template_that_asks_for_another_call_format_is_refused(tmp_path):
+    """Llama 3.x's template lists tools and asks for bare {"name": ..., "parameters": ...}
+    JSON, which batchgen does not parse: an engine with function tools loaded and never ran a
+    call (every one silently lost). ToolResponses (the engine's and `plan`'s check) refuses
+    such a template, naming why."""
+    import hf_cases as C
+
+    from engine.tokenizers.loader import load_tokenizer
+
+    tok = load_tokenizer(C.case_dir("llama3", str(tmp_path)))
+    schemas = ToolBox([add]).schemas()
+    assert '"parameters": dictionary' in tok.render_chat_text([{"role": "user", "content": "hi"}], tools=schemas)
+    with pytest.raises(ValueError, match="lists tools in its own call format.*Hermes <tool_call> calls only"):
+        ToolResponses(tok, schemas)
+
+
 # ----------------------------------------------------------------------------- config
 def test_config_tools_validated_by_key_and_listed_as_a_list(tmp_path):
     """`tools: [...]` in YAML is tools.functions; a bad entry is a SpecError (exit 2) naming
@@ -516,6 +604,50 @@ def test_a_sample_aborted_while_its_tool_runs_continues_with_every_call_recorded
     key = [(c.name, c.start, c.end, c.forced_start, c.output, c.error) for c in full.tool_calls]
     assert [(c.name, c.start, c.end, c.forced_start, c.output, c.error) for c in s.tool_calls] == key
     assert [c.output for c in s.tool_calls] == ["5", "9"]
+
+
+def test_a_continued_sample_counts_max_calls_as_the_uninterrupted_one(parts, scripted):
+    """max_calls=2: a call of add with arguments that are not JSON, a second (its tool blocks,
+    the sample is aborted there and continued), a third. A continuation counts the calls it
+    replays from their records, bad one included; the first run counted only the calls whose
+    arguments parsed, so the continued sample ran the third call that the uninterrupted one
+    refused. Every call naming a tool now counts, in both."""
+    model, tok = parts
+    gate = threading.Event()
+
+    def gated(a: int, b: int) -> str:
+        if a == 4:
+            gate.wait(30)
+        return str(a + b)
+
+    params = SamplingParams(num_samples=1, max_tokens=260, temperature=1.0, top_k=40, seed=7, stop_token_ids=[])
+    turns = ['<tool_call>\n{"name": "add", "arguments": "{oops"}\n</tool_call>', call_text("add", {"a": 4, "b": 5}),
+             call_text("add", {"a": 1, "b": 1})]
+
+    def engine():
+        eng = Engine(model, tok, tools=[Tool("add", gated, max_calls=2)])
+        scripted(eng, {"A": turns})
+        return eng
+
+    gate.set()
+    (full,) = engine().generate([chat(tok)], params, prompt_ids=["A"])[0]
+    assert [c.output.split(" (")[0] for c in full.tool_calls] == [
+        "Error: the arguments of add are not JSON", "9", "Error: add may be called 2 times per sample"]
+    gate.clear()
+    eng = engine()
+    eng.add_request(chat(tok), params, "A")
+    while not any(s.pending is not None and len(s.tool_calls) == 2 for s in eng.running.values()):
+        assert not eng.step()
+    (out,) = eng.abort(["A"])
+    eng.continue_request(out, params)
+    gate.set()
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    s = outs[0].samples[0]
+    assert [(c.start, c.end, c.output, c.error) for c in s.tool_calls] == [
+        (c.start, c.end, c.output, c.error) for c in full.tool_calls]
+    assert s.tokens == full.tokens and s.mask == full.mask
 
 
 def test_a_sample_aborted_inside_or_just_before_a_forced_result_continues_with_its_rest(parts, scripted):
