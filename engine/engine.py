@@ -143,6 +143,7 @@ class Engine:
         self._batch: DecodeBatch | None = None  # the running rows on the device; None: rebuild
         self.batched_sampling = self.device.type != "cpu"
         self._ready: list[RequestOutput] = []
+        self._admitting: list[Admission] = []  # the step's admissions, for `_fail` (not all running yet)
         self.tools = self._tool_tokens(tokenizer)
         box = ToolBox.of(tools)
         self.tool_turns = None if box is None else ToolTurns(box, tokenizer)
@@ -232,17 +233,39 @@ class Engine:
     # ------------------------------------------------------------------ stepping
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Admit and prefill, decode one token for every running sample; return finished requests."""
+        """Admit and prefill, decode one token for every running sample; return finished requests.
+
+        Raises what raised inside (the model's forward: a CUDA error, MemoryError; the
+        tokenizer or a stop-string check; KeyboardInterrupt), or RuntimeError when nothing
+        fits an empty KV cache. Such a step may be half done (samples admitted but not started,
+        some rows advanced and not others), so first every request in flight ends (`_fail`):
+        its slots, KV runs and stored prompt are freed, and it comes back from the next `step`
+        with its unfinished samples as finish_reason "error" naming the exception, after the
+        finished outputs this step had not returned. The engine is then empty, and later
+        requests give what they give on a fresh engine.
+        """
         done, self._ready = self._ready, []
+        try:
+            self._step(done)
+        except BaseException as exc:
+            self._ready[:0] = done
+            self._fail(exc)
+            raise
+        finally:
+            self._admitting = []
+        return done
+
+    def _step(self, done: list[RequestOutput]) -> None:
+        """`step`'s work; appends the requests it finishes to `done`."""
         turns = self.tool_turns
         if turns is not None and turns.waiting and turns.poll():
             self._batch = None  # samples whose tool answered rejoin the batch
             self._force_first()
-        admissions = self._schedule()
+        admissions = self._admitting = self._schedule()
         if not admissions and not self.running and self.scheduler.waiting:
             # Nothing runs and nothing fits: stored prompts of waiting requests hold the memory.
             self.scheduler.evict_prompts()
-            admissions = self._schedule()
+            admissions = self._admitting = self._schedule()
             if not admissions:
                 raise RuntimeError("engine: nothing running and no waiting request fits an empty KV cache")
         if admissions:
@@ -254,10 +277,53 @@ class Engine:
             self._batch = None
             self._force_first()
         for slot in [s for s, seq in self.running.items() if seq.finish_reason is not None]:
-            out = self._finish(self.running.pop(slot))
+            out = self._finish(self.running[slot])
+            del self.running[slot]  # after: a sample whose _finish raised is still in flight for _fail
             if out is not None:
                 done.append(out)
-        return done
+
+    def _fail(self, exc: BaseException) -> None:
+        """`step` raised `exc`: end every request in flight (running, waiting, or admitted by
+        the step and not started) and leave the engine empty, as a fresh one. Its state may be
+        half updated, so it is not unwound request by request: every slot and KV block becomes
+        free at once (nothing else holds any), and no stored prompt is kept. Each request is
+        queued as an output (`_ready`): its finished samples as they are, the others with
+        finish_reason "error" and no tokens (a continuation folds into its request)."""
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        reqs: dict[int, Request] = {}
+        for r in ([s.request for s in self.running.values()] + list(self.scheduler.waiting)
+                  + [a.request for a in self._admitting]):
+            if r.num_finished < r.params.num_samples:  # else complete, and returned already
+                reqs.setdefault(id(r), r)
+        if self.tool_turns is not None:
+            for seq in list(self.tool_turns.waiting):
+                if seq.pending is not None:
+                    self.tool_turns.cancel(seq)
+            self.tool_turns.waiting = []
+        self.running = {}
+        self._batch = None
+        self.scheduler.clear()
+
+        def error(req: Request, j: int, n_prompt: int) -> Sample:
+            return Sample(prompt_id=req.prompt_id, sample_index=j, finish_reason="error", error=message,
+                          num_prompt_tokens=n_prompt, seed=req.params.seed)
+
+        parents: dict[int, Any] = {}
+        for req in reqs.values():
+            req.kv_block = req.first_logits = req.prompt_state = None
+            if req.parent is None:
+                samples = [s if s is not None else error(req, j, len(req.prompt_tokens))
+                           for j, s in enumerate(req.samples)]
+                self._ready.append(RequestOutput(req.request_id, req.prompt_id, req.prompt_tokens, samples))
+            else:  # a continuation: its sample replaces the aborted one in its request
+                parent = req.parent
+                parent.samples[req.resume.sample_index] = error(req, req.resume.sample_index,
+                                                                len(parent.prompt_tokens))
+                parents[id(parent)] = parent
+        for parent in parents.values():
+            parent.pending = 0
+            self._ready.append(RequestOutput(parent.request_id, parent.prompt_id, parent.prompt_tokens,
+                                             list(parent.samples)))
 
     def _schedule(self) -> list[Admission]:
         """The step's admissions, after compacting the arena if where its free blocks lie (not
@@ -555,7 +621,11 @@ class Engine:
             give stable ids to get the same samples whatever the batch.
         Raises ValueError if the lists' lengths differ, TypeError for params that are not
         SamplingParams (before any request is queued); bad prompts come back as samples with
-        finish_reason "error", the others go on.
+        finish_reason "error", the others go on. Whatever raises meanwhile (a step's failure,
+        see `step`; KeyboardInterrupt; a prompt that is not a sequence) propagates, and this
+        call's requests end with it (none is left queued, running or holding KV memory), so
+        the engine's next call gives what it gives on a fresh engine; streaming requests that
+        finished meanwhile stay for their owner.
         """
         n = len(prompts)
         if isinstance(params, SamplingParams):
@@ -568,20 +638,30 @@ class Engine:
         if len(plist) != n or len(ids) != n:
             raise ValueError(f"generate: {n} prompts but {len(plist)} params and {len(ids)} prompt_ids")
         tag = object()
-        for i in range(n):
-            self.add_request(prompts[i], plist[i], ids[i], request_id=(tag, i))
+
+        def mine(out: RequestOutput) -> bool:
+            rid = out.request_id
+            return isinstance(rid, tuple) and len(rid) == 2 and rid[0] is tag
+
         results: list[list[Sample] | None] = [None] * n
         others: list[RequestOutput] = []
-        remaining = n
-        while remaining:
-            for out in self.step():
-                rid = out.request_id
-                if isinstance(rid, tuple) and len(rid) == 2 and rid[0] is tag:
-                    results[rid[1]] = out.samples
-                    remaining -= 1
-                else:
-                    others.append(out)
-        self._ready.extend(others)  # streaming requests that finished meanwhile stay for their owner
+        try:
+            for i in range(n):
+                self.add_request(prompts[i], plist[i], ids[i], request_id=(tag, i))
+            remaining = n
+            while remaining:
+                for out in self.step():
+                    if mine(out):
+                        results[out.request_id[1]] = out.samples
+                        remaining -= 1
+                    else:
+                        others.append(out)
+        except BaseException:
+            self.abort([(tag, i) for i in range(n)])  # raised between steps (a failed step ended them all)
+            self._ready = [out for out in self._ready if not mine(out)]
+            raise
+        finally:
+            self._ready.extend(others)  # streaming requests that finished meanwhile stay for their owner
         return results  # type: ignore[return-value]
 
 

@@ -202,6 +202,13 @@ class Scheduler:
         req.first_logits = None
         req.prompt_state = None
 
+    def clear(self) -> None:
+        """Forget every request: none waiting, every slot and block free (Engine._fail, after a
+        step that raised left admissions half made, so nothing is freed run by run)."""
+        self.waiting.clear()
+        self.allocator = RunAllocator(self.allocator.num_blocks)
+        self.free = list(range(self.num_slots))
+
     def evict_prompts(self) -> int:
         """Drop the stored prompts of waiting requests with no running sample (the engine's
         way out when nothing runs and nothing fits); returns how many were dropped."""

@@ -3,6 +3,7 @@ reproducibility, finish reasons, errors and the calculator state machine.
 
 The same properties are checked on the real architectures in tests/test_engine_models.py.
 """
+import dataclasses
 import json
 from pathlib import Path
 
@@ -248,3 +249,156 @@ def test_calculator_off_and_unfinished_call():
     s = Engine(m, TOK).generate([prompt], SamplingParams(temperature=0, max_tokens=3))[0][0]
     (call,) = s.tool_calls
     assert call.expr == "1+" and "not finished" in call.error and call.end == 3
+
+
+# ----------------------------------------------------------------------------- failures inside a step
+def _inject(monkeypatch, model, where, exc, start=2):
+    """Make `where` raise `exc` from the `start`-th forward of its kind on (a prefill's or a
+    decode's): the model's forward, or the tokenizer in the stop-string check of a first token
+    (drawn from a prefill's logits: "first token") or of a decoded one ("token"). Returns a
+    set: clear it to stop."""
+    real_forward, real_bytes = model.forward_step, TOK.decode_token_bytes
+    armed, count = {True}, {"prefill": 0, "decode": 0, None: 0}
+    phase = {"first token": "prefill", "token": "decode"}.get(where, where)
+    last = [None]
+
+    def forward_step(tokens, batch, kv):
+        last[0] = "prefill" if batch.prefill else "decode"
+        count[last[0]] += 1
+        if armed and where == last[0] and count[phase] >= start:
+            raise exc
+        return real_forward(tokens, batch, kv)
+
+    def decode_token_bytes(token):
+        if armed and where != phase and last[0] == phase and count[phase] >= start:
+            raise exc
+        return real_bytes(token)
+
+    monkeypatch.setattr(model, "forward_step", forward_step)
+    monkeypatch.setattr(TOK, "decode_token_bytes", decode_token_bytes)
+    return armed
+
+
+def _free(eng):
+    return eng.scheduler.allocator.num_free, eng.scheduler.num_free, eng.kv_used_bytes
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode", "first token", "token"])
+@pytest.mark.parametrize("exc_type", [RuntimeError, MemoryError, KeyboardInterrupt])
+def test_a_generate_that_raises_leaves_the_engine_as_a_fresh_one(model, monkeypatch, where, exc_type):
+    """Whatever raises inside generate (the model's forward: a CUDA error, MemoryError; the
+    tokenizer in a stop-string check; Ctrl-C) reaches the caller as it was, and the engine is
+    left empty: every KV block and slot free again after each of two failures, nothing left
+    queued, and its next generate gives a fresh engine's tokens and logprobs. It used to keep
+    the half-made step: samples admitted but never started (every later call then raised
+    `KVLayout.for_decode: inconsistent row`), KV runs and slots leaked (then "nothing fits an
+    empty KV cache"), or the failed call's requests running on in later calls."""
+    params = SamplingParams(num_samples=3, max_tokens=12, top_k=0, stop_token_ids=[], stop=["zq"], seed=5)
+    prompts = PROMPTS[:3] + [[10] * 18 + [1, 2]] + PROMPTS[3:]  # it copies c's first block (prefix caching)
+    ids = IDS[:3] + ["f"] + IDS[3:]
+    fresh = Engine(model, TOK, max_num_seqs=4)
+    want = fresh.generate(prompts, params, prompt_ids=ids)
+    assert fresh.num_cached_prompt_tokens > 0
+    eng = Engine(model, TOK, max_num_seqs=4)
+    empty = _free(eng)
+    boom = exc_type(f"injected in the {where}")
+    armed = _inject(monkeypatch, model, where, boom)
+    for _ in range(2):
+        with pytest.raises(exc_type) as e:
+            eng.generate(prompts, params, prompt_ids=ids)
+        assert e.value is boom
+        assert _free(eng) == empty and not eng.has_unfinished_requests()
+    armed.clear()
+    before = eng.num_cached_prompt_tokens
+    got = eng.generate(prompts, params, prompt_ids=ids)
+    key = lambda res: [[(s.tokens, s.logprobs, s.finish_reason) for s in row] for row in res]
+    assert key(got) == key(want)
+    assert eng.num_cached_prompt_tokens - before == fresh.num_cached_prompt_tokens  # no stale stored prompt
+
+
+def test_a_step_that_raises_returns_its_requests_as_errors_from_the_next_step(model, monkeypatch):
+    """Streaming (add_request / step): a step that raises ends every request in flight, and
+    the next step returns each once, its unfinished samples with finish_reason "error" naming
+    the exception (a continued request once, whole), after the outputs the failed step had
+    not returned yet (here a bad prompt's); the memory is free and later requests give a
+    fresh engine's samples. The failed step's undelivered outputs used to be lost."""
+    params = SamplingParams(num_samples=2, max_tokens=12, top_k=0, stop_token_ids=[], seed=5)
+    eng = Engine(model, TOK, max_num_seqs=4)
+    empty = _free(eng)
+    eng.add_request([1, 2, 3], params, "c")
+    eng.step()
+    (cut,) = eng.abort(["c"])
+    eng.continue_request(cut, params)  # two continuations of one request
+    eng.add_request(PROMPTS[0], params, "a")
+    eng.add_request(PROMPTS[1], params, "b")
+    eng.step()
+    eng.add_request([], params, "bad")  # an error output, ready before the next step
+    armed = _inject(monkeypatch, model, "decode", RuntimeError("CUDA error: an illegal memory access"), start=1)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        eng.step()
+    armed.clear()
+    assert _free(eng) == empty
+    outs = eng.step()
+    assert outs[0].request_id == "bad" and sorted(o.request_id for o in outs[1:]) == ["a", "b", "c"]
+    for o in outs[1:]:
+        assert [s.sample_index for s in o.samples] == [0, 1]
+        assert all(s.finish_reason == "error" and "RuntimeError: CUDA error" in s.error for s in o.samples)
+    assert not eng.has_unfinished_requests() and not eng.step()
+    eng.add_request(PROMPTS[2], params, "z")
+    got = []
+    while eng.has_unfinished_requests():
+        got += eng.step()
+    (fresh,) = Engine(model, TOK, max_num_seqs=4).generate([PROMPTS[2]], params, prompt_ids=["z"])
+    assert [(s.tokens, s.logprobs) for s in got[0].samples] == [(s.tokens, s.logprobs) for s in fresh]
+
+
+def test_a_generate_that_raises_keeps_streaming_outputs_and_queues_none_of_its_own(model, monkeypatch):
+    """A streaming request that finishes during a generate that then raises still comes back
+    from the next step (it used to be lost with the call); a prompt that is not a sequence
+    fails the call without leaving its earlier prompts queued (they used to run on, and come
+    back from every later step, so the engine never went idle and refused weight swaps)."""
+    params = SamplingParams(num_samples=1, max_tokens=8, top_k=0, stop_token_ids=[], seed=5)
+    eng = Engine(model, TOK, max_num_seqs=4)
+    empty = _free(eng)
+    with pytest.raises(TypeError):
+        eng.generate([[1, 2, 3], 7], params)
+    assert _free(eng) == empty and not eng.has_unfinished_requests()
+    eng.add_request([4, 5], dataclasses.replace(params, max_tokens=1), "s")
+    armed = _inject(monkeypatch, model, "decode", MemoryError())
+    with pytest.raises(MemoryError):
+        eng.generate(PROMPTS, params, prompt_ids=IDS)
+    armed.clear()
+    (out,) = eng.step()
+    assert out.request_id == "s" and out.samples[0].finish_reason == "length" and len(out.samples[0].tokens) == 1
+    assert _free(eng) == empty and not eng.has_unfinished_requests()
+
+
+def test_an_interrupt_between_two_requests_finishing_returns_each_once(model, monkeypatch):
+    """Ctrl-C can land anywhere in a step, also between two requests' finishing: the request
+    finished already comes back from the next step as it was, the other as an error, each
+    once (the first used to be lost with the step, the other left half finished)."""
+    from engine.sequence import Sequence
+
+    params = SamplingParams(num_samples=1, max_tokens=1, top_k=0, stop_token_ids=[], seed=5)
+    eng = Engine(model, TOK, max_num_seqs=4)
+    empty = _free(eng)
+    eng.add_request([1, 2, 3], params, "x")
+    eng.add_request([4, 5], params, "y")
+    real, finished = Sequence.to_sample, []
+
+    def to_sample(seq, tokenizer):
+        finished.append(seq.request.request_id)
+        if len(finished) == 2:
+            raise KeyboardInterrupt
+        return real(seq, tokenizer)
+
+    monkeypatch.setattr(Sequence, "to_sample", to_sample)
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    monkeypatch.undo()
+    outs = eng.step()
+    assert sorted(o.request_id for o in outs) == ["x", "y"]
+    by_id = {o.request_id: o.samples[0] for o in outs}
+    assert by_id[finished[0]].finish_reason == "length" and len(by_id[finished[0]].tokens) == 1
+    assert by_id[finished[1]].finish_reason == "error" and "KeyboardInterrupt" in by_id[finished[1]].error
+    assert _free(eng) == empty and not eng.has_unfinished_requests()
