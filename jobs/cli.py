@@ -268,10 +268,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         problems = od.verify()
         for p in problems:
             print(p)
-        if problems:
-            print(f"{len(problems)} problem(s) in {od.path}", file=sys.stderr)
+        if problems:  # od.shown: a URI's credentials are never printed
+            print(f"{len(problems)} problem(s) in {od.shown}", file=sys.stderr)
             return 1
-        print(f"ok: {od.path} ({len(od.committed_units())} unit files verified)")
+        print(f"ok: {od.shown} ({len(od.committed_units())} unit files verified)")
         return 0
     if args.command == "prepare":
         from jobs.inputs.prepare import prepare_jsonl

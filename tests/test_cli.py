@@ -150,6 +150,47 @@ def test_status_and_verify_commands(tmp_path, capsys):
     assert "junk.bin: unexpected file" in capsys.readouterr().out
 
 
+def test_verify_exits_2_when_there_is_nothing_to_verify(tmp_path, capsys, monkeypatch):
+    """`verify` of a path where nothing is (a typo), a file, or a store that does not answer
+    verified nothing: exit 2 and an error naming the output, as `status` does, not exit 1 as
+    if an output had been checked (a path that does not exist), nor a traceback (an OSError
+    from the store); the directory of a job without its manifest is still a problem (exit 1)."""
+    from jobs.outputs.output_dir import OutputDir
+
+    assert main(["verify", str(tmp_path / "nowhere")]) == 2
+    assert f"error: {tmp_path / 'nowhere'}: not a batchgen output directory (no such directory)" in \
+        capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main(["verify", str(tmp_path / "afile")]) == 2
+    assert "not a batchgen output directory (a file)" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["verify", str(tmp_path / "empty")]) == 1
+    assert "manifest _batchgen/manifest.json is missing" in capsys.readouterr().out
+
+    def unreachable(self, *a, **kw):
+        raise OSError("AWS Error NETWORK_CONNECTION during HeadObject operation")
+
+    monkeypatch.setattr(OutputDir, "_exists", unreachable)  # as pyarrow's S3 filesystem raises
+    for verb in ("verify", "status"):
+        assert main([verb, str(tmp_path / "empty")]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {tmp_path / 'empty'}: cannot read the output: AWS Error NETWORK_CONNECTION" in err, err
+
+
+def test_verify_prints_no_credentials_of_the_output_uri(tmp_path, capsys, monkeypatch):
+    """`verify`'s verdict lines name the output as messages do, without the credentials a URI
+    may carry (s3://KEY:SECRET@bucket/...): they printed the URI as given."""
+    from jobs.outputs.output_dir import OutputDir
+
+    monkeypatch.setattr(OutputDir, "committed_units", lambda self, remove_damaged=False: {0})
+    url = "s3://AKIAKEY:SECRETKEY@bkt/run?endpoint_override=127.0.0.1:1&scheme=http"
+    for problems, code, stream in (([], 0, "out"), (["part-000000.parquet: a problem"], 1, "err")):
+        monkeypatch.setattr(OutputDir, "verify", lambda self, p=problems: list(p))
+        assert main(["verify", url]) == code
+        printed = capsys.readouterr()
+        assert "bkt/run" in getattr(printed, stream) and "SECRETKEY" not in printed.out + printed.err, printed
+
+
 def test_exit_codes_via_subprocess(tmp_path):
     od = _job(tmp_path)
     r = cli("verify", od.path)

@@ -366,6 +366,24 @@ def corrupt(kind, tmp_path, od, plan, task):
         data = (out / part_name(0)).read_bytes()
         (out / part_name(0)).write_bytes(data[: len(data) // 2])
         return "part-000000.parquet: unreadable Parquet file"
+    if kind == "other_unit_rows":  # unit 0's rows under unit 1's name and metadata, unit 0 absent
+        t0, t1 = pq.read_table(out / part_name(0)), pq.read_table(out / part_name(1))
+        pq.write_table(t0.replace_schema_metadata(t1.schema.metadata), out / part_name(1))
+        os.remove(out / part_name(0))
+        return "part-000001.parquet: prompt_id 'in.parquet:0' is not a prompt of its unit (in.parquet rows 4..7)"
+    if kind == "fewer_prompts":  # right row count, no duplicate, one prompt's rows given to another
+        t = pq.read_table(out / part_name(0))
+        ids, si = t.column("prompt_id").to_pylist(), t.column("sample_index").to_pylist()
+        ids[6:8], si[6:8] = ["in.parquet:2"] * 2, [2, 3]
+        t = t.set_column(0, "prompt_id", pa.array(ids)).set_column(1, "sample_index", pa.array(si, pa.int32()))
+        pq.write_table(t, out / part_name(0))
+        return "part-000000.parquet: 3 distinct prompt ids, expected its unit's 4 prompts (in.parquet rows 0..3)"
+    if kind == "alias_name":  # read by every `part-*.parquet` glob next to part-000001.parquet
+        (out / "part-0000001.parquet").write_bytes((out / part_name(1)).read_bytes())
+        return "part-0000001.parquet: unexpected file"
+    if kind == "bad_success":  # `status` shows its summary as {"unreadable": true}
+        (out / SUCCESS).write_text("{")
+        return "_SUCCESS: unreadable summary"
     if kind == "no_manifest":
         os.remove(out / MANIFEST)
         return "manifest _batchgen/manifest.json is missing"
@@ -377,7 +395,8 @@ def corrupt(kind, tmp_path, od, plan, task):
 
 @pytest.mark.parametrize("kind", ["rows", "fingerprint", "unit_metadata", "schema", "duplicate", "duplicate_in_file", "orphan",
                                   "orphan_in_batchgen", "unexpected", "extra_unit",
-                                  "success_missing", "truncated", "no_manifest", "bad_manifest"])
+                                  "success_missing", "truncated", "no_manifest", "bad_manifest", "other_unit_rows",
+                                  "fewer_prompts", "alias_name", "bad_success"])
 def test_verify_catches(tmp_path, kind):
     spec, plan, task, od = make_job(tmp_path)
     run_all(spec, plan, task, od)
@@ -455,6 +474,74 @@ def test_status_names_a_part_whose_counts_metadata_is_damaged(tmp_path, counts):
     assert st["units_done"] == 2 and st["rows"] == 12, st
     assert [u.split(":")[0] for u in st["unreadable_units"]] == [part_name(0)], st["unreadable_units"]
     assert "batchgen.counts metadata is not an object of counts" in st["unreadable_units"][0]
+
+
+@pytest.mark.parametrize("counts, why", [
+    (b"{", "its batchgen.counts metadata is not an object of counts"),
+    (b"[1]", "its batchgen.counts metadata is not an object of counts"),
+    (b'{"prompts": "x"}', "its batchgen.counts metadata is not an object of counts"),
+    (b'{"prompts": -4}', "its batchgen.counts metadata is not an object of counts"),
+    (b'{"prompts": true}', "its batchgen.counts metadata is not an object of counts"),
+    (None, "it has no batchgen.counts metadata"),
+])
+def test_verify_reports_every_part_status_cannot_count(tmp_path, counts, why):
+    """A part whose batchgen.counts metadata `status` cannot read (so lists as unreadable and
+    leaves out of its numbers) is a problem for `verify` too, named alike, and `batchgen
+    verify` exits 1: verify did not read that metadata and called the output fine."""
+    from jobs.cli import main
+
+    spec, plan, task, od = make_job(tmp_path)
+    run_all(spec, plan, task, od)
+    t = pq.read_table(Path(od.path) / part_name(0))
+    meta = {k: v for k, v in t.schema.metadata.items() if k != b"batchgen.counts"}
+    pq.write_table(t.replace_schema_metadata(meta if counts is None else {**meta, b"batchgen.counts": counts}),
+                   Path(od.path) / part_name(0))
+    st = od.status()
+    assert st["units_done"] == 2 and st["unreadable_units"] == [f"{part_name(0)}: {why}" + (
+        f": {counts!r}" if counts else "")], st["unreadable_units"]
+    problems = od.verify()
+    assert problems == [f"{part_name(0)}: {why}" + (f": {counts!r}" if counts else "")], problems
+    assert main(["verify", od.path]) == 1
+
+
+@pytest.mark.parametrize("key", ["prompts", "rows", "generated_tokens", "prompt_tokens", "tool_calls", "tool_errors",
+                                 "error_rows"])
+def test_verify_finds_counts_metadata_the_rows_contradict(tmp_path, key):
+    """`status` sums each part's batchgen.counts metadata without reading rows: `verify`
+    checks every count it holds against the rows (as jobs/task.py counts them), so a part
+    whose metadata says other numbers than its rows (rewritten by another tool, the metadata
+    kept) is named with the count, and status's number is not taken on trust."""
+    spec, plan, task, od = make_job(tmp_path)
+    run_all(spec, plan, task, od)
+    path = Path(od.path) / part_name(0)  # prompt 3 (null: error rows, no prompt tokens) is in unit 0
+    t = pq.read_table(path)
+    c = json.loads(t.schema.metadata[b"batchgen.counts"])
+    assert c == {"prompts": 4, "rows": 8, "generated_tokens": 18, "prompt_tokens": 6, "tool_calls": 12,
+                 "tool_errors": 6, "error_rows": 2, "input_rows_decoded": 10}
+    real = c[key]
+    c[key] += 1
+    pq.write_table(t.replace_schema_metadata({**t.schema.metadata, b"batchgen.counts": json.dumps(c).encode()}), path)
+    before = od.status()
+    assert od.verify() == [f"{part_name(0)}: its batchgen.counts metadata says {key} {real + 1}, its rows hold {real} "
+                           f"(`batchgen status` reports the metadata)"]
+    assert key == "rows" or before[key] == {"prompts": 10, "generated_tokens": 54, "prompt_tokens": 18,
+                                            "tool_calls": 36, "tool_errors": 18, "error_rows": 2}[key] + 1
+
+
+def test_a_part_name_with_more_digits_is_no_unit(tmp_path):
+    """part-0000001.parquet matches the part pattern, but only part_name(1) is unit 1's file:
+    `status` counted the copy as a fourth unit of three (and its rows twice), and a resume
+    took it for unit 1 when part-000001.parquet was gone. Now it is an unexpected file that
+    `verify` names (every `part-*.parquet` glob reads it), and unit 1 runs again."""
+    spec, plan, task, od = make_job(tmp_path)
+    run_all(spec, plan, task, od)
+    out = Path(od.path)
+    (out / "part-0000001.parquet").write_bytes((out / part_name(1)).read_bytes())
+    st = od.status()
+    assert (st["units_done"], st["units_total"], st["rows"], st["rows_expected"]) == (3, 3, 20, 20), st
+    assert od.verify() == ["part-0000001.parquet: unexpected file (not a unit of this job)"]
+    os.remove(out / part_name(1))
+    assert od.committed_units() == {0, 2} and od.status()["units_done"] == 2
 
 
 def test_resume_keeps_committed_units(tmp_path):

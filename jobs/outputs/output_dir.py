@@ -32,8 +32,8 @@ from jobs import uri
 from jobs.errors import OutputError
 from jobs.outputs.commit import canonical_output, conditional_writes, join, put_whole, replace_whole, resolve_output
 from jobs.outputs.layout import CACHE_FILE, LEASE, LEFTOVER_RE, MANIFEST, PART_RE, PROBE_PREFIX, SUCCESS, part_name
-from jobs.outputs.schema import COUNT_KEYS, META_COUNTS, batchgen_version, output_schema, type_str
-from jobs.outputs.verify import READ_THREADS, OutputChecks
+from jobs.outputs.schema import COUNT_KEYS, batchgen_version, output_schema, type_str
+from jobs.outputs.verify import READ_THREADS, OutputChecks, part_counts, part_index
 
 log = logging.getLogger("batchgen")
 PARQUET_MAGIC = b"PAR1"
@@ -406,7 +406,7 @@ class OutputDir(OutputChecks):
         at the parts. The sizes come with the listing; locally each part's last 8 bytes are
         read too, never its footer: 40,000 parts take under a second, listing included (status, reading footers: 16 s), read in threads over
         chunks of files, which hide a network filesystem's latency without a task per file."""
-        parts = [(rel, int(m.group(1)), info.size) for rel, info in self._entries() if (m := PART_RE.match(rel))]
+        parts = [(rel, idx, info.size) for rel, info in self._entries() if (idx := part_index(rel)) is not None]
         local = uri.is_local(self.fs)
 
         def damage(part: tuple[str, int, int | None]) -> str | None:
@@ -483,12 +483,13 @@ class OutputDir(OutputChecks):
             return pq.read_table(f, columns=columns)
 
     def _parts(self, total: int) -> list[tuple[str, int]]:
-        """(relative name, unit index) of the part files of units < total."""
+        """(relative name, unit index) of the part files of units < total (by their canonical
+        names: verify.part_index)."""
         out = []
         for rel, _ in self._entries():
-            mm = PART_RE.match(rel)
-            if mm and int(mm.group(1)) < total:
-                out.append((rel, int(mm.group(1))))
+            idx = part_index(rel)
+            if idx is not None and idx < total:
+                out.append((rel, idx))
         return out
 
     def _part_metadata(self, rel: str) -> pq.FileMetaData:
@@ -505,7 +506,10 @@ class OutputDir(OutputChecks):
         unreadable_units, lease (the lease JSON or None), success, summary (the _SUCCESS
         JSON or None). Raises OutputError if the directory has no (readable) manifest.
         """
-        m = self.read_manifest()
+        try:
+            m = self.read_manifest()
+        except OSError as e:  # a store that does not answer (exit code 2, not a traceback)
+            raise OutputError(f"{self.shown}: cannot read the output: {e}") from None
         if m is None:
             raise OutputError(f"{self.shown}: not a batchgen output directory (no {MANIFEST})")
         total = len(m["units"])
@@ -519,14 +523,11 @@ class OutputDir(OutputChecks):
                 md = self._part_metadata(rel)
             except (OSError, pa.ArrowException) as e:
                 return rel, e
-            raw = (md.metadata or {}).get(META_COUNTS, b"{}")
-            try:  # a part rewritten by another tool: named as unreadable, never a traceback
-                c = json.loads(raw)
-                c["rows"] = md.num_rows
-                return rel, {k: int(c.get(k, 0)) for k in COUNT_KEYS}
-            except (ValueError, TypeError, AttributeError):
-                return rel, ValueError(f"its {META_COUNTS.decode()} metadata is not an object of counts: "
-                                       f"{raw[:100]!r}")
+            try:  # a part rewritten by another tool: named as unreadable (verify reports it), never a traceback
+                c = part_counts(md.metadata)
+            except ValueError as e:
+                return rel, e
+            return rel, {**{k: c.get(k, 0) for k in COUNT_KEYS}, "rows": md.num_rows}
 
         parts = [rel for rel, _ in self._parts(total)]
         with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(parts)))) as ex:

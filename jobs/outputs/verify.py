@@ -1,10 +1,14 @@
 """`verify`: an output directory checked against its manifest, in bounded memory.
 
 Checks: manifest present and readable; every part file readable, with the manifest's
-schema, this job's fingerprint, its own unit index and the expected row count; no
-(prompt_id, sample_index) twice, within a file or across units; no orphan temporary files
-or probes; no unexpected files; no _SUCCESS while units are missing. Files are read in
-parallel; a 40,000-file output holds one 64-bit key per prompt (jobs/ids.py), not every row.
+schema, this job's fingerprint, its own unit index, the expected row count, its unit's
+prompts (as many prompt ids as the unit has prompts; with default ids, exactly the unit's
+`<file>:<row>` ids) and counts metadata that `status` can read and that agree with its
+rows; no (prompt_id, sample_index) twice, within a file or across units; no orphan
+temporary files or probes; no unexpected files (a part name that is not the canonical
+`part_name` of its index included); a readable _SUCCESS, and none while units are missing.
+Files are read in parallel; a 40,000-file output holds one 64-bit key per prompt
+(jobs/ids.py), not every row.
 
 `OutputChecks` is mixed into jobs.outputs.output_dir.OutputDir: it reads the directory
 through OutputDir's helpers (`fs`, `_p`, `_entries`, `_exists`, `read_manifest`).
@@ -12,19 +16,57 @@ through OutputDir's helpers (`fs`, `_p`, `_entries`, `_exists`, `read_manifest`)
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from jobs.errors import OutputError
 from jobs.ids import find_duplicates, keys_of
 from jobs.outputs.layout import LEFTOVER_RE, MANIFEST, PART_RE, SUCCESS, part_name
-from jobs.outputs.schema import META_FINGERPRINT, META_UNIT, type_str
+from jobs.outputs.schema import COUNT_KEYS, META_COUNTS, META_FINGERPRINT, META_UNIT, type_str
 
 READ_THREADS = 16
+BATCH_ROWS = 8192  # rows of prompt_tokens decoded at a time (a part's prompts may be long)
+
+
+def part_index(rel: str) -> int | None:
+    """The unit index of a committed part's name, or None: only the name part_name gives the
+    index counts (`part-0000001.parquet` matches PART_RE, yet readers globbing `part-*.parquet`
+    would read it next to `part-000001.parquet`, so it is an unexpected file, not unit 1)."""
+    mm = PART_RE.match(rel)
+    return int(mm.group(1)) if mm and rel == part_name(int(mm.group(1))) else None
+
+
+def part_counts(kv: dict | None) -> dict[str, int]:
+    """The counts of a part's batchgen.counts metadata that `status` sums: those of
+    COUNT_KEYS it holds (`status` takes an absent one as 0: a writer may predate it). Raises
+    ValueError saying what is wrong (no such metadata, not JSON, not an object of
+    non-negative integers): `status` lists the part as unreadable and `verify` reports it,
+    with the same words."""
+    raw = (kv or {}).get(META_COUNTS)
+    if raw is None:
+        raise ValueError(f"it has no {META_COUNTS.decode()} metadata")
+    try:
+        c = json.loads(raw)
+    except ValueError:
+        c = None
+    if not isinstance(c, dict) or not all(isinstance(c.get(k, 0), int) and not isinstance(c.get(k, 0), bool)
+                                          and c.get(k, 0) >= 0 for k in COUNT_KEYS):
+        raise ValueError(f"its {META_COUNTS.decode()} metadata is not an object of counts: {raw[:100]!r}")
+    return {k: c[k] for k in COUNT_KEYS if k in c}
+
+
+def _default_ids(m: dict) -> bool:
+    """Whether the job's prompt ids are all `<file>:<row>` (no input.id_column; an
+    openai_batch job's are its custom_ids)."""
+    inp = (m.get("spec") or {}).get("input") or {}
+    return isinstance(inp, dict) and inp.get("id_column") is None and inp.get("format", "text") != "openai_batch"
 
 
 class OutputChecks:
@@ -41,6 +83,11 @@ class OutputChecks:
                 md = pf.metadata
                 schema = pf.schema_arrow
                 kv = schema.metadata or {}
+                try:
+                    recorded: dict[str, int] | None = part_counts(md.metadata)
+                except ValueError as e:  # `status` lists it as unreadable
+                    problems.append(f"{rel}: {e}")
+                    recorded = None
                 got = [[fld.name, type_str(fld.type)] for fld in schema]
                 if expected_schema and got != expected_schema:
                     exp_s = ", ".join(f"{n}: {t}" for n, t in expected_schema)
@@ -68,11 +115,15 @@ class OutputChecks:
                 if "prompt_id" not in schema.names or "sample_index" not in schema.names:
                     return problems, None
                 t = pf.read(columns=["prompt_id", "sample_index"])
+                enc = t.column("prompt_id").combine_chunks().dictionary_encode()
+                ids = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+                if recorded is not None and not (expected_schema and got != expected_schema) and \
+                        {"num_tokens", "finish_reason", "error", "prompt_tokens"} <= set(schema.names):
+                    problems += self._counts_disagree(rel, pf, recorded, len(enc.dictionary), ids)
         except (OSError, pa.ArrowException) as e:
             return problems + [f"{rel}: unreadable Parquet file: {e}"], None
+        problems += self._foreign_prompts(rel, m, units[idx], enc.dictionary)
         # within the file: (prompt, sample_index) pairs must be distinct
-        enc = t.column("prompt_id").combine_chunks().dictionary_encode()
-        ids = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
         si = t.column("sample_index").to_numpy().astype(np.int64)
         pairs = ids * (int(si.max(initial=0)) + 1) + si
         uniq, first, counts = np.unique(pairs, return_index=True, return_counts=True)
@@ -82,6 +133,56 @@ class OutputChecks:
                             f"sample_index={int(si[j])} (twice in this file)")
         return problems, keys_of(enc.dictionary)
 
+    @staticmethod
+    def _counts_disagree(rel: str, pf: pq.ParquetFile, recorded: dict[str, int], prompts: int,
+                         ids: np.ndarray) -> list[str]:
+        """The counts of a part's batchgen.counts metadata (those `status` sums) that its rows
+        contradict: `status` reports the metadata without reading rows, so a part rewritten by
+        another tool, its metadata kept, would have it report numbers the dataset does not
+        hold. Counted as jobs/task.py counts them; input_rows_decoded has no trace in the rows."""
+        t = pf.read(columns=["num_tokens", "finish_reason", "error"])
+        calls = [c.path for c in pf.schema if c.path.startswith("tool_calls.list.") and c.path.endswith(".error")]
+        errors = pf.read(columns=calls).column(0).combine_chunks() if calls else None
+        first = np.zeros(len(ids), dtype=bool)  # each prompt's first row: its prompt_tokens are counted once
+        first[np.unique(ids, return_index=True)[1]] = True
+        prompt_tokens, at = 0, 0
+        for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=["prompt_tokens"]):
+            lengths = pc.list_value_length(batch.column(0)).fill_null(0).to_numpy(zero_copy_only=False)
+            prompt_tokens += int(lengths[first[at:at + len(lengths)]].sum())
+            at += len(lengths)
+        def total(values: Any) -> int:
+            return int(pc.sum(values).as_py() or 0)
+
+        actual = {
+            "prompts": prompts, "rows": pf.metadata.num_rows,
+            "generated_tokens": total(t.column("num_tokens")),
+            "prompt_tokens": prompt_tokens,
+            "tool_calls": 0 if errors is None else total(pc.list_value_length(errors)),
+            "tool_errors": 0 if errors is None else total(pc.is_valid(pc.struct_field(pc.list_flatten(errors), [0]))),
+            "error_rows": total(pc.or_kleene(pc.equal(t.column("finish_reason"), "error").fill_null(False),
+                                             pc.is_valid(t.column("error")))),
+        }
+        return [f"{rel}: its {META_COUNTS.decode()} metadata says {k} {recorded[k]}, its rows hold {v} "
+                f"(`batchgen status` reports the metadata)" for k, v in actual.items() if recorded.get(k, v) != v]
+
+    @staticmethod
+    def _foreign_prompts(rel: str, m: dict, unit: dict, dictionary: pa.Array) -> list[str]:
+        """A part holding other prompts than its unit's: as many distinct prompt ids as the unit
+        has prompts, and with default ids exactly its `<file>:<row>` ids (rows of another unit
+        under this unit's name and metadata, which the row count and the duplicate check pass
+        while that unit is absent)."""
+        want = unit["row_end"] - unit["row_start"]
+        where = f"{unit.get('file', '?')} rows {unit['row_start']}..{unit['row_end'] - 1}"
+        if _default_ids(m) and isinstance(unit.get("file"), str):
+            rows = re.compile(re.escape(unit["file"]) + r":(\d+)")
+            for pid in dictionary.to_pylist():
+                hit = rows.fullmatch(pid or "")
+                if hit is None or not unit["row_start"] <= int(hit.group(1)) < unit["row_end"]:
+                    return [f"{rel}: prompt_id {pid!r} is not a prompt of its unit ({where})"]
+        if len(dictionary) != want:
+            return [f"{rel}: {len(dictionary)} distinct prompt ids, expected its unit's {want} prompts ({where})"]
+        return []
+
     def _prompt_ids(self, rel: str) -> pa.Array:
         """The distinct prompt ids of one part file."""
         with self.fs.open_input_file(self._p(rel)) as f:
@@ -90,19 +191,29 @@ class OutputChecks:
 
     def verify(self) -> list[str]:
         """Check the directory against its manifest; returns the problems found ([] if clean).
+        Raises OutputError (exit code 2: nothing verified) when the output cannot be read or
+        there is no directory at its path.
 
         Checks: manifest present and readable; every part file readable, with the manifest's
-        schema, this job's fingerprint, its own unit index and the expected row count
-        (unit rows x num_samples, or the per-request num_samples summed); no (prompt_id,
+        schema, this job's fingerprint, its own unit index, the expected row count (unit
+        rows x num_samples, or the per-request num_samples summed), its unit's prompts and
+        counts metadata that `status` reads and the rows agree with; no (prompt_id,
         sample_index) twice, within a file or across units (a prompt's samples all belong to
         one unit, so a prompt id in two files is a duplicate); no orphan temporary files; no
-        unexpected files; no _SUCCESS while units are missing. Files are read in parallel;
-        memory holds one 64-bit key per prompt.
+        unexpected files; a readable _SUCCESS, and none while units are missing. Everything
+        `status` lists as unreadable is a problem here. Files are read in parallel; memory
+        holds one 64-bit key per prompt.
         """
         try:
             m = self.read_manifest()
+            kind = self.fs.get_file_info(self.base).type if m is None else None
         except OutputError as e:
             return [str(e)]
+        except OSError as e:  # a store that does not answer: nothing was verified (exit code 2)
+            raise OutputError(f"{self.shown}: cannot read the output: {e}") from None
+        if kind in (pafs.FileType.NotFound, pafs.FileType.File):
+            raise OutputError(f"{self.shown}: not a batchgen output directory "
+                              f"({'a file' if kind == pafs.FileType.File else 'no such directory'})")
         if m is None:
             return [f"{self.shown}: manifest {MANIFEST} is missing (not a batchgen output directory?)"]
         problems: list[str] = []
@@ -116,11 +227,11 @@ class OutputChecks:
                 continue
             if rel.startswith("_batchgen/") or rel == SUCCESS:
                 continue
-            mm = PART_RE.match(rel)
-            if not mm or int(mm.group(1)) not in units:
+            idx = part_index(rel)
+            if idx is None or idx not in units:
                 problems.append(f"{rel}: unexpected file (not a unit of this job)")
                 continue
-            parts.append((rel, int(mm.group(1))))
+            parts.append((rel, idx))
         committed = {idx for _, idx in parts}
         keys: list[Any] = [None] * len(parts)
         with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(parts)))) as ex:
@@ -129,6 +240,12 @@ class OutputChecks:
                 keys[i] = k
         problems.extend(self._cross_file_duplicates(parts, keys))
         missing = sorted(set(units) - committed)
+        if self._exists(SUCCESS):
+            try:  # `status` shows an unreadable one as {"unreadable": true}
+                if not isinstance(json.loads(self._read_text(SUCCESS)), dict):
+                    raise ValueError("not a JSON object")
+            except (OSError, ValueError) as e:
+                problems.append(f"{SUCCESS}: unreadable summary ({e}); the job writes it when every unit is in")
         if self._exists(SUCCESS) and missing:
             problems.append(f"{SUCCESS} is present but {len(missing)} of {len(units)} units are missing "
                             f"(first: {part_name(missing[0])})")
