@@ -187,11 +187,13 @@ def _write_parts(args: tuple) -> int:
         "logprobs": pa.array([[-1.5] * 16] * rows, pa.list_(pa.float32())),
         "text": pa.array(["sixteen tokens of generated text"] * rows),
         "finish_reason": pa.array(["length"] * rows),
+        "stop_reason": pa.nulls(rows, pa.string()),
         "tool_calls": pa.array([[]] * rows, schema.field("tool_calls").type),
         "num_prompt_tokens": pa.array([12] * rows, pa.int32()),
         "num_tokens": pa.array([16] * rows, pa.int32()),
         "seed": pa.array([0] * rows, pa.int64()),
         "error": pa.nulls(rows, pa.string()),
+        "weight_version": pa.array([[0] * 16] * rows, pa.list_(pa.int32())),
     }
     for u in units[lo:hi]:
         index, file_no, a, b = u
