@@ -128,6 +128,12 @@ def check_sampling_value(name: str, v: Any) -> Any:
             v = (v,)
         if not isinstance(v, (list, tuple)) or any(not isinstance(x, str) or not x for x in v):
             raise ValueError(f"must be a non-empty string or a list of them (or null for none), got {v!r}")
+        for x in v:  # matched on UTF-8 bytes: a lone surrogate (JSON's "\ud83d") has none, and failed the step
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"must be valid Unicode text, got {x!r} (a lone surrogate has no UTF-8 "
+                                 f"encoding)") from None
         return tuple(v) or None
     elif name == "logprobs_mode":
         if v not in LOGPROBS_MODES:

@@ -20,6 +20,7 @@ import hf_cases as C
 from engine.tokenizers.base import Tokenizer
 from engine.tokenizers.byte_level import byte_to_unicode
 from engine.tokenizers.hf_tokenizer import HFTokenizer
+from engine.tokenizers.stop_strings import StopStringMatcher, completion_text
 from engine.tokenizers.tiktoken_tokenizer import TiktokenTokenizer
 
 pytest.importorskip("transformers")
@@ -179,6 +180,27 @@ def test_added_token_dicts_and_new_special_tokens_match_transformers(root, tmp_p
     assert ours.special_tokens_map["image_token"] == "<|image|>"
     conv = [{"role": "user", "content": "x"}]
     assert ours.render_chat(conv) == ref.apply_chat_template(conv, add_generation_prompt=True)["input_ids"]
+
+
+def test_sentencepiece_added_token_bytes_agree_with_decode(root, tmp_path):
+    """Added tokens spelled with "▁" (CodeLlama's "▁<PRE>", "▁<MID>", ..., "▁<EOT>") decode with
+    it as a space, as transformers decodes them; their raw bytes (what stop strings are
+    matched on) are the same, so a stop string spanning one (" <MID>") ends the sample at it
+    and the text stops before it, instead of the string showing in the text unmatched."""
+    from transformers import AutoTokenizer
+
+    fim = ["\u2581<PRE>", "\u2581<SUF>", "\u2581<MID>", "\u2581<EOT>"]
+    d = variant(root, tmp_path, "mistral", {"additional_special_tokens": fim})
+    ours, ref = HFTokenizer.from_dir(d), AutoTokenizer.from_pretrained(str(d))
+    head = ours.encode("Hi there")
+    ids = head + [ours.special("\u2581<MID>")] + ours.encode(" x") + [ours.special("\u2581<EOT>")]
+    text = ours.decode(ids)
+    assert text == ref.decode(ids) and "Hi there <MID>" in text
+    assert b"".join(ours.decode_token_bytes(i) for i in ids) == (" " + text).encode()  # decode strips the first space
+    m = StopStringMatcher((" <MID>",))
+    hits = [m.feed(ours.decode_token_bytes(i)) for i in ids]
+    assert hits.index(" <MID>") == len(head)
+    assert completion_text(ours, ids[:len(head) + 1], " <MID>") == "Hi there"
 
 
 def test_special_tokens_map_json_and_additional_special_tokens(root, tmp_path):

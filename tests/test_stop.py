@@ -159,3 +159,17 @@ def test_stop_token_logprob_is_the_full_forwards():
             lp = torch.log_softmax(model(torch.tensor([prompt + s.tokens]))[0], -1)
             assert abs(lp[len(prompt) + len(s.tokens) - 2, s.tokens[-1]].item() - s.logprobs[-1]) < 1e-4
     assert ended >= 8
+
+
+def test_stop_string_without_utf8_encoding_is_refused():
+    """Stop strings are matched on UTF-8 bytes: one holding a lone surrogate (JSON's "\\ud83d",
+    half of an emoji's escape) has none, and is refused by name where the parameters are
+    checked (an OpenAI batch line, a row's params, a job's sampling: a 400 line or an error
+    row), instead of failing the engine's step for the whole batch."""
+    from engine.params import check_sampling_value
+
+    with pytest.raises(ValueError, match="lone surrogate"):
+        SamplingParams(max_tokens=5, stop=["ok", "\ud83d"])
+    with pytest.raises(ValueError, match="lone surrogate"):
+        check_sampling_value("stop", "\ud83d\ude00x\udc00")
+    assert check_sampling_value("stop", "\U0001F600") == ("\U0001F600",)

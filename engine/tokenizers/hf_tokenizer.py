@@ -96,7 +96,6 @@ class HFTokenizer:
         decoder = backend.decoder.__getstate__().decode() if backend.decoder is not None else ""
         self._byte_level = '"ByteLevel"' in decoder
         self._byte_fallback = '"ByteFallback"' in decoder
-        self._added_ids = set(added)
 
     def _id(self, key: str) -> int | None:
         text = self._map.get(key)
@@ -226,20 +225,23 @@ class HFTokenizer:
 
     def decode_token_bytes(self, token: int) -> bytes:
         """The raw bytes of one token as it appears inside a sequence (for streaming UTF-8
-        assembly): byte-level tokens mapped back to bytes, <0xNN> byte-fallback tokens as that
-        byte, SentencePiece's "▁" as a space, added tokens as their UTF-8 text.
+        assembly and stop strings), as `decode` renders it there, added tokens too (the
+        `tokenizers` decoder treats them as any token): <0xNN> byte-fallback tokens as that
+        byte; byte-level tokens mapped back to bytes, or as their UTF-8 text when a character
+        is outside the byte-level alphabet ("<｜User｜>"); otherwise SentencePiece's "▁" as a
+        space (CodeLlama's added "▁<EOT>" decodes as " <EOT>"). Only `decode`'s strip of the
+        sample's first space is not applied.
         Raises ValueError for an id outside the vocabulary."""
         text = self.backend.id_to_token(token) if isinstance(token, int) and token >= 0 else None
         if text is None:
             raise ValueError(f"token id {token!r} is not in the vocabulary of {self.name}")
         if self._byte_fallback and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
             return bytes([int(text[3:5], 16)])
-        if token in self._added_ids:
-            return text.encode("utf-8")
         if self._byte_level:
             table = UNICODE_TO_BYTE
             if all(c in table for c in text):
                 return bytes(table[c] for c in text)
+            return text.encode("utf-8")
         return text.replace("\u2581", " ").encode("utf-8")
 
     def render_chat(self, messages: list[dict], *, date: Any = None, tools: list[dict] | None = None) -> list[int]:
