@@ -461,7 +461,52 @@ def test_fingerprint_covers_checkpoint_content_cached_by_path_size_mtime(tmp_pat
     assert second.fingerprint != first.fingerprint
     with pytest.raises(OutputError, match=r"model\.sha256\.model\.safetensors: '[0-9a-f]{64}' -> '[0-9a-f]{64}'"):
         OutputDir(spec.output.path).prepare(second, spec)
-    # the cache trusts (path, size, mtime): with the old mtime back it answers without reading
-    os.utime(ck / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+    # the cache answers for an unchanged file without reading it
+    cache = HashCache()
+    assert plan_job(spec, hash_cache=cache).fingerprint == second.fingerprint and cache.changed
     reloaded = HashCache.loads(cache.dumps())
-    assert plan_job(spec, hash_cache=reloaded).fingerprint == first.fingerprint and not reloaded.changed
+    assert plan_job(spec, hash_cache=reloaded).fingerprint == second.fingerprint and not reloaded.changed
+    # ... but not for one whose old modification time was put back: see the next test
+    os.utime(ck / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert plan_job(spec, hash_cache=reloaded).fingerprint == second.fingerprint and reloaded.changed
+
+
+def test_a_checkpoint_replaced_with_its_old_mtime_is_not_resumed(tmp_path):
+    """Retrained weights of the same sizes copied over the checkpoint with their modification
+    time kept (`cp -p`, `rsync -a`; here the same time as the old file's) used to answer from
+    the output's hash cache, keyed by (path, size, mtime), with the old weights' hash: the
+    fingerprint did not change and the run resumed, mixing rows of two models. The cache key
+    holds the inode change time and inode too, which no copy can set back."""
+    import shutil
+
+    from jobs.errors import OutputError
+    from jobs.outputs.output_dir import OutputDir
+    from jobs.plan.fingerprint import load_hash_cache, save_hash_cache
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "model.safetensors").write_bytes(b"a" * 64)
+    (ck / "config.json").write_text("{}")
+    f = write_prompts(str(tmp_path / "p.parquet"), ["q"])
+    spec = spec_for(f, model__path=str(ck), output__path=str(tmp_path / "out"))
+    out = OutputDir(spec.output.path)
+    cache = load_hash_cache(out)  # as jobs/runner.py run_job plans and prepares
+    first = plan_job(spec, hash_cache=cache)
+    assert out.prepare(first, spec) == "new"
+    save_hash_cache(out, cache)
+    cache = load_hash_cache(out)
+    assert plan_job(spec, hash_cache=cache).fingerprint == first.fingerprint and not cache.changed
+
+    st = os.stat(ck / "model.safetensors")
+    retrained = tmp_path / "retrained.safetensors"
+    retrained.write_bytes(b"b" * 64)
+    os.utime(retrained, ns=(st.st_atime_ns, st.st_mtime_ns))
+    shutil.copy2(retrained, ck / "model.safetensors")  # cp -p
+    now = os.stat(ck / "model.safetensors")
+    assert (now.st_size, now.st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+    cache = load_hash_cache(out)
+    second = plan_job(spec, hash_cache=cache)
+    assert second.fingerprint != first.fingerprint
+    with pytest.raises(OutputError, match=r"another job's output.*model\.sha256\.model\.safetensors"):
+        out.prepare(second, spec)

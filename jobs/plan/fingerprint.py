@@ -14,8 +14,11 @@ Content hashes: names and sizes do not identify weights (a retrained checkpoint 
 the same file sizes), so the data holds the SHA-256 of every file under `model.path` (and
 `model.tokenizer`), hidden files excepted. Hashing a large checkpoint takes a while, so the
 hashes are cached in the output directory (`_batchgen/checkpoint-sha256.json`), keyed by
-the file's absolute path, size and modification time: a file is read again only when one
-of those changed.
+the file's absolute path, size, modification time, inode change time and inode number: a
+file is read again only when one of those changed. The change time and inode are there for
+a file replaced with its old modification time kept (`cp -p`, `rsync -a`, `tar x`, `touch
+-r`): no program can set a change time back, so a rewritten file never answers from the
+cache with its previous content's hash.
 """
 from __future__ import annotations
 
@@ -75,7 +78,8 @@ def checkpoint_files(path: str) -> list[Path]:
 
 
 class HashCache:
-    """sha256 by (absolute path, size, mtime_ns); `entries` is the JSON-able dict.
+    """sha256 by (absolute path, size, mtime_ns, ctime_ns, inode); `entries` is the JSON-able
+    dict (an entry without ctime_ns or inode, from an older release, is read again).
 
     load(text) / dumps(): the cache file's contents; `changed`: whether hash() added any.
     """
@@ -99,10 +103,11 @@ class HashCache:
         st = f.stat()
         key = str(f.resolve())
         hit = self.entries.get(key)
-        if isinstance(hit, dict) and hit.get("size") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
+        stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+        if isinstance(hit, dict) and isinstance(hit.get("sha256"), str) and all(hit.get(k) == v for k, v in stamp.items()):
             return hit["sha256"]
         digest = sha256_file(f)
-        self.entries[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+        self.entries[key] = {**stamp, "sha256": digest}
         self.changed = True
         return digest
 
