@@ -436,6 +436,17 @@ def test_uri_options_are_not_globs_and_credentials_are_redacted():
     assert uri.redact("s3://user@bkt/run") == "s3://bkt/run"
 
 
+def _checkpoint_job(tmp_path):
+    """A checkpoint directory (64 bytes of weights, an empty config) and a one-prompt job on
+    it: (checkpoint dir, spec)."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "model.safetensors").write_bytes(b"a" * 64)
+    (ck / "config.json").write_text("{}")
+    f = write_prompts(str(tmp_path / "p.parquet"), ["q"])
+    return ck, spec_for(f, model__path=str(ck), output__path=str(tmp_path / "out"))
+
+
 def test_fingerprint_covers_checkpoint_content_cached_by_path_size_mtime(tmp_path):
     """A retrained checkpoint with the same file sizes is another job (the fingerprint holds
     every file's SHA-256); the hash cache answers for an unchanged (path, size, mtime)."""
@@ -443,12 +454,7 @@ def test_fingerprint_covers_checkpoint_content_cached_by_path_size_mtime(tmp_pat
     from jobs.outputs.output_dir import OutputDir
     from jobs.plan.fingerprint import HashCache
 
-    ck = tmp_path / "ck"
-    ck.mkdir()
-    (ck / "model.safetensors").write_bytes(b"a" * 64)
-    (ck / "config.json").write_text("{}")
-    f = write_prompts(str(tmp_path / "p.parquet"), ["q"])
-    spec = spec_for(f, model__path=str(ck), output__path=str(tmp_path / "out"))
+    ck, spec = _checkpoint_job(tmp_path)
     cache = HashCache()
     first = plan_job(spec, hash_cache=cache)
     assert cache.changed and len(cache.entries) == 2
@@ -483,12 +489,7 @@ def test_a_checkpoint_replaced_with_its_old_mtime_is_not_resumed(tmp_path):
     from jobs.outputs.output_dir import OutputDir
     from jobs.plan.fingerprint import load_hash_cache, save_hash_cache
 
-    ck = tmp_path / "ck"
-    ck.mkdir()
-    (ck / "model.safetensors").write_bytes(b"a" * 64)
-    (ck / "config.json").write_text("{}")
-    f = write_prompts(str(tmp_path / "p.parquet"), ["q"])
-    spec = spec_for(f, model__path=str(ck), output__path=str(tmp_path / "out"))
+    ck, spec = _checkpoint_job(tmp_path)
     out = OutputDir(spec.output.path)
     cache = load_hash_cache(out)  # as jobs/runner.py run_job plans and prepares
     first = plan_job(spec, hash_cache=cache)

@@ -557,6 +557,26 @@ def test_a_model_without_a_chat_template_refuses_function_tools():
         tok.render_chat([{"role": "user", "content": "hi"}], tools=ToolBox([add]).schemas())
 
 
+def _abort_at_second_call(eng: Engine, prompt: list[int], params: SamplingParams):
+    """Request "A" stepped until its second tool call waits on its (blocked) tool, then
+    aborted: the abort's RequestOutput."""
+    eng.add_request(prompt, params, "A")
+    while not any(s.pending is not None and len(s.tool_calls) == 2 for s in eng.running.values()):
+        assert not eng.step()
+    (out,) = eng.abort(["A"])
+    return out
+
+
+def _continue_after_gate(eng: Engine, out, params: SamplingParams, gate: threading.Event):
+    """`out` continued, its blocked tool released, run to the end: the continued sample."""
+    eng.continue_request(out, params)
+    gate.set()
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    return outs[0].samples[0]
+
+
 def test_a_sample_aborted_while_its_tool_runs_continues_with_every_call_recorded_once(parts, scripted):
     """pause("keep") with tools: sample A makes one call (answered), then a second call whose
     tool blocks; A is aborted while it waits. The aborted sample records the second call as
@@ -585,21 +605,13 @@ def test_a_sample_aborted_while_its_tool_runs_continues_with_every_call_recorded
 
     gate.clear()
     eng = engine()
-    eng.add_request(chat(tok), params, "A")
-    while not any(s.pending is not None and len(s.tool_calls) == 2 for s in eng.running.values()):
-        assert not eng.step()
-    (out,) = eng.abort(["A"])
+    out = _abort_at_second_call(eng, chat(tok), params)
     cut = out.samples[0]
     assert cut.finish_reason == "abort" and not eng.has_unfinished_requests() and eng.kv_used_bytes == 0
     assert [c.output for c in cut.tool_calls] == ["5", None] and "aborted" in cut.tool_calls[1].error
     assert cut.tokens == full.tokens[:len(cut.tokens)]
 
-    eng.continue_request(out, params)
-    gate.set()
-    outs = []
-    while eng.has_unfinished_requests():
-        outs += eng.step()
-    s = outs[0].samples[0]
+    s = _continue_after_gate(eng, out, params, gate)
     assert s.tokens == full.tokens and s.mask == full.mask
     key = [(c.name, c.start, c.end, c.forced_start, c.output, c.error) for c in full.tool_calls]
     assert [(c.name, c.start, c.end, c.forced_start, c.output, c.error) for c in s.tool_calls] == key
@@ -635,16 +647,8 @@ def test_a_continued_sample_counts_max_calls_as_the_uninterrupted_one(parts, scr
         "Error: the arguments of add are not JSON", "9", "Error: add may be called 2 times per sample"]
     gate.clear()
     eng = engine()
-    eng.add_request(chat(tok), params, "A")
-    while not any(s.pending is not None and len(s.tool_calls) == 2 for s in eng.running.values()):
-        assert not eng.step()
-    (out,) = eng.abort(["A"])
-    eng.continue_request(out, params)
-    gate.set()
-    outs = []
-    while eng.has_unfinished_requests():
-        outs += eng.step()
-    s = outs[0].samples[0]
+    out = _abort_at_second_call(eng, chat(tok), params)
+    s = _continue_after_gate(eng, out, params, gate)
     assert [(c.start, c.end, c.output, c.error) for c in s.tool_calls] == [
         (c.start, c.end, c.output, c.error) for c in full.tool_calls]
     assert s.tokens == full.tokens and s.mask == full.mask

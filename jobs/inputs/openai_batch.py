@@ -61,7 +61,7 @@ from cluster.unit import UnitRequest, WorkUnit
 from engine.params import SamplingParams, check_sampling_value
 from jobs import uri
 from jobs.errors import InputError
-from jobs.inputs.prompts import check_messages, text_bos, tokenize
+from jobs.inputs.prompts import check_messages, template_tool_calls, text_bos, tokenize
 from jobs.inputs.reader import InputFile, InputScan, open_input, resolve
 from jobs.outputs.schema import BATCH_FIELDS, CHAT_URL, COMPLETIONS_URL
 
@@ -378,7 +378,7 @@ def _messages(value: Any, ignored: list[str]) -> tuple[list[dict] | None, str | 
                     return None, f"message {i}: {key} must be a string, got {v!r}"[:200]
                 msg[key] = v
             elif key == "tool_calls" and role == "assistant":
-                calls, why = _tool_calls(v)
+                calls, why = template_tool_calls(v)
                 if why:
                     return None, f"message {i} {why}"
                 msg[key] = calls
@@ -387,28 +387,6 @@ def _messages(value: Any, ignored: list[str]) -> tuple[list[dict] | None, str | 
         out.append(msg)
     why = check_messages(out)
     return (None, why) if why else (out, None)
-
-
-def _tool_calls(value: Any) -> tuple[list[dict] | None, str | None]:
-    """An assistant message's OpenAI tool_calls as a template reads them: [{id, type,
-    function: {name, arguments}}] with the arguments (a JSON string in the API) as an object."""
-    if not isinstance(value, list):
-        return None, f"tool_calls: must be a list, got {type(value).__name__}"
-    calls = []
-    for j, call in enumerate(value):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            return None, f"tool call {j}: must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}"
-        args = fn.get("arguments")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except (ValueError, RecursionError) as e:
-                return None, f"tool call {j}: function.arguments is not valid JSON: {e}"
-        elif args is None:
-            args = {}
-        calls.append({**call, "function": {**fn, "arguments": args}})
-    return calls, None
 
 
 def _completion_prompt(value: Any) -> tuple[Any, str | None]:

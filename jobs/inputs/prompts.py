@@ -157,7 +157,7 @@ def table_messages(value: Any) -> tuple[Any, str | None]:
         if msg.get("content") is None and msg.get("role") == "assistant" and msg.get("tool_calls"):
             msg["content"] = ""
         if "tool_calls" in msg:
-            calls, why = _tool_calls(msg["tool_calls"])
+            calls, why = template_tool_calls(msg["tool_calls"])
             if why is not None:
                 return None, f"message {i} {why}"
             msg["tool_calls"] = calls
@@ -165,22 +165,29 @@ def table_messages(value: Any) -> tuple[Any, str | None]:
     return out, None
 
 
-def _tool_calls(value: Any) -> tuple[list[Any] | None, str | None]:
-    """A message's tool calls with each function's arguments as an object: OpenAI's API (and
-    a Parquet file, whose struct cannot hold every tool's arguments) gives them as JSON text,
-    transformers' templates print them with `tojson` and would print the text quoted."""
+def template_tool_calls(value: Any) -> tuple[list[dict] | None, str | None]:
+    """An assistant message's tool calls as a chat template reads them, [{id, type, function:
+    {name, arguments}}] with each function's arguments as an object (OpenAI's API, and a
+    Parquet file whose struct cannot hold every tool's arguments, give them as JSON text;
+    transformers' templates print them with `tojson` and would print the text quoted; null
+    arguments are {}); or (None, why) for a call that is not one. Shared by table chat rows
+    and OpenAI batch lines (jobs/inputs/openai_batch.py)."""
     if not isinstance(value, (list, tuple)):
         return None, f"tool_calls: must be a list, got {type(value).__name__}"
-    calls: list[Any] = []
+    calls = []
     for j, call in enumerate(value):
         fn = call.get("function") if isinstance(call, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            return None, f"tool call {j}: must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}"
+        args = fn.get("arguments")
+        if isinstance(args, str):
             try:
-                args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+                args = json.loads(args) if args.strip() else {}
             except (ValueError, RecursionError) as e:
                 return None, f"tool call {j}: function.arguments is not valid JSON: {e}"
-            call = {**call, "function": {**fn, "arguments": args}}
-        calls.append(call)
+        elif args is None:
+            args = {}
+        calls.append({**call, "function": {**fn, "arguments": args}})
     return calls, None
 
 

@@ -45,3 +45,11 @@ LEFTOVER_RE = re.compile(
 def part_name(index: int) -> str:
     """File name of unit `index`'s committed output."""
     return f"part-{index:06d}.parquet"
+
+
+def part_index(rel: str) -> int | None:
+    """The unit index of a committed part's name, or None: only the name part_name gives the
+    index counts (`part-0000001.parquet` matches PART_RE, yet readers globbing `part-*.parquet`
+    would read it next to `part-000001.parquet`, so it is an unexpected file, not unit 1)."""
+    mm = PART_RE.match(rel)
+    return int(mm.group(1)) if mm and rel == part_name(int(mm.group(1))) else None

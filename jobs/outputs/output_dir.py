@@ -31,9 +31,10 @@ import pyarrow.parquet as pq
 from jobs import uri
 from jobs.errors import OutputError
 from jobs.outputs.commit import canonical_output, conditional_writes, join, put_whole, replace_whole, resolve_output
-from jobs.outputs.layout import CACHE_FILE, LEASE, LEFTOVER_RE, MANIFEST, PART_RE, PROBE_PREFIX, SUCCESS, part_name
+from jobs.outputs.layout import (CACHE_FILE, LEASE, LEFTOVER_RE, MANIFEST, PART_RE, PROBE_PREFIX, SUCCESS, part_index,
+                                  part_name)
 from jobs.outputs.schema import COUNT_KEYS, batchgen_version, output_schema, type_str
-from jobs.outputs.verify import READ_THREADS, OutputChecks, part_counts, part_index
+from jobs.outputs.verify import READ_THREADS, OutputChecks, is_count, part_counts
 
 log = logging.getLogger("batchgen")
 PARQUET_MAGIC = b"PAR1"
@@ -49,10 +50,6 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: d}
 
 
-def _count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
 UNIT_KEYS = ("index", "row_start", "row_end", "expected_rows")
 
 
@@ -66,7 +63,7 @@ def manifest_problem(m: dict[str, Any]) -> str | None:
     if not isinstance(m.get("fingerprint_data", {}), (dict, type(None))):
         return f"fingerprint_data must be an object, got {type(m['fingerprint_data']).__name__}"
     for key in ("num_samples", "num_prompts"):
-        if m.get(key) is not None and not _count(m[key]):
+        if m.get(key) is not None and not is_count(m[key]):
             return f"{key} must be a non-negative integer, got {m[key]!r}"[:200]
     schema = m.get("output_schema", [])
     if not isinstance(schema, list) or not all(isinstance(f, list) and len(f) == 2 and all(isinstance(x, str) for x in f)
@@ -82,7 +79,7 @@ def manifest_problem(m: dict[str, Any]) -> str | None:
         for key in UNIT_KEYS:
             if key not in u:
                 return f"units[{i}] has no {key}"
-            if not _count(u[key]):
+            if not is_count(u[key]):
                 return f"units[{i}] {key} must be a non-negative integer, got {u[key]!r}"[:200]
         if u["row_end"] < u["row_start"]:
             return f"units[{i}] row_end {u['row_end']} is before its row_start {u['row_start']}"
@@ -484,7 +481,7 @@ class OutputDir(OutputChecks):
 
     def _parts(self, total: int) -> list[tuple[str, int]]:
         """(relative name, unit index) of the part files of units < total (by their canonical
-        names: verify.part_index)."""
+        names: layout.part_index)."""
         out = []
         for rel, _ in self._entries():
             idx = part_index(rel)

@@ -28,19 +28,16 @@ import pyarrow.parquet as pq
 
 from jobs.errors import OutputError
 from jobs.ids import find_duplicates, keys_of
-from jobs.outputs.layout import LEFTOVER_RE, MANIFEST, PART_RE, SUCCESS, part_name
+from jobs.outputs.layout import LEFTOVER_RE, MANIFEST, SUCCESS, part_index, part_name
 from jobs.outputs.schema import COUNT_KEYS, META_COUNTS, META_FINGERPRINT, META_UNIT, type_str
 
 READ_THREADS = 16
 BATCH_ROWS = 8192  # rows of prompt_tokens decoded at a time (a part's prompts may be long)
 
 
-def part_index(rel: str) -> int | None:
-    """The unit index of a committed part's name, or None: only the name part_name gives the
-    index counts (`part-0000001.parquet` matches PART_RE, yet readers globbing `part-*.parquet`
-    would read it next to `part-000001.parquet`, so it is an unexpected file, not unit 1)."""
-    mm = PART_RE.match(rel)
-    return int(mm.group(1)) if mm and rel == part_name(int(mm.group(1))) else None
+def is_count(v: Any) -> bool:
+    """A non-negative integer, bool excluded (JSON's `true` is no count)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def part_counts(kv: dict | None) -> dict[str, int]:
@@ -56,8 +53,7 @@ def part_counts(kv: dict | None) -> dict[str, int]:
         c = json.loads(raw)
     except ValueError:
         c = None
-    if not isinstance(c, dict) or not all(isinstance(c.get(k, 0), int) and not isinstance(c.get(k, 0), bool)
-                                          and c.get(k, 0) >= 0 for k in COUNT_KEYS):
+    if not isinstance(c, dict) or not all(is_count(c.get(k, 0)) for k in COUNT_KEYS):
         raise ValueError(f"its {META_COUNTS.decode()} metadata is not an object of counts: {raw[:100]!r}")
     return {k: c[k] for k in COUNT_KEYS if k in c}
 
@@ -150,6 +146,7 @@ class OutputChecks:
             lengths = pc.list_value_length(batch.column(0)).fill_null(0).to_numpy(zero_copy_only=False)
             prompt_tokens += int(lengths[first[at:at + len(lengths)]].sum())
             at += len(lengths)
+
         def total(values: Any) -> int:
             return int(pc.sum(values).as_py() or 0)
 
