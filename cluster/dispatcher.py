@@ -69,13 +69,17 @@ class UnitDispatcher:
     max_worker_failures: units failing in a row on one worker before it is replaced.
     may_add_nodes: an autoscaler may add nodes; when no alive node can host a worker, wait
         (up to start_timeout_s) instead of failing at once.
+    on_auto_dtype(dtype): called once, with what the first ready worker resolved model dtype
+        "auto" to, before that worker gets a unit (cluster/health.py refuse_dtype); what it
+        raises ends the run.
     """
 
     def __init__(self, task: UnitTask, *, num_workers: int, num_cpus: float = 1, num_gpus: float = 0,
                  max_unit_attempts: int = 3, unit_timeout_s: float | None = None,
                  suspect_timeout_s: float | None = None, in_flight_per_worker: int = 2,
                  progress_interval_s: float = 1.0, start_timeout_s: float = 900.0, max_start_failures: int = 3,
-                 max_worker_failures: int = 3, may_add_nodes: bool = False, actor_options: dict | None = None) -> None:
+                 max_worker_failures: int = 3, may_add_nodes: bool = False, actor_options: dict | None = None,
+                 on_auto_dtype: Callable[[str], None] | None = None) -> None:
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         self.task = task
@@ -90,7 +94,7 @@ class UnitDispatcher:
                                  in_flight_per_worker=self.in_flight_per_worker, actor_options=actor_options,
                                  suspect_timeout_s=suspect_timeout_s, start_timeout_s=start_timeout_s,
                                  max_start_failures=max_start_failures, may_add_nodes=may_add_nodes,
-                                 events=self.events)
+                                 events=self.events, on_auto_dtype=on_auto_dtype)
         self._closed = False
 
     # what the collaborators know, as the dispatcher's own (reports, tests)

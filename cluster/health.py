@@ -111,7 +111,8 @@ class WorkerSlots:
 
     def __init__(self, task: UnitTask, *, num_workers: int, num_cpus: float, num_gpus: float,
                  in_flight_per_worker: int, actor_options: dict | None, suspect_timeout_s: float | None,
-                 start_timeout_s: float, max_start_failures: int, may_add_nodes: bool, events: deque) -> None:
+                 start_timeout_s: float, max_start_failures: int, may_add_nodes: bool, events: deque,
+                 on_auto_dtype: Callable[[str], None] | None = None) -> None:
         self.task = task
         self.num_workers = num_workers
         self.num_cpus = num_cpus
@@ -128,6 +129,7 @@ class WorkerSlots:
         self.weights_lost = ""  # why the last update's weights are gone (every holder died); "" normally
         self.waiting_for_nodes = ""  # why no worker can start now (when may_add_nodes)
         self.auto_dtype: str | None = None  # what the workers resolved model dtype "auto" to
+        self.on_auto_dtype = on_auto_dtype
         self.tokens_by_worker: dict[str, int] = {}
         self.progress_by_worker: dict[str, dict] = {}
         self.last_start_error = ""
@@ -304,11 +306,17 @@ class WorkerSlots:
         """With model dtype "auto" each worker's engine resolves it for its own machine
         (engine/loading/checkpoint.py): the first ready worker's choice is the run's, and a worker that
         resolved another (a GPU of another generation, a CPU of another kind) is refused, so
-        that one run never mixes dtypes. Returns why, or None."""
+        that one run never mixes dtypes. Returns why, or None.
+
+        The binding is passed to `on_auto_dtype` before the worker is ready, so before any
+        unit runs (the job runner records it in the output's manifest, for resumes: a
+        resume on another kind of machine runs in the dtype the output began in)."""
         if self.task.engine_kwargs.get("dtype") != "auto" or not w.info.get("dtype"):
             return None
         got = w.info["dtype"]
         if self.auto_dtype is None:
+            if self.on_auto_dtype is not None:
+                self.on_auto_dtype(got)
             self.auto_dtype = got
             return None
         if got == self.auto_dtype:

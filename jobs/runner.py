@@ -212,12 +212,14 @@ def _run_units(spec: Any, plan: Any, out: Any, todo: list, lease: Any, t0: float
     todo, staged, staged_rows = stage_inputs(plan, out, c.unit_rows, RowLayout.of(spec).columns(), todo)
     lease.check()
     task = (task_factory or JobTask)(spec, plan, staged=staged)
+    bind_auto_dtype(task, out)
     started = connect_ray(spec)
     bar = _Progress(total_rows, done_rows, disable=None if progress is None else not progress)
     try:
         with UnitDispatcher(task, num_workers=min(int(c.num_workers), len(todo)), num_cpus=c.cpus_per_worker,
                             num_gpus=c.gpus_per_worker, max_unit_attempts=int(c.max_unit_attempts),
-                            unit_timeout_s=c.unit_timeout_s, may_add_nodes=c.address is not None) as pool:
+                            unit_timeout_s=c.unit_timeout_s, may_add_nodes=c.address is not None,
+                            on_auto_dtype=out.record_auto_dtype) as pool:
             results = pool.run(todo, on_result=bar.on_result, on_progress=bar.on_progress, watchdog=lease.check)
         return results, bar.tokens_committed, staged_rows
     except UnitFailed as e:
@@ -234,6 +236,23 @@ def _run_units(spec: Any, plan: Any, out: Any, todo: list, lease: Any, t0: float
             import ray
 
             ray.shutdown()
+
+
+def bind_auto_dtype(task: Any, out: Any) -> str | None:
+    """With model.dtype "auto", a resumed output's rows must not mix dtypes when this run's
+    machines would resolve auto otherwise (an output begun on an AMX Xeon, in bfloat16,
+    resumed on an AVX2 EPYC, which picks float32): the dtype its first run resolved (the
+    manifest's auto_dtype, OutputDir.record_auto_dtype) becomes the workers' dtype, set in
+    `task.engine_kwargs`. Returns it, or None when nothing is bound (a dtype set explicitly,
+    or none recorded: a new output, whose first ready worker binds it)."""
+    if task.engine_kwargs.get("dtype") != "auto":
+        return None
+    bound = out.auto_dtype()
+    if bound is not None:
+        task.engine_kwargs["dtype"] = bound
+        log.info("model.dtype auto: %s holds rows computed in %s, so this run's workers use %s whatever "
+                 "their machines would pick", out.shown, bound, bound)
+    return bound
 
 
 def _finish(out: Any, plan: Any, units_this_run: int, tokens_this_run: int, staged_rows: int,

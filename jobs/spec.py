@@ -34,8 +34,8 @@ does not hide GPUs from CPU actors). `model.dtype: auto` is resolved by each wor
 own machine (engine/loading/checkpoint.py: bfloat16 on a GPU with native support, compute capability
 8.0 and up, and on a CPU whose compiled GEMM has AVX-512 BF16 and measures faster in it;
 float32 elsewhere); the first ready worker's choice binds the run (a worker that resolves
-another is refused), and the fingerprint records "auto": set model.dtype explicitly to pin
-it across machine kinds.
+another is refused) and is recorded in the output's manifest, so that a resume runs in it
+on any machine (jobs/runner.py bind_auto_dtype); the fingerprint records "auto".
 
 `input.column` defaults to "prompt" for the text and tokens formats and "messages" for chat.
 

@@ -136,3 +136,42 @@ def test_a_zero_row_job_returns_the_output_schema(tmp_path, passthrough, monkeyp
     manifest = OutputDir(str(tmp_path / "out")).read_manifest()
     assert [[f.name, type_str(f.type)] for f in table.schema] == manifest["output_schema"]
     assert result.to_table(["prompt_id", "tokens"]).column_names == ["prompt_id", "tokens"]
+
+
+def test_a_resume_keeps_the_dtype_auto_resolved_to_first(job, tmp_path):
+    """`model.dtype: auto` resolves per machine (bfloat16 on an AMX Xeon, float32 on an AVX2
+    EPYC) and the fingerprint holds "auto", so a resume on another kind of machine used to
+    add rows of another dtype to the output. The first run records what its workers resolved
+    (the manifest's auto_dtype) and a resume runs in it: here an output recorded as begun
+    in the other dtype, one unit missing, gets that unit in the recorded dtype, bit for bit
+    what a job with that dtype set explicitly writes."""
+    import json
+    import shutil
+
+    import torch
+
+    from engine.loading.checkpoint import resolve_dtype
+    from jobs import run_job
+
+    d, config, result = job
+    overrides = {"sampling.stop": ["e", "o"], "sampling.logprobs_mode": "processed"}
+    here = str(resolve_dtype("auto", torch.device("cpu"))).replace("torch.", "")
+    manifest = json.loads((d / "out" / "_batchgen" / "manifest.json").read_text())
+    assert manifest["auto_dtype"] == here  # recorded when the first worker was ready
+    other = {"float32": "bfloat16", "bfloat16": "float32"}[here]
+
+    out = tmp_path / "out"
+    shutil.copytree(d / "out", out)
+    manifest["auto_dtype"] = other  # as if begun on the other kind of machine
+    (out / "_batchgen" / "manifest.json").write_text(json.dumps(manifest))
+    (out / "part-000001.parquet").unlink()
+    resumed = run_job({**config, "output": {"path": str(out)}}, overrides)
+    assert resumed.summary["units_this_run"] == 1
+    explicit = run_job({**config, "output": {"path": str(tmp_path / "explicit")},
+                        "model": {**config["model"], "dtype": other}}, overrides)
+    cols = ["prompt_id", "sample_index", "tokens", "logprobs"]
+    new_unit = pq.read_table(out / "part-000001.parquet", columns=cols)
+    assert new_unit.equals(pq.read_table(tmp_path / "explicit" / "part-000001.parquet", columns=cols))
+    assert not new_unit.equals(pq.read_table(d / "out" / "part-000001.parquet", columns=cols))
+    assert json.loads((out / "_batchgen" / "manifest.json").read_text())["auto_dtype"] == other
+

@@ -356,11 +356,13 @@ def test_workers_resolving_dtype_auto_differently_are_refused(ray_local, tmp_pat
 
     prompts = [f"prompt {i}" for i in range(8)]
     task = FakeTask(str(tmp_path), prompts, first_dtype="bfloat16", engine_kwargs={"dtype": "auto"})
-    with UnitDispatcher(task, num_workers=2, num_cpus=1, max_start_failures=2) as d:
+    recorded = []  # the job runner records the binding in the output's manifest (jobs/runner.py)
+    with UnitDispatcher(task, num_workers=2, num_cpus=1, max_start_failures=2, on_auto_dtype=recorded.append) as d:
         assert d.wait_ready() >= 1  # both slots started (and retried) before any unit runs
         res = d.run(fake_units(len(prompts), 2))
         assert sorted(r.index for r in res) == list(range(4))
         bound = d.auto_dtype  # whichever engine was ready first: bfloat16 (the first loaded) or float32
+    assert recorded == [bound]
     other = {"bfloat16": "float32", "float32": "bfloat16"}[bound]
     refused = [detail for _, kind, detail in d.events if f"resolved model.dtype auto to {other}" in detail]
     assert refused and f"this run's workers use {bound}: set model.dtype" in refused[0]

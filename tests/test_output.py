@@ -418,6 +418,7 @@ def test_verify_catches(tmp_path, kind):
     (lambda m: m.update(fingerprint_data=[1]), "fingerprint_data must be an object, got list"),
     (lambda m: m.update(output_schema=[["prompt_id"]]), "output_schema must be a list of [column, type] pairs"),
     (lambda m: m.update(num_prompts="10"), "num_prompts must be a non-negative integer, got '10'"),
+    (lambda m: m.update(auto_dtype="bf16"), "auto_dtype must be one of float32, bfloat16, float16, got 'bf16'"),
 ])
 def test_a_damaged_manifest_entry_is_named_by_status_verify_plan_and_run(tmp_path, edit, why):
     """A manifest whose values are hand-edited or wrong (a unit entry without a key, a value of
@@ -445,6 +446,31 @@ def test_a_damaged_manifest_entry_is_named_by_status_verify_plan_and_run(tmp_pat
     with pytest.raises(OutputError, match=re.escape(want) + ".*pass --overwrite"):
         od.prepare(plan, spec)
     assert od.prepare(plan, spec, overwrite=True) == "overwrite"
+
+
+def test_dtype_auto_is_recorded_once_and_binds_a_resume(tmp_path):
+    """What model.dtype "auto" resolved to is recorded in the manifest (once: another
+    dtype is refused, naming both), `plan` shows it for a resume, and the runner gives it
+    to the resumed run's workers in place of "auto" (an explicit dtype is left alone)."""
+    from types import SimpleNamespace
+
+    from jobs.plan.report import describe_plan
+    from jobs.runner import bind_auto_dtype
+
+    spec, plan, task, od = make_job(tmp_path)
+    od.prepare(plan, spec)
+    auto = SimpleNamespace(engine_kwargs={"dtype": "auto"})
+    assert od.auto_dtype() is None and bind_auto_dtype(auto, od) is None and auto.engine_kwargs["dtype"] == "auto"
+    od.record_auto_dtype("bfloat16")
+    od.record_auto_dtype("bfloat16")
+    with pytest.raises(OutputError, match="rows are computed in bfloat16 .* resolved auto to float32"):
+        od.record_auto_dtype("float32")
+    assert od.auto_dtype() == "bfloat16" and od.prepare(plan, spec) == "resume"
+    assert bind_auto_dtype(auto, od) == "bfloat16" and auto.engine_kwargs["dtype"] == "bfloat16"
+    explicit = SimpleNamespace(engine_kwargs={"dtype": "float32"})
+    assert bind_auto_dtype(explicit, od) is None and explicit.engine_kwargs["dtype"] == "float32"
+    text, code = describe_plan(spec)
+    assert code == 0 and "dtype:         bfloat16 (model.dtype auto" in text
 
 
 def test_status_counts_only_committed_and_reports_unreadable(tmp_path):

@@ -51,6 +51,7 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 UNIT_KEYS = ("index", "row_start", "row_end", "expected_rows")
+AUTO_DTYPES = ("float32", "bfloat16", "float16")  # what model.dtype "auto" can resolve to
 
 
 def manifest_problem(m: dict[str, Any]) -> str | None:
@@ -69,6 +70,8 @@ def manifest_problem(m: dict[str, Any]) -> str | None:
     if not isinstance(schema, list) or not all(isinstance(f, list) and len(f) == 2 and all(isinstance(x, str) for x in f)
                                                for f in schema):
         return "output_schema must be a list of [column, type] pairs of strings"
+    if m.get("auto_dtype") is not None and m["auto_dtype"] not in AUTO_DTYPES:
+        return f"auto_dtype must be one of {', '.join(AUTO_DTYPES)}, got {m['auto_dtype']!r}"[:200]
     units = m["units"]
     if not isinstance(units, list):
         return f"units must be a list, got {type(units).__name__}"
@@ -353,6 +356,31 @@ class OutputDir(OutputChecks):
             mode = "overwrite"
         self._write_atomic(MANIFEST, json.dumps(self._manifest(plan, spec), indent=1, sort_keys=True))
         return mode
+
+    def auto_dtype(self) -> str | None:
+        """What model.dtype "auto" resolved to for this output (the manifest's `auto_dtype`,
+        written by record_auto_dtype when the first worker of its first run was ready), or
+        None: not recorded (a dtype set explicitly, no worker ready yet, or an output
+        written before batchgen recorded it). Raises OutputError as read_manifest."""
+        m = self.read_manifest()
+        return None if m is None else m.get("auto_dtype")
+
+    def record_auto_dtype(self, dtype: str) -> None:
+        """Record in the manifest that this output's rows are computed in `dtype` (what
+        model.dtype "auto" resolved to), so that a resume on another kind of machine runs in
+        it too instead of mixing dtypes in one output (the fingerprint holds "auto"). Call
+        under the output lease, before the first unit of the run starts. Raises OutputError
+        when there is no manifest, or it already records another dtype."""
+        m = self.read_manifest()
+        if m is None:
+            raise OutputError(f"{self.shown}: no {MANIFEST} to record model.dtype auto's {dtype} in")
+        if m.get("auto_dtype") == dtype:
+            return
+        if m.get("auto_dtype") is not None:
+            raise OutputError(f"{self.shown}: its rows are computed in {m['auto_dtype']} (model.dtype auto, "
+                              f"{MANIFEST} auto_dtype), but this run's workers resolved auto to {dtype}")
+        m["auto_dtype"] = dtype
+        self._write_atomic(MANIFEST, json.dumps(m, indent=1, sort_keys=True))
 
     def _manifest(self, plan: Any, spec: Any) -> dict[str, Any]:
         n = spec.sampling.num_samples

@@ -70,6 +70,9 @@ def describe_plan(spec: Any) -> tuple[str, int]:
                          + (f"; {len(damaged):,} part file(s) damaged, which `run` removes and runs again: "
                             + ", ".join(f"{rel} ({why})" for rel, why in damaged[:5])
                             + (", ..." if len(damaged) > 5 else "") if damaged else ""))
+            if spec.resolved_dtype() == "auto" and manifest.get("auto_dtype"):
+                lines.append(f"dtype:         {manifest['auto_dtype']} (model.dtype auto: the dtype this output's "
+                             f"rows were computed in, kept for the rest)")
         else:
             diffs = describe_differences(manifest.get("fingerprint_data") or {}, plan.fingerprint_data)
             lines.append(f"output:        {out.shown}: holds another job's output (fingerprint "
