@@ -885,3 +885,60 @@ def test_run_batch_refuses_to_write_the_responses_over_its_input(tiny, tmp_path,
     assert run_batch(str(inp), str(tmp_path / "results.jsonl"), model="tiny-random",
                      overrides=["model.max_seq_len=300"]) == 0
     assert json.loads((tmp_path / "results.jsonl").read_text())["custom_id"] == "a" and inp.read_text() == text
+
+
+def test_a_resume_with_retrained_weights_is_refused(tmp_path):
+    """An openai_batch job's fingerprint leaves the checkpoint's content hashes out (so outputs
+    of earlier releases still resume), so weights retrained to the same file sizes used to
+    resume silently into rows of two models. The manifest keeps the hashes instead: the
+    same job resumes while the files are unchanged, and with a file's content changed (its
+    size and modification time kept) `run` and `plan` refuse it (exit 2) naming the file,
+    until --overwrite. A Parquet job's manifest does not repeat them: its fingerprint holds them."""
+    from jobs.config import load_job_spec
+    from jobs.errors import OutputError
+    from jobs.outputs.layout import MANIFEST
+    from jobs.outputs.output_dir import OutputDir
+    from jobs.plan.planner import plan_job, with_chat_template_date
+    from jobs.plan.report import describe_plan
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"a" * 64)
+    (ckpt / "config.json").write_text("{}")
+    (tmp_path / "in.jsonl").write_text(line("a") + "\n" + line("b") + "\n")
+    spec = with_chat_template_date(load_job_spec({
+        "model": {"path": str(ckpt)}, "input": {"path": str(tmp_path / "in.jsonl"), "format": "openai_batch"},
+        "output": {"path": str(tmp_path / "out")}}), None)
+    od = OutputDir(spec.output.path)
+    plan = plan_job(spec)
+    assert od.prepare(plan, spec) == "new"
+    assert set(json.loads((tmp_path / "out" / MANIFEST).read_text())["checkpoint_sha256"]["sha256"]) == {
+        "config.json", "model.safetensors"}
+    assert od.prepare(plan_job(spec), spec) == "resume"
+
+    st = os.stat(ckpt / "model.safetensors")
+    (ckpt / "model.safetensors").write_bytes(b"b" * 64)  # retrained: same size, old mtime
+    os.utime(ckpt / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+    retrained = plan_job(spec)
+    assert retrained.fingerprint == plan.fingerprint
+    with pytest.raises(OutputError, match="generated with other weights: the content of model.safetensors changed"):
+        od.prepare(retrained, spec)
+    text, code = describe_plan(spec)
+    assert code == 2 and "model.safetensors changed" in text, text
+    assert od.prepare(retrained, spec, overwrite=True) == "overwrite"
+    assert od.prepare(plan_job(spec), spec) == "resume"
+    # an output written before the manifest kept them resumes, and is checked from then on
+    m = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    (tmp_path / "out" / MANIFEST).write_text(json.dumps({k: v for k, v in m.items() if k != "checkpoint_sha256"}))
+    assert od.prepare(plan_job(spec), spec) == "resume"
+    assert json.loads((tmp_path / "out" / MANIFEST).read_text()) == m
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["x"]}), tmp_path / "in.parquet")
+    parquet = load_job_spec({"model": {"path": str(ckpt)}, "input": {"path": str(tmp_path / "in.parquet")},
+                             "output": {"path": str(tmp_path / "out2")}})
+    OutputDir(parquet.output.path).prepare(plan_job(parquet), parquet)
+    manifest = json.loads((tmp_path / "out2" / MANIFEST).read_text())
+    assert "checkpoint_sha256" not in manifest and "model.safetensors" in manifest["fingerprint_data"]["model"]["sha256"]

@@ -418,6 +418,7 @@ def test_verify_catches(tmp_path, kind):
     (lambda m: m.update(fingerprint_data=[1]), "fingerprint_data must be an object, got list"),
     (lambda m: m.update(output_schema=[["prompt_id"]]), "output_schema must be a list of [column, type] pairs"),
     (lambda m: m.update(num_prompts="10"), "num_prompts must be a non-negative integer, got '10'"),
+    (lambda m: m.update(checkpoint_sha256=[]), "checkpoint_sha256 must be an object, got list"),
     (lambda m: m.update(auto_dtype="bf16"), "auto_dtype must be one of float32, bfloat16, float16, got 'bf16'"),
 ])
 def test_a_damaged_manifest_entry_is_named_by_status_verify_plan_and_run(tmp_path, edit, why):
@@ -884,7 +885,7 @@ def test_the_manifest_keeps_no_credentials(tmp_path):
     spec = load_job_spec({"input": {"path": "s3://AKIA:SEC/RET@bkt/in?region=x"},
                           "output": {"path": "s3://AKIA:TOPSECRET@bkt/out"}, "model": {"path": "tiny-random"}})
     plan = SimpleNamespace(files=[], units=[], root="s3://AKIA:SEC/RET@bkt/in", fingerprint="f", fingerprint_data={},
-                           num_prompts=0, passthrough_fields=[], unit_rows=lambda unit, n: 0)
+                           num_prompts=0, passthrough_fields=[], unit_rows=lambda unit, n: 0, checkpoint_sha256=None)
     text = json.dumps(OutputDir(str(tmp_path / "out"))._manifest(plan, spec))
     assert "SEC/RET" not in text and "TOPSECRET" not in text and "AKIA" not in text
     manifest = json.loads(text)

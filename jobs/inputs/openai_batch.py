@@ -41,7 +41,9 @@ jobs/outputs/batch_responses.py.
 The fingerprint of an openai_batch job covers the file's sha256 but, unlike a Parquet job's,
 not the checkpoint's content hashes (only its file names and sizes, as JobSpec's
 model_identity): so it was planned from the start (InputScan.hash_checkpoint), and kept so
-that existing outputs resume. It also names the layout of the stored choices (CHOICE_FORMAT).
+that existing outputs resume. The manifest keeps the hashes instead (JobPlan.checkpoint_sha256),
+so a resume with retrained weights is refused all the same. The fingerprint also names the
+layout of the stored choices (CHOICE_FORMAT).
 """
 from __future__ import annotations
 

@@ -72,6 +72,8 @@ def manifest_problem(m: dict[str, Any]) -> str | None:
         return "output_schema must be a list of [column, type] pairs of strings"
     if m.get("auto_dtype") is not None and m["auto_dtype"] not in AUTO_DTYPES:
         return f"auto_dtype must be one of {', '.join(AUTO_DTYPES)}, got {m['auto_dtype']!r}"[:200]
+    if not isinstance(m.get("checkpoint_sha256", {}), (dict, type(None))):
+        return f"checkpoint_sha256 must be an object, got {type(m['checkpoint_sha256']).__name__}"
     units = m["units"]
     if not isinstance(units, list):
         return f"units must be a list, got {type(units).__name__}"
@@ -90,6 +92,23 @@ def manifest_problem(m: dict[str, Any]) -> str | None:
             return f"units[{i}] index {u['index']} is also the index of an earlier unit"
         seen.add(u["index"])
     return None
+
+
+def weights_problem(m: dict[str, Any], plan: Any) -> str | None:
+    """Why an output whose manifest is `m` must not be resumed by `plan` though their
+    fingerprints agree (None if nothing): its rows came from other weights. Only for jobs
+    whose fingerprint leaves the checkpoint's content hashes out (openai_batch: the manifest
+    keeps them, JobPlan.checkpoint_sha256), so that existing outputs still resume; an output
+    written before the manifest kept them is not checked."""
+    from jobs.plan.fingerprint import changed_files
+
+    old = m.get("checkpoint_sha256")
+    if plan.checkpoint_sha256 is None or not isinstance(old, dict) or old == plan.checkpoint_sha256:
+        return None
+    changed = changed_files(old, plan.checkpoint_sha256)
+    shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+    return (f"its rows were generated with other weights: the content of {shown or 'the checkpoint'} changed "
+            f"since (SHA-256 in {MANIFEST} checkpoint_sha256)")
 
 
 def _redacted(spec: dict[str, Any]) -> dict[str, Any]:
@@ -337,9 +356,18 @@ class OutputDir(OutputChecks):
                 raise OutputError(f"{e}; pass --overwrite to start over (this deletes the previous output)") from None
             old = {"fingerprint": None}
         if old is not None:
-            if old["fingerprint"] == plan.fingerprint:
+            same = old["fingerprint"] == plan.fingerprint
+            why = weights_problem(old, plan) if same else None
+            if same and why is None:
+                if plan.checkpoint_sha256 is not None and old.get("checkpoint_sha256") is None:
+                    # an output from before the manifest kept them: later resumes are checked
+                    self._write_atomic(MANIFEST, json.dumps({**old, "checkpoint_sha256": plan.checkpoint_sha256},
+                                                            indent=1, sort_keys=True))
                 self.cleanup_temp_files()
                 return "resume"
+            if why is not None and not overwrite:
+                raise OutputError(f"output.path {self.shown}: {why}. Use another output.path, or --overwrite "
+                                  f"to delete the previous output")
             if not overwrite:
                 diffs = describe_differences(old.get("fingerprint_data") or {}, plan.fingerprint_data)
                 detail = "; ".join(diffs[:20]) if diffs else "(no stored fingerprint data to compare)"
@@ -400,6 +428,7 @@ class OutputDir(OutputChecks):
             "output_schema": [[fld.name, type_str(fld.type)] for fld in output_schema(plan.passthrough_fields)],
             "units": [{"index": u.index, "file": names.get(u.source, u.source), "row_start": u.row_start,
                        "row_end": u.row_end, "expected_rows": plan.unit_rows(u, n)} for u in plan.units],
+            **({} if plan.checkpoint_sha256 is None else {"checkpoint_sha256": plan.checkpoint_sha256}),
         }
 
     def committed_units(self, remove_damaged: bool = False) -> set[int]:

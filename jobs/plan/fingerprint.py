@@ -12,7 +12,8 @@ checkpoint's content hashes.
 
 Content hashes: names and sizes do not identify weights (a retrained checkpoint usually has
 the same file sizes), so the data holds the SHA-256 of every file under `model.path` (and
-`model.tokenizer`), hidden files excepted. Hashing a large checkpoint takes a while, so the
+`model.tokenizer`), hidden files excepted (an openai_batch job's manifest holds them instead:
+`checkpoint_identity`, jobs/outputs/output_dir.py weights_problem). Hashing a large checkpoint takes a while, so the
 hashes are cached in the output directory (`_batchgen/checkpoint-sha256.json`), keyed by
 the file's absolute path, size, modification time, inode change time and inode number: a
 file is read again only when one of those changed. The change time and inode are there for
@@ -51,11 +52,34 @@ def fingerprint_data(spec: Any, files: list[list[Any]], cache: "HashCache | None
     `hash_checkpoint` is False (openai_batch plans, InputScan.hash_checkpoint)."""
     data = {"version": FINGERPRINT_VERSION, **spec.fingerprint_dict()}
     if hash_checkpoint:
-        data["model"]["sha256"] = content_identity(spec.model.path, cache)
-        if spec.model.tokenizer is not None:
-            data["model"]["tokenizer_sha256"] = content_identity(spec.model.tokenizer, cache)
+        data["model"].update(checkpoint_identity(spec, cache))
     data["input"] = {**data["input"], "files": files}
     return data
+
+
+def checkpoint_identity(spec: Any, cache: "HashCache | None" = None) -> dict[str, Any]:
+    """{"sha256": the checkpoint's content_identity, "tokenizer_sha256": model.tokenizer's
+    (only when set)}: in the fingerprint data's "model", or (openai_batch jobs, whose
+    fingerprint leaves them out) in the manifest's `checkpoint_sha256`."""
+    out = {"sha256": content_identity(spec.model.path, cache)}
+    if spec.model.tokenizer is not None:
+        out["tokenizer_sha256"] = content_identity(spec.model.tokenizer, cache)
+    return out
+
+
+def changed_files(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The files whose content differs between two checkpoint_identity dicts ("tokenizer/"
+    before a tokenizer's), sorted: changed, added or removed."""
+    out = []
+    for key, prefix in (("sha256", ""), ("tokenizer_sha256", "tokenizer/")):
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            out.append(prefix or "the checkpoint")
+            continue
+        out += [prefix + name for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
+    return out
 
 
 def sha256_file(path: str | os.PathLike) -> str:

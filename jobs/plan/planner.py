@@ -28,7 +28,7 @@ from cluster.unit import WorkUnit
 from jobs.errors import SpecError
 from jobs.inputs import reader_for
 from jobs.inputs.reader import InputFile
-from jobs.plan.fingerprint import HashCache, fingerprint_data, fingerprint_of
+from jobs.plan.fingerprint import HashCache, checkpoint_identity, fingerprint_data, fingerprint_of
 
 
 @dataclass
@@ -46,6 +46,10 @@ class JobPlan:
         sampling.num_samples (per-row num_samples: input.sampling_column, openai_batch).
     reader_state: what the input's reader needs to read a unit besides the unit itself
         (openai_batch: each unit's byte range, jobs.inputs.openai_batch.BatchPlan).
+    checkpoint_sha256: the checkpoint's content hashes when the fingerprint leaves them out
+        (openai_batch: InputScan.hash_checkpoint), kept in the manifest instead so that a
+        resume with other weights is refused all the same (OutputDir.weights_problem);
+        None when the fingerprint holds them.
     """
 
     units: list[WorkUnit]
@@ -59,6 +63,7 @@ class JobPlan:
     rows_decoded: int = 0
     expected_rows: dict[int, int] = field(default_factory=dict)
     reader_state: Any = None
+    checkpoint_sha256: dict[str, Any] | None = None
 
     @property
     def staged_files(self) -> list[InputFile]:
@@ -90,7 +95,8 @@ def plan_job(spec: Any, hash_cache: HashCache | None = None) -> JobPlan:
     check_function_tools(spec)
     scan = reader_for(spec).scan(spec)
     data = fingerprint_data(spec, scan.fingerprint_files, hash_cache, hash_checkpoint=scan.hash_checkpoint)
-    return JobPlan(units=scan.units, files=scan.files, fingerprint=fingerprint_of(data),
+    outside = None if scan.hash_checkpoint else checkpoint_identity(spec, hash_cache)
+    return JobPlan(units=scan.units, files=scan.files, fingerprint=fingerprint_of(data), checkpoint_sha256=outside,
                    num_prompts=sum(f.num_rows for f in scan.files), root=scan.root, fingerprint_data=data,
                    passthrough_fields=scan.passthrough_fields, warnings=scan.warnings,
                    rows_decoded=scan.rows_decoded, expected_rows=scan.expected_rows,

@@ -15,7 +15,7 @@ from typing import Any
 
 from jobs import uri
 from jobs.outputs.lease import OutputLease
-from jobs.outputs.output_dir import OutputDir, describe_differences
+from jobs.outputs.output_dir import OutputDir, describe_differences, weights_problem
 from jobs.plan.fingerprint import load_hash_cache
 from jobs.plan.planner import check_local_gpus, plan_job, with_chat_template_date
 
@@ -63,7 +63,10 @@ def describe_plan(spec: Any) -> tuple[str, int]:
         lines.append(f"output:        {e}; `run` refuses it (exit 2)")
         code = 2
     if manifest is not None:
-        if manifest.get("fingerprint") == plan.fingerprint:
+        if manifest.get("fingerprint") == plan.fingerprint and (why := weights_problem(manifest, plan)):
+            lines.append(f"output:        {out.shown}: {why}; `run` refuses it without --overwrite")
+            code = 2
+        elif manifest.get("fingerprint") == plan.fingerprint:
             done, damaged = out.check_parts()
             done &= {u.index for u in plan.units}  # a part of another index is not one of this job's units
             lines.append(f"output:        {out.shown}: resume, {len(done):,} of {len(plan.units):,} units committed"
