@@ -190,14 +190,23 @@ class Tool:
         self.__dict__.update(state, _resolved=None)
 
 
+TRUNCATED = "...(truncated)"  # ends a tool result cut to max_response_chars (verl's marker)
+
+
 @dataclass
 class ToolBox:
     """The tools of an engine and how many tool turns a sample may take (`max_turns`: tool
     results forced into one sample; a call past it is recorded with an error and not run).
-    Raises ValueError for duplicate names or max_turns < 1."""
+    `max_response_chars`: the longest result (or `Error: ...` message) the model is shown, in
+    characters; a longer one is cut to its first max_response_chars characters followed by
+    TRUNCATED (verl bounds tool results the same way: `max_tool_response_length`), before it is
+    tokenized (a 5 MB result otherwise stalls the engine for seconds and fills the context);
+    None: no limit. Raises ValueError for duplicate names, max_turns < 1 or
+    max_response_chars < 1."""
 
     tools: list[Tool]
     max_turns: int = 8
+    max_response_chars: int | None = None
 
     def __post_init__(self) -> None:
         self.tools = [Tool.of(t) for t in self.tools]
@@ -207,6 +216,9 @@ class ToolBox:
             raise ValueError(f"tools: the name {dup[0]!r} is used twice")
         if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int) or self.max_turns < 1:
             raise ValueError(f"max_turns: must be an integer >= 1, got {self.max_turns!r}")
+        m = self.max_response_chars
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"max_response_chars: must be an integer >= 1 or None, got {m!r}")
         self.by_name = {t.name: t for t in self.tools}
 
     @classmethod
@@ -218,6 +230,11 @@ class ToolBox:
 
     def schemas(self) -> list[dict]:
         return [t.schema() for t in self.tools]
+
+    def shown(self, text: str) -> str:
+        """`text` as the model is shown it: cut to max_response_chars (see the class)."""
+        m = self.max_response_chars
+        return text if m is None or len(text) <= m else text[:m] + TRUNCATED
 
 
 def call_tool(tool: Tool, arguments: dict) -> str:

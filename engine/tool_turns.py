@@ -167,8 +167,11 @@ class ToolTurns:
         seq.pending = None
 
     def _answer(self, seq: Any, call: ToolCall, output: str | None, error: str | None, latency: float) -> None:
-        error = None if error is None else _utf8(error)
-        text = _utf8(output) if error is None else f"Error: {error}"
+        # cut first (ToolBox.max_response_chars): a huge result is never scanned or tokenized whole
+        if error is None:
+            text = _utf8(self.box.shown(output))
+        else:
+            text, error = _utf8(self.box.shown(f"Error: {error}")), _utf8(self.box.shown(error))
         call.output, call.error, call.latency_s = text, error, latency
         toks = self.responses.suffix(text)
         call.forced_start = len(seq.tokens)

@@ -338,6 +338,7 @@ class ToolsSpec(_Section):
 
     calculator: bool = True
     max_turns: PositiveInt = 8
+    max_response_chars: PositiveInt | None = None
     functions: list[FunctionToolSpec] = Field(default_factory=list)
 
     @field_validator("functions")
@@ -451,7 +452,7 @@ class JobSpec(_Section):
         tools = [Tool(name=f.name, function=f.function, description=f.description, parameters=f.parameters,
                       timeout_s=f.timeout_s, max_calls=f.max_calls) for f in self.tools.functions]
         tools += self._python_tools
-        return ToolBox(tools, self.tools.max_turns) if tools else None
+        return ToolBox(tools, self.tools.max_turns, self.tools.max_response_chars) if tools else None
 
     def resolved_device(self) -> str:
         """model.device with "auto" resolved: "cuda" when cluster.gpus_per_worker > 0, else "cpu"."""
@@ -522,13 +523,16 @@ class JobSpec(_Section):
 
     def _tools_identity(self) -> dict[str, Any]:
         """tools as the fingerprint holds them: the calculator flag, and (only with function
-        tools, so that older outputs keep their fingerprint) max_turns and every tool's
+        tools, so that older outputs keep their fingerprint) max_turns, max_response_chars when
+        set, and every tool's
         name, function ("module:qualname" for a Python object: its code is not hashed),
         description, parameters, timeout and max_calls."""
         out: dict[str, Any] = {"calculator": self.tools.calculator}
         box = self.tool_box()
         if box is not None:
             out["max_turns"] = box.max_turns
+            if box.max_response_chars is not None:  # absent when unset: older outputs keep their fingerprint
+                out["max_response_chars"] = box.max_response_chars
             out["functions"] = [{"name": t.name, "function": t.function if isinstance(t.function, str) else
                                  f"{getattr(t.function, '__module__', '?')}:{getattr(t.function, '__qualname__', '?')}",
                                  "description": t.description, "parameters": t.parameters, "timeout_s": t.timeout_s,

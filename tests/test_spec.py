@@ -25,7 +25,7 @@ def test_defaults_from_empty_file(tmp_path):
     assert d["output"] == {"path": "out/demo", "lease_timeout_s": 120}
     assert d["sampling"] == {"num_samples": 4, "max_tokens": 256, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
                              "min_p": 0.0, "seed": 0, "stop_token_ids": None, "stop": None, "logprobs_mode": "raw"}
-    assert d["tools"] == {"calculator": True, "max_turns": 8, "functions": []}
+    assert d["tools"] == {"calculator": True, "max_turns": 8, "max_response_chars": None, "functions": []}
     assert d["cluster"] == {"address": None, "num_workers": 1, "gpus_per_worker": 0, "cpus_per_worker": 1,
                             "unit_rows": 256, "max_unit_attempts": 3, "unit_timeout_s": None}
 
@@ -290,6 +290,23 @@ def test_mapping_overrides_give_the_spec_set_strings_give(tmp_path):
     # a dict config reads `tools: [...]` and empty sections as a YAML file does
     d = load_job_spec({"model": None, "tools": [{"name": "f", "function": "operator:add"}]}, ["tools.max_turns=2"])
     assert [f.name for f in d.tools.functions] == ["f"] and d.tools.max_turns == 2
+
+
+def test_tools_max_response_chars_reaches_the_toolbox_and_the_fingerprint_only_when_set():
+    """tools.max_response_chars is the ToolBox's bound (engine/tool_runner.py); the
+    fingerprint holds it only when set, so outputs of jobs that never set it still resume;
+    0 and non-integers stop the job (exit 2) naming the key."""
+    from jobs.config import load_job_spec
+
+    tools = [{"name": "f", "function": "operator:add"}]
+    plain = load_job_spec({"model": None, "tools": tools})
+    cut = load_job_spec({"model": None, "tools": tools}, ["tools.max_response_chars=500"])
+    assert plain.tool_box().max_response_chars is None and cut.tool_box().max_response_chars == 500
+    assert "max_response_chars" not in plain.fingerprint_dict()["tools"]
+    assert cut.fingerprint_dict()["tools"]["max_response_chars"] == 500
+    for bad in ("0", "1.5", "many"):
+        with pytest.raises(SpecError, match="tools.max_response_chars"):
+            load_job_spec({"model": None, "tools": tools}, [f"tools.max_response_chars={bad}"])
 
 
 def test_load_job_spec_keeps_a_jobspecs_python_tools(tmp_path):

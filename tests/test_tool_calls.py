@@ -382,6 +382,34 @@ def test_max_calls_and_max_turns_are_enforced(parts, scripted):
     assert s.mask[third.end:] == [1] * (260 - third.end)  # nothing forced: the model goes on
 
 
+def big(n: int) -> str:
+    """Return n characters."""
+    return "x" * n
+
+
+def test_a_long_result_is_cut_to_max_response_chars_before_it_is_tokenized(parts, scripted):
+    """ToolBox(max_response_chars=40) (config: tools.max_response_chars): a 2,000,000-character
+    result is shown to the model, and recorded, as its first 40 characters and verl's
+    "...(truncated)" marker; an error message is cut the same way; a short result is whole.
+    Without the bound the whole result was tokenized (seconds for megabytes) and forced."""
+    from engine.tool_runner import TRUNCATED
+
+    model, tok = parts
+    eng = Engine(model, tok, tools=ToolBox([Tool("big", big)], max_response_chars=40))
+    scripted(eng, {"q": [call_text("big", {"n": 2_000_000}), call_text("big", {"n": 5}),
+                         call_text("big", {"n": 1, "junk": "y" * 60})]})
+    s = eng.generate([chat(tok)], SamplingParams(num_samples=1, max_tokens=600, seed=0, stop_token_ids=[]),
+                     prompt_ids=["q"])[0][0]
+    cut, short, bad = s.tool_calls
+    assert (cut.output, cut.error) == ("x" * 40 + TRUNCATED, None)
+    assert s.tokens[cut.forced_start:cut.end] == ToolResponses(tok, eng.tool_turns.box.schemas()).suffix(cut.output)
+    assert (short.output, short.error) == ("xxxxx", None)
+    assert bad.output == ("Error: " + bad.error)[:40] + TRUNCATED and bad.error.endswith(TRUNCATED)
+    assert len(bad.error) == 40 + len(TRUNCATED) and bad.error.startswith("bad arguments for big")
+    with pytest.raises(ValueError, match="max_response_chars: must be an integer >= 1"):
+        ToolBox([Tool("big", big)], max_response_chars=0)
+
+
 def tagged(x: int) -> str:
     """Return x as an answer."""
     return f"<answer>{x}</answer>"
