@@ -150,6 +150,9 @@ class UnitDispatcher:
         live, replace, keeps = self._swap_start(f"load_weights({path})")
         staged = stage_everywhere(live, path, step, keeps, replace, self.slots.start_timeout_s)
         version = self._version() + 1
+        # decided: the workers get known weights again (a refused swap, raising above, left a
+        # lost update's failure standing: runs must not go on under its weight_version)
+        self.slots.weights_lost = ""
         self.slots.weights = PoolWeights(version=version, path=path, step=next(iter(staged.values()))["step"])
         self._event("weights", f"{path} (step {self.weights.step})")
         states = commit_everywhere(staged, replace, version, self.slots.start_timeout_s)
@@ -177,6 +180,7 @@ class UnitDispatcher:
             for w, why in failed:  # refused, or the driver failed: replacements get the pool's old weights
                 replace(w, why)
             raise
+        self.slots.weights_lost = ""  # decided, as in load_weights
         self.slots.weights = PoolWeights(version=version, path=base.path, step=base.step, from_memory=True)
         self._event("weights", f"{len(pairs)} tensors from memory (version {version})")
         for w, why in failed:  # replaced only now, to copy the new weights from a live worker
@@ -189,7 +193,6 @@ class UnitDispatcher:
         uncharged replace function, and what the workers keep if it is refused."""
         if self._closed:
             raise RuntimeError("this UnitDispatcher is closed")
-        self.slots.weights_lost = ""  # this swap gives the workers known weights again
         self.wait_ready()
         for w in [w for w in self.slots.slots if w is not None and w.state == WorkerState.STARTING]:
             # still starting (wait_ready stopped waiting for it): it was created with the old

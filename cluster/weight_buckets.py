@@ -38,16 +38,12 @@ class PoolWeights:
 
 def tensor_index(pairs: list[tuple[str, Any]]) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype name, shape) of each (name, tensor), as the workers check them. Raises
-    TypeError naming an entry that is not (str, torch.Tensor)."""
-    import torch
+    TypeError naming an entry that is not (str, torch.Tensor), or a tensor without data to
+    send (on the meta device, sparse): refused here, before any worker is asked, not when
+    its bucket is packed (which failed the driver in the middle and replaced every worker)."""
+    from engine.loading.weight_swap import tensor_pairs
 
-    out = []
-    for i, item in enumerate(pairs):
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                and isinstance(item[1], torch.Tensor)):
-            raise TypeError(f"named_tensors[{i}] is not a (name, torch.Tensor) pair: {type(item).__name__}")
-        out.append(_entry(*item))
-    return out
+    return [_entry(*item) for item in tensor_pairs(pairs)]
 
 
 def _entry(name: str, t: Any) -> tuple[str, str, tuple[int, ...]]:

@@ -225,10 +225,12 @@ def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bu
                     ok.remove(w)
                     failed.append((w, deadline.why(w, "a bucket of its weights update", exc)))
 
+    sent = False  # whether any worker was sent a bucket (and so may hold part of the update)
     try:
         for bucket in pack_buckets(pairs, bucket_bytes):
             ref = ray.put(bucket)  # freed once every worker applied it (no call holds it then)
             del bucket
+            sent = True
             window.append((HangDeadline(timeout_s, ok), {w.handle.apply_bucket.remote(ref): w for w in ok}))
             del ref
             if len(window) > 1:
@@ -236,9 +238,10 @@ def update_everywhere(live: list[WorkerRecord], pairs: list[tuple[str, Any]], bu
         while window:
             drain(window.popleft())
     except BaseException:
-        for w in ok:  # half swapped by a driver-side failure: every worker that started copying
-            failed.append((w, "the driver failed while sending weights"))
-        ok.clear()
+        if sent:  # half swapped by a driver-side failure: every worker that started copying
+            for w in ok:
+                failed.append((w, "the driver failed while sending weights"))
+            ok.clear()
         raise
     finally:
         for w, why in failed:

@@ -575,11 +575,12 @@ class Engine:
         checkpoint of those tensors. All are checked before any is copied: every tensor of
         the model named once, in its shape. Returns as load_weights (path "<memory>").
         Raises RuntimeError while requests are unfinished, WeightsMismatch naming every
-        difference (the engine keeps its weights)."""
-        from engine.loading.weight_swap import MEMORY, check_tensors, copy_tensors
+        difference, TypeError naming an entry that is not a (name, tensor) pair or a tensor
+        without data (meta device, sparse); on any of these the engine keeps its weights."""
+        from engine.loading.weight_swap import MEMORY, check_tensors, copy_tensors, tensor_pairs
 
         self._check_idle("update_weights")
-        pairs = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        pairs = tensor_pairs(named_tensors)
         check_tensors(self.model, [(n, str(t.dtype).replace("torch.", ""), tuple(t.shape)) for n, t in pairs])
         self.weight_version += 1  # before the copy, as apply_weights
         copy_tensors(self.model, pairs)

@@ -236,7 +236,8 @@ class GenerationPool:
         update until the next swap). Returns each worker's state (its "weight_version" one more than before).
         Raises cluster.weight_sync.WeightsRefused naming the worker and every difference
         (missing or unknown names, shapes; every worker keeps its weights), TypeError for an
-        entry that is not a (name, tensor) pair, UnitFailed when no worker runs."""
+        entry that is not a (name, tensor) pair or a tensor without data (on the meta device,
+        sparse; before any worker is asked), UnitFailed when no worker runs."""
         pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         return self._runner.call(lambda: self.dispatcher.update_weights(pairs, bucket_bytes=bucket_bytes))
 

@@ -6,7 +6,7 @@ layouts) and nanochat's own layout: `Engine.update_weights(state dict of checkpo
 engine loaded from checkpoint 1 leaves exactly (bit for bit, every tensor) the model that
 loading checkpoint 2 builds, in float32 and in bfloat16 (float32 tensors cast by the swap),
 in the same parameter storage; a state dict that does not fit is refused naming every
-difference, and nothing changes.
+difference, and nothing changes; nor does a value without data (a numpy array, a meta tensor).
 
 Pool level (a real Ray head, 2 workers, a tiny Llama written by transformers):
 `GenerationPool.update_weights` in buckets smaller than one tensor and larger than several
@@ -14,7 +14,8 @@ gives rows equal to a fresh engine on checkpoint 2, in the same worker processes
 cache, with weight_version counted; a mismatch is refused naming the worker and each
 difference and the rows stay; a worker killed after the update is replaced by one that
 copies the weights from a live worker; with every worker killed, the update is reported
-lost rather than silently replaced by the checkpoint.
+lost rather than silently replaced by the checkpoint (a refused swap does not clear that); a
+meta tensor, or a driver failing before its first bucket, replaces no worker.
 """
 from __future__ import annotations
 
@@ -128,6 +129,22 @@ def test_a_state_dict_that_does_not_fit_is_refused_naming_each_difference(cases)
     assert eng.weight_version == 0
 
 
+def test_tensors_without_data_are_refused_before_any_copy(cases):
+    """A value that is not a tensor (a numpy array: its dtype and shape pass the check) or a
+    tensor without data (the meta device) is refused naming it before anything is copied.
+    It used to fail in the middle of the copy: every tensor before it swapped in, the
+    weight_version counted, and the packed copies of the old matrices still in use."""
+    one, _, sd = cases["llama"]
+    eng = load_engine(one, device="cpu", dtype="float32", tokenizer=cases["tokenizer"], max_seq_len=64, num_threads=1)
+    before = {k: t.clone() for k, t in eng.model.state_dict().items()}
+    last = list(sd)[-1]
+    for value, why in ((sd[last].numpy(), "is a ndarray"), (torch.empty(sd[last].shape, device="meta"), "meta device")):
+        with pytest.raises(TypeError, match=rf"{last}.*{why}"):
+            eng.update_weights({**sd, last: value})
+    assert all(torch.equal(t, before[k]) for k, t in eng.model.state_dict().items())
+    assert eng.weight_version == 0
+
+
 # ------------------------------------------------------------------ a pool
 @pytest.fixture(scope="module")
 def pool(cases, ray_local):
@@ -175,7 +192,8 @@ def test_pool_refuses_a_mismatch_and_replacements_copy_the_update(pool, cases):
     both, and the rows do not change. After an update, one worker killed: its replacement
     copies the weights from the live one (rows equal checkpoint 2's). Both killed: the
     update's weights are lost, and the next call fails naming it instead of running on the
-    checkpoint; a new update_weights makes the pool whole again."""
+    checkpoint, a refused update_weights changing nothing of that; a new update_weights
+    makes the pool whole again."""
     from cluster.unit import UnitFailed
     from cluster.weight_sync import WeightsRefused
 
@@ -200,8 +218,41 @@ def test_pool_refuses_a_mismatch_and_replacements_copy_the_update(pool, cases):
         os.kill(s["pid"], signal.SIGKILL)
     with pytest.raises(UnitFailed, match=r"weights of update_weights \(weight version \d+\) were lost"):
         pool.generate(PROMPTS, {"seed": 3}, prompt_ids=IDS)
+    # a refused swap swaps nothing: the loss still stands (it used to be forgotten, and the
+    # next call ran on the checkpoint under the lost update's weight_version)
+    with pytest.raises(WeightsRefused):
+        pool.update_weights(bad)
+    with pytest.raises(UnitFailed, match=r"weights of update_weights \(weight version \d+\) were lost"):
+        pool.generate(PROMPTS, {"seed": 3}, prompt_ids=IDS)
     pool.update_weights(sd)
     assert _pool_rows(pool) == want
+
+
+def test_pool_refuses_tensors_without_data_and_keeps_its_workers(pool, cases, monkeypatch):
+    """A tensor on the meta device is refused naming it before any worker is asked; and a
+    driver failing before it sent any bucket replaces no worker (none holds part of the
+    update). Both used to replace every worker: the meta tensor failed the driver while
+    packing its bucket, and any such failure replaced every checked worker."""
+    import cluster.weight_sync as weight_sync
+
+    one, _, sd = cases["llama"]
+    pool.load_weights(one)
+    before = _pool_rows(pool)
+    pids = sorted(s["pid"] for s in pool.engine_states())
+    last = list(sd)[-1]
+    with pytest.raises(TypeError, match=rf"{last} is on the meta device"):
+        pool.update_weights({**sd, last: torch.empty(sd[last].shape, device="meta")}, bucket_bytes=4096)
+
+    def failing(pairs, bucket_bytes):
+        raise MemoryError("the driver ran out of memory packing the first bucket")
+        yield  # a generator, as pack_buckets
+
+    monkeypatch.setattr(weight_sync, "pack_buckets", failing)
+    with pytest.raises(MemoryError):
+        pool.update_weights(sd)
+    monkeypatch.undo()
+    assert sorted(s["pid"] for s in pool.engine_states()) == pids
+    assert _pool_rows(pool) == before
 
 
 def test_worker_holds_new_prompts_during_a_swap_from_memory():

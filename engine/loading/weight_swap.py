@@ -3,8 +3,9 @@ reload), or with a trainer's tensors from memory.
 
     staged = stage_weights(engine.model, "ckpt/step-200", dtype=engine.dtype)  # check; nothing changes
     apply_weights(engine.model, staged)                                          # copy in place, file by file
+    pairs = tensor_pairs(named_tensors)                                          # raises for a tensor without data
     check_tensors(engine.model, [(name, "float32", shape), ...])                 # a trainer's index; raises
-    copy_tensors(engine.model, named_tensors)                                    # copy in place
+    copy_tensors(engine.model, pairs)                                            # copy in place
 
 Why in place: the engine keeps its model object, its KV cache and everything sized from
 them; the parameters keep their storage (a copy_ into each), so nothing is reallocated on
@@ -115,6 +116,26 @@ def apply_weights(model: CausalLM, staged: StagedWeights) -> None:
     model.info.description = staged.description
 
 
+def tensor_pairs(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
+    """A trainer's tensors (a mapping, or an iterable of (name, tensor)) as a list of pairs,
+    each checked to hold data a swap can copy: a torch.Tensor, strided (not sparse), not on
+    the meta device. Raises TypeError naming the first entry that is not, before anything
+    is copied (a copy failing there would leave the model half updated)."""
+    pairs = []
+    for i, item in enumerate(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors):
+        pair = isinstance(item, (tuple, list)) and len(item) == 2
+        if not (pair and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
+            what = (f"a {type(item).__name__}" if not pair else f"its name {item[0]!r} is not a str"
+                    if not isinstance(item[0], str) else f"{item[0]} is a {type(item[1]).__name__}")
+            raise TypeError(f"named_tensors[{i}] is not a (name, torch.Tensor) pair: {what}")
+        name, t = item
+        if t.device.type == "meta" or t.layout != torch.strided:
+            where = "on the meta device (it has no data)" if t.device.type == "meta" else f"{t.layout}, not strided"
+            raise TypeError(f"named_tensors[{i}]: tensor {name} is {where}")
+        pairs.append((name, t))
+    return pairs
+
+
 def check_tensors(model: CausalLM, index: Iterable[tuple[str, str, tuple[int, ...]]]) -> None:
     """Check a trainer's tensors, given as (name, dtype name, shape) each, against `model`'s
     weight map (engine/loading/weight_map.py): every tensor of the model named once, in its
@@ -181,4 +202,4 @@ def _dtype(t: torch.Tensor) -> str:
 
 
 __all__ = ["MEMORY", "StagedWeights", "WeightsMismatch", "apply_weights", "check_tensors", "copy_tensors",
-           "differences", "stage_weights"]
+           "differences", "stage_weights", "tensor_pairs"]
