@@ -52,11 +52,23 @@ Differences from nanochat's use_calculator (deliberate):
   * numbers written ``1_000`` or ``1e3`` are accepted;
   * huge results, non-finite floats and deep nesting are errors (nanochat would print e.g.
     a 1,000-digit integer or "inf", or hang until the alarm);
-  * division by zero (``/``, ``//``, ``%``) gives error "division by zero".
+  * division by zero (``/``, ``//``, ``%``) gives error "division by zero";
+  * tabs and line breaks count as spaces (nanochat's whitelists hold only ' ');
+  * a ``.count`` result is a number like any other (``'abc'.count('a') + 1`` is 2; nanochat's
+    string whitelist has no operators, so it gives no result);
+  * the literals are only counted in, never run, so nanochat's blocklist of substrings
+    ('__', 'import', 'open', 'file', 'dir', 'input', 'eval', 'vars', ... anywhere in the
+    text, even inside a quoted word) does not apply: ``'profile'.count('f')`` is 1 here, no
+    result in nanochat;
+  * a method between the literal and ``.count`` (``'Hi'.lower().count('h')``, which nanochat
+    evaluates) and an empty tuple ``()`` (nanochat prints "()") are errors.
+  Where nanochat gives no result, nanochat's engine forces nothing; batchgen forces
+  "Error: <why>" (engine/sequence.py).
 
 GSM8K (train split) annotations ``<<expr=result>>`` use only the characters
-``0123456789+-*/(). `` -- no '$', '%', 'x' or '^' -- so none of those is supported: '$'
-and 'x' are rejected by the whitelist and '^' too (it would be XOR in Python, not power).
+``0123456789+-*/(). `` -- no '$', '%', 'x' or '^' -- so none of those is supported as
+GSM8K's text means it: '$' and 'x' are rejected by the whitelist and '^' too (it would be XOR
+in Python, not power); '%' is Python's modulo (above), never a percentage.
 See bench/gsm8k_calculator.py and tests/test_tools.py for the measured agreement.
 """
 from __future__ import annotations

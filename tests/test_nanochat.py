@@ -1,7 +1,7 @@
 """nanochat architecture: golden parity with nanochat's own code, KV-cache parity, loader errors, the tiny-random model.
 
 Fixtures (tests/fixtures/nanochat/*, see the README there) were produced by nanochat's real
-code at 16788ee, aa530cd, e85db6b and 92d63d4, in float32 on CPU.
+code at 16788ee, aa530cd, e85db6b, 6ed7d1d and 92d63d4, in float32 on CPU.
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ def _load(name: str, **kw):
 
 
 def test_fixtures_present():
-    """The four reference generations are there (a missing one would silently shrink coverage)."""
+    """The five reference generations are there (a missing one would silently shrink coverage)."""
     assert NAMES == ["nanochat_2025_16788ee", "nanochat_2026jan_aa530cd", "nanochat_2026jan_e85db6b",
-                     "nanochat_2026jul_92d63d4"]
+                     "nanochat_2026jul_92d63d4", "nanochat_2026mar_6ed7d1d"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -54,7 +54,7 @@ def test_golden_parity(name):
 def test_detected_features():
     """Each generation is recognised from its keys/shapes, not a two-way switch."""
     c = {n: _load(n).config for n in NAMES}
-    old, lam, ve32, new = (c[n] for n in NAMES)
+    old, lam, ve32, new, mar = (c[n] for n in NAMES)
     assert old.padded_vocab_size == 300 and lam.padded_vocab_size == 320
     assert not old.resid_lambdas and lam.resid_lambdas and not lam.value_embeds
     assert (old.rotary_base, old.rotary_bf16_tables, old.qk_scale) == (10000, True, None)
@@ -63,7 +63,12 @@ def test_detected_features():
     assert (new.ve_gate_channels, new.ve_gate_scale, new.rotary_base, new.rotary_bf16_tables) == (12, 3, 100000, False)
     assert new.smear and new.backout and new.qk_scale == 1.2
     assert new.window_sizes() == [128, 128, 128, None]  # a825e63: ceil(512/4/128)*128, last layer long
-    assert _load(NAMES[-1]).info.state_dims == {"smear": 32} and _load(NAMES[0]).info.state_dims == {}
+    # 6ed7d1d..a825e63: 12-wide ve_gate without smear: q, k *= 1.15 (the 1.2 came with the smear),
+    # short window ceil(256/3/128)*128 (it was read as no scaling: logits off by up to 4)
+    assert (mar.ve_gate_channels, mar.ve_gate_scale, mar.rotary_base, mar.rotary_bf16_tables) == (12, 3, 100000, False)
+    assert not mar.smear and not mar.backout and mar.qk_scale == 1.15
+    assert mar.window_sizes() == [128, 128, 128, None]
+    assert _load("nanochat_2026jul_92d63d4").info.state_dims == {"smear": 32} and _load(NAMES[0]).info.state_dims == {}
 
 
 def _decode_batch(slots, positions, contiguous):
@@ -237,3 +242,23 @@ def test_tiny_random_model_deterministic_and_labelled():
     torch.testing.assert_close(logits[0, -1, :3], torch.tensor([2.1470189, 3.4489064, 1.2267493]), atol=1e-4, rtol=0)
     p = logits.softmax(-1)
     assert p.shape == (1, 6, 100_286) and p.max() > 100 / 100_286  # far from uniform
+
+
+def test_teacher_forced_logits_score_the_fixture_and_refuse_ids_outside_the_vocabulary():
+    """engine.scoring.teacher_forced_logits on nanochat (smear state, windows, padded vocab)
+    gives nanochat's own logits at every position; an id in the padded embedding's extra rows
+    (300..319: untrained, it was scored silently), a negative one (an IndexError inside the
+    embedding) or no tokens at all is a ValueError naming the token."""
+    from engine.scoring import teacher_forced_logits
+
+    name = "nanochat_2026jul_92d63d4"
+    model = _load(name)
+    exp = torch.load(FIXTURES / name / "expected.pt", weights_only=True)
+    idx = exp["inputs"]["batch"][1]
+    got = teacher_forced_logits(model, idx.tolist())
+    torch.testing.assert_close(got, exp["logits"]["batch"][1], atol=1e-4, rtol=0)
+    assert model.config.padded_vocab_size == 320
+    for bad, needle in (([5, 300], "token 1 is 300"), ([-1], "token 0 is -1"), ([True], "token 0 is True"),
+                        ([2.0], "token 0 is 2.0"), ([], "no tokens")):
+        with pytest.raises(ValueError, match=needle):
+            teacher_forced_logits(model, bad)

@@ -173,6 +173,20 @@ def test_tool_result_is_frozen_with_slots():
     assert ToolResult.__slots__ == ("output", "error")
 
 
+@pytest.mark.parametrize("expr,want", [
+    ("2+\t3\n", "5"),  # nanochat: no result (its whitelists hold only ' ')
+    ("'abc'.count('a') + 1", "2"),  # nanochat: no result (no operators beside .count)
+    ("'profile'.count('f')", "1"),  # nanochat: no result ('file' is on its blocklist)
+    ("'direction'.count('d')", "1"),  # ('dir')
+    ("'Hi'.lower().count('h')", None),  # nanochat: 1
+    ("()", None),  # nanochat: "()"
+])
+def test_documented_differences_from_nanochat(expr, want):
+    """The differences the module docstring lists beside nanochat's use_calculator, pinned."""
+    res = calculator(expr)
+    assert res.output == want and (want is None) == (res.error is not None), res
+
+
 def test_error_messages_say_what_is_not_allowed():
     """Rejections name the offending construct, so a log line is enough to see why."""
     cases = {

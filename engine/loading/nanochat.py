@@ -175,10 +175,11 @@ def _check_tensors(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, .
 
 def _with_era_features(cfg: dict, Vp: int, keyed: _KeyedFeatures) -> NanochatConfig:
     """The config, with the features that have no key of their own read from era evidence:
-    - a825e63 added smear_gate/smear_lambda/backout_lambda AND q,k *= 1.2 AND the quarter short
-      window ceil(L/4/128)*128.
+    - a825e63 added smear_gate/smear_lambda/backout_lambda AND q,k *= 1.2 (was 1.15) AND the
+      quarter short window ceil(L/4/128)*128.
     - 6ed7d1d changed ve_gate's width 32 -> 12 and its scale 2 -> 3 AND the rotary base
-      10000 -> 100000 AND the short window L//2 -> ceil(L/3/128)*128.
+      10000 -> 100000 AND the short window L//2 -> ceil(L/3/128)*128 AND added q,k *= 1.15
+      after QK norm.
     - 1076f97 (5 days before 6ed7d1d) made the rotary tables the compute dtype instead of bf16.
       It has no evidence of its own; we tie it to 6ed7d1d's, so a checkpoint trained between
       1076f97 and 6ed7d1d (32-wide ve_gate) runs with bf16-rounded tables in fp32 (off by
@@ -199,7 +200,8 @@ def _with_era_features(cfg: dict, Vp: int, keyed: _KeyedFeatures) -> NanochatCon
         n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"], n_embd=cfg["n_embd"], window_pattern=cfg["window_pattern"],
         short_window_rule=short_rule, resid_lambdas=bool(keyed.lambdas), value_embeds=keyed.value_embeds,
         ve_gate_channels=keyed.ve_gate_channels, ve_gate_scale=3 if post_6ed7d1d else 2, smear=keyed.smear,
-        backout=keyed.backout, qk_scale=1.2 if post_a825e63 else None, rotary_base=100000 if post_6ed7d1d else 10000,
+        backout=keyed.backout, qk_scale=1.2 if post_a825e63 else 1.15 if post_6ed7d1d else None,
+        rotary_base=100000 if post_6ed7d1d else 10000,
         rotary_bf16_tables=not post_6ed7d1d)
 
 

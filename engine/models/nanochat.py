@@ -22,7 +22,7 @@ Features without a key (rules in engine/loading/nanochat.py, each with its commi
   in 6ed7d1d, then ceil(L/4/128)*128 in a825e63).
 - rotary base 100000 and rotary tables in the compute dtype (6ed7d1d / 1076f97; before them
   base 10000 and tables rounded to bfloat16 even in an fp32 model).
-- q, k *= 1.2 after QK norm (a825e63).
+- q, k *= 1.15 after QK norm (6ed7d1d), *= 1.2 from a825e63.
 
 dtype: float32 reproduces nanochat with COMPUTE_DTYPE=float32 (its CPU path) exactly;
 bfloat16 reproduces COMPUTE_DTYPE=bfloat16 (Linear weights, embeddings and activations in
@@ -86,7 +86,7 @@ class NanochatConfig:
     ve_gate_scale: int = 3
     smear: bool = False
     backout: bool = False
-    qk_scale: float | None = None  # 1.2 from a825e63, None = no scaling
+    qk_scale: float | None = None  # 1.15 from 6ed7d1d, 1.2 from a825e63, None = no scaling
     rotary_base: int = 10000
     rotary_bf16_tables: bool = True
     softcap: float = SOFTCAP
