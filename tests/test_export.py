@@ -568,3 +568,75 @@ def test_float16_tie_is_a_tie_not_a_failure(tmp_path):
     assert v["passed"] and not v["tokens_identical"] and v["first_difference"] is None
     assert v["ties"][0].startswith("prompt 3 step 5: token 48, the engine 61, 0 below")
     assert v["tokens"][3][5] == 48 and len(v["ties"]) <= 3  # ties stay rare: the prefixes never drift apart
+
+
+def test_a_loaded_model_in_another_dtype_is_refused(tmp_path):
+    """A loaded CausalLM is exported in its own dtype: one in another than `dtype` (float16 for the
+    default float32, float32 for float16, bfloat16 weights) is an ExportError naming both, before
+    anything is traced or written (the graph took the model's dtype and the verification fed
+    `dtype`'s: onnxruntime's "Unexpected input data type"; without --verify batchgen_export.json
+    named a dtype the graph does not have)."""
+    src = NANOCHAT / "nanochat_2026jan_e85db6b"
+    with pytest.raises(ExportError, match=r"dtype 'float32': the loaded NanochatGPT's KV cache is float16"):
+        export(load_model(src, "cpu", torch.float16), tmp_path / "a", log=lambda *_: None)
+    with pytest.raises(ExportError, match=r"dtype 'float16': .* KV cache is float32"):
+        export(load_model(src, "cpu", torch.float32), tmp_path / "b", dtype="float16", verify=True,
+               log=lambda *_: None)
+    bf16 = load_model(src, "cpu", torch.float32)
+    bf16.use_bfloat16_weights()
+    with pytest.raises(ExportError, match=r"KV cache is bfloat16 on cpu \(bfloat16 weights\)"):
+        export(bf16, tmp_path / "c", verify=True, log=lambda *_: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_genai_samples_when_asked(hf_checkpoint, tmp_path):
+    """genai_config.json is greedy by do_sample alone: a caller's do_sample=True samples (genai
+    took the config's top_k 1 as greedy whatever do_sample said: 4 seeds, one sequence), over
+    the whole vocabulary as SamplingParams' defaults (top_k 0, top_p 1)."""
+    og = pytest.importorskip("onnxruntime_genai")
+
+    export(hf_checkpoint("qwen3"), tmp_path / "out", log=lambda *_: None)
+    search = json.loads((tmp_path / "out" / "genai_config.json").read_text())["search"]
+    assert not search["do_sample"] and search["top_k"] == 0 and search["top_p"] == 1.0
+    model = og.Model(str(tmp_path / "out"))
+    seqs = set()
+    for seed in range(4):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=20, do_sample=True, random_seed=seed)
+        gen = og.Generator(model, params)
+        gen.append_tokens(np.array([5, 17, 33, 2, 9], np.int32))
+        while not gen.is_done():
+            gen.generate_next_token()
+        seqs.add(tuple(gen.get_sequence(0)))
+    assert len(seqs) > 1
+
+
+def test_nanochat_tokenizer_beside_a_relative_checkpoint_path(tmp_path, monkeypatch):
+    """nanochat's layout, <base>/chatsft_checkpoints/d1 beside <base>/tokenizer/tokenizer.pkl,
+    exported as the relative path `d1`: tokenizer.pkl is copied, found where the engine finds it
+    (and genai_config.json's end tokens come from it); it was looked for under ./tokenizer/."""
+    import shutil
+
+    staged = _nanochat_with_tokenizer(tmp_path / "staged")
+    ckpt, tok_dir = tmp_path / "base" / "chatsft_checkpoints" / "d1", tmp_path / "base" / "tokenizer"
+    ckpt.mkdir(parents=True)
+    tok_dir.mkdir()
+    for f in staged.iterdir():
+        shutil.copy(f, (tok_dir if f.name == "tokenizer.pkl" else ckpt) / f.name)
+    monkeypatch.chdir(ckpt.parent)
+    record = export("d1", tmp_path / "out", log=lambda *_: None)
+    assert record["tokenizer_files"] == ["tokenizer.pkl"] and record["genai_config"]
+    assert (tmp_path / "out" / "tokenizer.pkl").read_bytes() == (tok_dir / "tokenizer.pkl").read_bytes()
+
+
+def test_a_static_length_below_the_tracing_step_exports(tmp_path):
+    """--static-max-len 1 to 6 (below the traced example's past 4 + seq 3) exports, and the graph
+    generates the engine's tokens in buffers of that length (the trace indexed past the buffer:
+    an IndexError traceback, exit 1, for a length check_options accepts)."""
+    src = NANOCHAT / "nanochat_2026jan_e85db6b"
+    model = load_model(src, "cpu", torch.float32)
+    for n, prompts in ((1, [[5]]), (4, [[5], [7, 3]])):
+        export(src, tmp_path / f"s{n}", static_max_len=n, log=lambda *_: None)
+        run = onnx_runner(tmp_path / f"s{n}" / "model.onnx")
+        result = check(verify(run, model, max_tokens=n - 1 if n > 1 else 1, static_max_len=n, prompts=prompts))
+        assert result.tokens_identical and run.session.get_inputs()[4].shape[2] == n

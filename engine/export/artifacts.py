@@ -77,7 +77,9 @@ def write_tokenizer(source: Path, fmt: str, out: Path) -> list[str]:
         (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
         return ["tokenizer.json", "tokenizer_config.json"]
     if fmt == "nanochat":
-        for cand in (source / "tokenizer.pkl", source.parent.parent / "tokenizer" / "tokenizer.pkl"):
+        # where Tokenizer.find_nanochat looks (the end tokens come from there): the directory
+        # resolved, or a relative `d20` (its parent.parent is ".") missed <base>/tokenizer/
+        for cand in (source / "tokenizer.pkl", source.resolve().parent.parent / "tokenizer" / "tokenizer.pkl"):
             if cand.is_file():
                 shutil.copy2(cand, out / "tokenizer.pkl")
                 return ["tokenizer.pkl"]
@@ -138,10 +140,13 @@ def genai_config(model: CausalLM, filename: str, end_ids: list[int], bos_id: int
             "type": GENAI_TYPES[info.arch],
             "vocab_size": info.vocab_size,
         },
+        # greedy by do_sample alone: genai takes top_k 1 as greedy even with do_sample set
+        # (Generator::GenerateNextToken), so a caller's do_sample=True sampled nothing; top_k 0 and
+        # top_p 1 sample the whole vocabulary, as SamplingParams' defaults do
         "search": {"diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
                    "max_length": info.context_len, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
                    "num_return_sequences": 1, "past_present_share_buffer": False, "repetition_penalty": 1.0,
-                   "temperature": 1.0, "top_k": 1, "top_p": 1.0},
+                   "temperature": 1.0, "top_k": 0, "top_p": 1.0},
     }
 
 

@@ -101,7 +101,8 @@ def export(model: "str | Path | CausalLM", out: str | Path, *, format: str = "on
            static_max_len: int | None = None, verify: bool = False, max_tokens: int | None = None,
            step: int | None = None, log=print) -> dict:
     """Export checkpoint `model` (any `model.path` batchgen loads, or a loaded CausalLM on CPU in
-    the export's dtype, e.g. after `Engine.load_weights`) to directory `out`.
+    the export's dtype, e.g. after `Engine.load_weights`; another dtype or device is an
+    ExportError) to directory `out`.
 
     format: "onnx" (onnxruntime, onnxruntime-genai) or "pt2" (torch.export + AOTInductor,
         static shapes; needs static_max_len). dtype: "float32" or "float16" (weights, KV).
@@ -167,6 +168,19 @@ def _load(model, dtype: str, step: int | None):
     from engine.models.base import CausalLM
 
     if isinstance(model, CausalLM):
+        # the graph takes the model's own dtype and the verification feeds `dtype`'s: a model in
+        # another (a float16 one exported as float32, bfloat16 weights) failed in onnxruntime
+        # after the graph was traced ("Unexpected input data type"), and without --verify wrote
+        # a batchgen_export.json naming a dtype the graph does not have
+        p = next(model.parameters(), None)
+        if p is not None and (p.device.type != "cpu" or model.kv_dtype != DTYPES[dtype] or model.act_dtype
+                              not in (None, DTYPES[dtype])):
+            kv = str(model.kv_dtype).replace("torch.", "")
+            raise ExportError(f"dtype {dtype!r}: the loaded {type(model).__name__}'s KV cache is {kv} on "
+                              f"{p.device.type}"
+                              f"{' (bfloat16 weights)' if model.act_dtype not in (None, model.kv_dtype) else ''}; "
+                              f"export a model loaded on CPU in {dtype} (load_model(path, 'cpu', torch.{dtype})), "
+                              f"or its path")
         return None, "in-memory", model
     source = Path(resolve_builtin(model))
     fmt = detect_format(model)

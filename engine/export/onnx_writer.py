@@ -21,9 +21,14 @@ OPSET = 17
 
 def example_inputs(fwd: KVExplicitForward, batch: int = 2, seq: int = 3, past: int = 4) -> tuple[torch.Tensor, ...]:
     """Inputs of the shapes one decode-with-past step has (past and seq above 1, so no axis
-    is specialised to a size of 0 or 1 while tracing)."""
+    is specialised to a size of 0 or 1 while tracing). Static: the step's positions within the
+    N buffer positions (seq at most N, past at most N - seq; an N of 1 to 6 indexed past the
+    buffer and failed the trace with an IndexError)."""
     info, dtype = fwd.model.info, fwd.model.kv_dtype
     static = fwd.static_max_len is not None
+    if static:  # no past axis here: past only places the step's tokens (cache_position)
+        seq = min(seq, fwd.static_max_len)
+        past = min(past, fwd.static_max_len - seq)
     total = fwd.static_max_len if static else past + seq
     ids = torch.zeros(batch, seq, dtype=torch.long)
     mask = torch.ones(batch, total, dtype=torch.long)

@@ -28,7 +28,8 @@ def write_pt2(fwd: KVExplicitForward, path: Path) -> None:
     N = fwd.static_max_len
     assert N is not None, "pt2 is the static variant"
     args = example_inputs(fwd, batch=2, seq=3, past=4)
-    batch, seq = Dim("batch", min=1, max=1024), Dim("seq", min=1, max=N)
+    # an N of 1 has one step length (a Dim of min = max is refused: "inconsistent min=1, max=1")
+    batch, seq = Dim("batch", min=1, max=1024), (Dim("seq", min=1, max=N) if N > 1 else Dim.STATIC)
     n_kv = 2 * fwd.model.info.n_layer + (1 if fwd.has_smear else 0)
     shapes = ({0: batch, 1: seq}, {0: batch}, {0: batch, 1: seq},
               tuple([{0: seq}] + [{0: batch}] * n_kv))
