@@ -68,6 +68,26 @@ def test_run_job_from_a_path_and_a_spec_resumes(job, tmp_path):
         run_job(spec, {"sampling.temprature": 0.5})
 
 
+def test_the_summary_is_read_without_a_second_pass_over_the_parts(job, monkeypatch):
+    """The result's summary is the _SUCCESS the run wrote: each part's footer is read once
+    per call (the run's own summary), not a second time for the API's (a pass over the
+    footers of a 40,000-unit output takes seconds)."""
+    import json
+
+    from jobs import run_job
+    from jobs.outputs.layout import SUCCESS, part_name
+    from jobs.outputs.output_dir import OutputDir
+
+    d, config, result = job
+    reads = []
+    real = OutputDir._part_metadata
+    monkeypatch.setattr(OutputDir, "_part_metadata", lambda self, rel: reads.append(rel) or real(self, rel))
+    again = run_job(config, {"sampling.stop": ["e", "o"], "sampling.logprobs_mode": "processed"})
+    assert again.summary["units_this_run"] == 0 and again.summary["samples"] == 18
+    assert again.summary == json.loads(OutputDir(again.output_path).read_text(SUCCESS))
+    assert sorted(reads) == [part_name(0), part_name(1)]  # once each
+
+
 def test_readers_load_the_output_without_conversion(job, tmp_path, monkeypatch):
     """pandas, polars, duckdb and Hugging Face datasets read the output directory (or its
     part-*.parquet glob) as written, and agree with pyarrow value for value."""
