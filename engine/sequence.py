@@ -4,7 +4,9 @@ The tool protocol is nanochat's (nanochat/engine.py): tokens the model samples b
 <|python_start|> and <|python_end|> are decoded and handed to the calculator; its result
 is then forced into the sequence as <|output_start|> result <|output_end|>, one token per
 step, with mask 0 and no logprob. Unlike nanochat, a failed call is not silent: the model
-sees "Error: <why>" as the output, and every call is recorded as a ToolCall.
+sees "Error: <why>" as the output, and every call is recorded as a ToolCall: one that
+<|python_start|> again leaves open (nanochat drops its tokens: so do we) as not finished, one
+whose <|python_end|> ends the sample (nothing can be forced) as not run.
 
 Hermes tool calls (engine/tool_calls.py): with an engine's tools, the sampled tokens' bytes
 feed a `HermesScanner`; a completed <tool_call>...</tool_call> is left in `new_call` for the
@@ -167,14 +169,19 @@ class Sequence:
                 return
         if self.scanner is not None and not forced:
             self.new_call = self.scanner.feed(len(self.tokens) - 1, data)
-        if tools is not None and not forced and self.request.params.calculator:
-            self._tool_step(token, tools, tokenizer)
         limit = self.request.params.max_tokens  # None: only the context window ends it
         if (limit is not None and len(self.tokens) >= limit) or self.position + 1 >= max_len:
             self.finish_reason = "length"
+        if tools is not None and not forced and self.request.params.calculator:
+            self._tool_step(token, tools, tokenizer)  # after the length check: a call the last token closes is not run
 
     def _tool_step(self, token: int, tools: ToolTokens, tokenizer) -> None:
         if token == tools.python_start:
+            if self.in_python:  # <|python_start|> again before <|python_end|>: the open call is dropped
+                call = self.tool_calls[-1]  # (nanochat forgets its tokens too), recorded as not finished
+                call.expr = _decode(tokenizer, self.expr_tokens)
+                call.error = "call not finished: <|python_start|> again"
+                call.end = len(self.tokens) - 1
             self.in_python = True
             self.expr_tokens = []
             self.tool_calls.append(ToolCall(start=len(self.tokens) - 1, end=len(self.tokens), expr="",
@@ -183,6 +190,10 @@ class Sequence:
             self.in_python = False
             call = self.tool_calls[-1]
             call.expr = _decode(tokenizer, self.expr_tokens)
+            if self.finish_reason is not None:  # the sample ends on <|python_end|>: nothing is shown to the model
+                call.error = f"not run: the sample ended ({self.finish_reason}) with the call"
+                call.end = len(self.tokens)
+                return
             t0 = time.perf_counter()
             result = calculator(call.expr) if call.expr.strip() else None
             call.latency_s = time.perf_counter() - t0

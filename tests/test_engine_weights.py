@@ -144,3 +144,44 @@ def test_nanochat_highest_step_unless_one_is_given(cases, tmp_path):
     assert eng.load_weights(d)["step"] == 1200
     assert _run(eng) == _run(_engine(cases["trained"], cases["tokenizer"]))
     assert eng.load_weights(d, step=7)["step"] == 7 and _run(eng) == before
+
+
+def test_nanochat_checkpoint_with_one_of_its_lambdas_swaps_in_as_it_loads(cases, tmp_path):
+    """nanochat's loader takes a checkpoint holding resid_lambdas or x0_lambdas alone, the other
+    patched to ones / zeros: load_weights and update_weights take it too, the checkpoint the
+    engine was loaded from included, and give what a fresh engine on it gives (the missing
+    one patched, not kept from the old weights, in either order). (Before: "tensors missing:
+    x0_lambdas".) Holding neither is another architecture: refused, the weights kept."""
+    tok = cases["tokenizer"]
+    sd = torch.load(cases["trained"] / "model_000650.pt", weights_only=True)
+    dirs = {}
+    for drop in ("x0_lambdas", "resid_lambdas", "lambdas"):
+        d = dirs[drop] = tmp_path / drop
+        d.mkdir()
+        shutil.copy(cases["trained"] / "meta_000650.json", d / "meta_000650.json")
+        torch.save({k: v for k, v in sd.items() if not k.endswith(drop)}, d / "model_000650.pt")
+    one = _engine(dirs["x0_lambdas"], tok)
+    fresh = _run(one)
+    one.load_weights(dirs["x0_lambdas"])
+    assert _run(one) == fresh
+    eng = _engine(cases["base"], tok)
+    before = _run(eng)
+    assert eng.model.x0_lambdas.abs().sum() > 0 and (eng.model.resid_lambdas != 1).any()  # base's own values
+    m = eng.model
+    for drop, patched, value in (("x0_lambdas", m.x0_lambdas, 0.0), ("resid_lambdas", m.resid_lambdas, 1.0)):
+        eng.load_weights(dirs[drop])
+        assert torch.equal(patched, torch.full_like(patched, value)), drop
+        want = _run(_engine(dirs[drop], tok))
+        assert _run(eng) == want, drop
+        eng.load_weights(cases["base"])
+        given = [(k, v) for k, v in sd.items() if not k.endswith(drop)]
+        for pairs in (given, given[::-1]):  # from memory, in either order
+            eng.update_weights(pairs)
+            assert torch.equal(patched, torch.full_like(patched, value)) and _run(eng) == want, drop
+            eng.load_weights(cases["base"])
+    assert _run(eng) == before
+    with pytest.raises(WeightsMismatch, match="resid_lambdas"):
+        eng.load_weights(dirs["lambdas"])
+    with pytest.raises(WeightsMismatch, match="tensors missing: resid_lambdas, x0_lambdas"):
+        eng.update_weights([(k, v) for k, v in sd.items() if not k.endswith("lambdas")])
+    assert _run(eng) == before

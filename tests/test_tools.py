@@ -676,3 +676,77 @@ def test_tool_fields_given_as_a_dict_are_checked_by_name():
         Tool.of({"name": "add"})
     with pytest.raises(SpecError, match="'name' is required"):
         JobSpec.model_validate({}).with_python_tools([{"function": add}])
+
+
+# ---------------------------------------------------------------------------------------
+# 6. nanochat's calculator in the engine (engine/sequence.py): records of unusual calls
+
+def _calculator_sample(gen: list[int], max_tokens: int, abort_at: int | None = None):
+    """The sample a ScriptedLM writing `gen` after the prompt [65] gives (greedy); with
+    abort_at, the request is aborted after that many steps and continued (a continuation
+    replays the aborted sample's tokens: Sequence.replay)."""
+    pytest.importorskip("torch")
+    from engine.engine import Engine
+    from engine.params import SamplingParams
+    from toy import ByteTokenizer, ScriptedLM
+
+    tok = ByteTokenizer()
+    eng = Engine(ScriptedLM([65] + gen, tok.vocab_size), tok)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    eng.add_request([65], params, "q", request_id=0)
+    outs, steps = [], 0
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+        steps += 1
+        if steps == abort_at:
+            for o in eng.abort([0]):
+                eng.continue_request(o, params)
+    (out,) = outs
+    return out.samples[0]
+
+
+def _records(sample) -> list[tuple]:
+    return [(c.start, c.end, c.expr, c.output, c.error, c.forced_start) for c in sample.tool_calls]
+
+
+def test_calculator_python_start_again_closes_the_open_call():
+    """<|python_start|> written again before <|python_end|>: as in nanochat's engine, the open
+    call's tokens are dropped and the new call runs alone; its record keeps its expression so
+    far, says why it did not finish and ends just before the new start. (Before, it stayed
+    with expr '', no error and a span of one token.) A continuation gives the same."""
+    from toy import ByteTokenizer
+
+    tok = ByteTokenizer()
+    sp = tok.specials
+    gen = [sp["<|python_start|>"], *tok.encode("1+"), sp["<|python_start|>"], *tok.encode("2+3"),
+           sp["<|python_end|>"]] + [67] * 30
+    s = _calculator_sample(gen, 12)
+    assert s.tokens == gen[:8] + [sp["<|output_start|>"], *tok.encode("5"), sp["<|output_end|>"], 67]
+    assert _records(s) == [(0, 3, "1+", None, "call not finished: <|python_start|> again", None),
+                           (3, 11, "2+3", "5", None, 8)]
+    assert s.tool_calls[0].latency_s is None and s.tool_calls[1].latency_s is not None
+    for k in (2, 3, 4, 7):  # aborted before, on and after the second start, on its <|python_end|>
+        c = _calculator_sample(gen, 12, abort_at=k)
+        assert (c.tokens, c.mask, _records(c)) == (s.tokens, s.mask, _records(s)), k
+
+
+def test_calculator_call_closed_by_the_last_token_is_not_run():
+    """max_tokens ends the sample on <|python_end|>: nothing is forced, so the call records no
+    output (the model was shown none) and "not run", as a Hermes call the sample ends with
+    (ToolTurns.start). (Before: output '5' with forced_start null.) A sample one token longer
+    shows <|output_start|> and runs it; a continuation gives the same records as the
+    uninterrupted sample, aborted at any step."""
+    from toy import ByteTokenizer
+
+    tok = ByteTokenizer()
+    sp = tok.specials
+    gen = [sp["<|python_start|>"], *tok.encode("2+3"), sp["<|python_end|>"]] + [67] * 30
+    s = _calculator_sample(gen, 5)
+    assert s.tokens == gen[:5] and s.mask == [1] * 5 and s.finish_reason == "length"
+    assert _records(s) == [(0, 5, "2+3", None, "not run: the sample ended (length) with the call", None)]
+    assert s.tool_calls[0].latency_s is None
+    longer = _calculator_sample(gen, 6)
+    assert longer.tokens[5] == sp["<|output_start|>"] and _records(longer) == [(0, 6, "2+3", "5", None, 5)]
+    for k in range(1, 5):
+        c = _calculator_sample(gen, 5, abort_at=k)
+        assert (c.tokens, c.mask, _records(c)) == (s.tokens, s.mask, _records(s)), k

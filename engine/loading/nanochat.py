@@ -286,7 +286,8 @@ _TOP_TARGETS = {"transformer.wte.weight": "wte", "lm_head.weight": "lm_head", "s
 def weight_map(model: NanochatGPT) -> WeightMap:
     """Where each tensor of nanochat's own state dict (names as its GPT saves them, with or
     without torch.compile's "_orig_mod." prefix) goes in `model`: the same names as the
-    checkpoint's `_expected_shapes`, one parameter each."""
+    checkpoint's `_expected_shapes`, one parameter each; resid_lambdas or x0_lambdas may be
+    left out, as the loader allows, and the parameter gets the loader's ones / zeros."""
     c = model.config
     keyed = _KeyedFeatures(lambdas=("resid_lambdas", "x0_lambdas") if c.resid_lambdas else (),
                            value_embeds=c.value_embeds, ve_gate_channels=c.ve_gate_channels, smear=c.smear,
@@ -301,4 +302,6 @@ def weight_map(model: NanochatGPT) -> WeightMap:
             targets[name] = Target(f"blocks.{name.split('.')[1]}.ve")
         else:
             targets[name] = Target(_TOP_TARGETS.get(name, name))
-    return WeightMap(targets, strip_prefixes=("_orig_mod.",))
+    # the loader takes one of resid_lambdas / x0_lambdas alone and patches the other (NanochatGPT)
+    defaults = {"resid_lambdas": 1.0, "x0_lambdas": 0.0} if c.resid_lambdas else {}
+    return WeightMap(targets, strip_prefixes=("_orig_mod.",), defaults=defaults)

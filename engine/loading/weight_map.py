@@ -49,11 +49,18 @@ class WeightMap:
     """A model family's trainer names -> Target (None: accepted and ignored, e.g. a tied
     head). strip_prefixes: prefixes a trainer may add (torch.compile's "_orig_mod.",
     GPT2LMHeadModel's "transformer."); ignored_suffixes: buffers old checkpoints carry that
-    the loader skips too (a rotary inv_freq, GPT-2's causal-mask bias)."""
+    the loader skips too (a rotary inv_freq, GPT-2's causal-mask bias); defaults: names that
+    may be left out as long as one of them is given (nanochat's resid_lambdas / x0_lambdas,
+    which its loader accepts alone, patching the other to ones / zeros), each with the value
+    its parameter takes when it is left out: `copy_tensor` writes them all before the first
+    of them is copied, once per map (checkpoint.copy_tensors makes a map for each swap), so
+    the tensors given then overwrite their defaults, in any order."""
 
     targets: dict[str, Target | None]
     strip_prefixes: tuple[str, ...] = ()
     ignored_suffixes: tuple[str, ...] = field(default=())
+    defaults: dict[str, float] = field(default_factory=dict)
+    defaults_written: bool = False
 
     def canonical(self, name: str) -> str:
         for p in self.strip_prefixes:
@@ -71,7 +78,8 @@ def index_differences(model: torch.nn.Module, wmap: WeightMap,
     "bfloat16", ...) cannot replace `model`'s weights: one phrase per kind of difference
     (names given twice, unknown names, missing names, shapes, dtypes that are not floating
     point), each listing the tensors; empty when they can. The whole model must be covered:
-    every name of the map that is not ignored."""
+    every name of the map that is not ignored, but for those with a default when another of
+    them is given."""
     params = {k: tuple(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
     seen: dict[str, str] = {}
     twice, unknown, shapes, dtypes = [], [], [], []
@@ -90,7 +98,8 @@ def index_differences(model: torch.nn.Module, wmap: WeightMap,
             dtypes.append(f"{name} {dtype}")
         if t is not None and tuple(shape) != t.source_shape(params[t.param]):
             shapes.append(f"{name} {tuple(shape)} (expected {t.source_shape(params[t.param])})")
-    missing = [k for k, t in wmap.targets.items() if t is not None and k not in seen]
+    defaulted = set(wmap.defaults) if seen.keys() & wmap.defaults.keys() else set()
+    missing = [k for k, t in wmap.targets.items() if t is not None and k not in seen and k not in defaulted]
     out = []
     for what, items in (("tensors given twice", twice), ("tensors missing", missing),
                         ("tensors the loaded model does not have", unknown), ("tensor shapes differ", shapes),
@@ -103,7 +112,8 @@ def index_differences(model: torch.nn.Module, wmap: WeightMap,
 def copy_tensor(params: dict[str, torch.Tensor], wmap: WeightMap, name: str, tensor: torch.Tensor) -> bool:
     """Copy trainer tensor `name` into its place among `params` (the model's
     `state_dict(keep_vars=True)`), in place, cast to the parameter's dtype; False for a name
-    the map ignores. Call under torch.no_grad() with the names checked (index_differences):
+    the map ignores. The first of the map's `defaults` copied writes them all first. Call
+    under torch.no_grad() with the names checked (index_differences):
     raises KeyError for an unknown name and RuntimeError for a shape that does not fit."""
     key = wmap.canonical(name)
     if key not in wmap.targets and wmap.ignored(key):
@@ -111,6 +121,10 @@ def copy_tensor(params: dict[str, torch.Tensor], wmap: WeightMap, name: str, ten
     t = wmap.targets[key]
     if t is None:
         return False
+    if key in wmap.defaults and not wmap.defaults_written:  # those not given keep these (index_differences)
+        for k, value in wmap.defaults.items():
+            params[wmap.targets[k].param].fill_(value)
+        wmap.defaults_written = True
     dst = params[t.param]
     if t.rows is not None:
         dst = dst[t.rows[0]:t.rows[1]]
