@@ -15,8 +15,8 @@
 Exit codes: 0 success; 1 the job ran and failed, or `verify` found problems; 2 the job
 could not start (bad config, bad input, output belongs to another job or is in use by
 another driver, bad prepare input, bad export options or model; `plan` returns 2 where `run`
-would stop); `export --verify` returns 1 when the artifact does not generate the engine's
-tokens; 130 interrupted. Every jobs.errors.JobError is printed as "error: <message>" on stderr.
+would stop; `status` or `verify` with no output to read); `export --verify` returns 1 when
+the artifact does not generate the engine's tokens; 130 interrupted. Every jobs.errors.JobError is printed as "error: <message>" on stderr.
 """
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("config", help="job YAML file")
     add_set(r)
     r.add_argument("--overwrite", action="store_true",
-                   help="delete the previous output in output.path if it belongs to another job")
+                   help="start over where run would refuse output.path (another job's output, retrained "
+                        "weights, a damaged manifest, other files): deletes batchgen's files there, "
+                        "never the others")
 
     pl = sub.add_parser("plan", help="validate a job and print what `run` would do (no Ray, no model)")
     pl.add_argument("config", help="job YAML file")
@@ -98,8 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--verify", action="store_true",
                     help="greedy loop in the artifact against the engine before the directory is created")
     ex.add_argument("--max-tokens", type=int, default=None, metavar="N",
-                    help="tokens the verification generates per prompt (default 32, fewer where the model's "
-                         "context is shorter than the longest prompt, 21, plus 32; more than it holds: exit 2)")
+                    help="with --verify (not read without it): tokens the verification generates per prompt "
+                         "(default 32, fewer where the model's context is shorter than the longest prompt, "
+                         "21, plus 32; more than it holds: exit 2)")
     return p
 
 

@@ -89,14 +89,15 @@ def pool_setup(config: Any, overrides: Iterable[str] | Mapping[str, Any] = (), *
 class GenerationPool:
     """Long-lived generation workers (see the module docstring).
 
-    GenerationPool(config=None, overrides=(), *, model=None): config is a job config as
+    GenerationPool(config=None, overrides=(), *, model=None, tools=None): config is a job config as
     `run_job` takes it (a YAML path, a dict of sections or a JobSpec; None: the defaults),
     overrides "section.key=value" strings or a {"section.key": value} mapping, and `model`
     a shorthand for model.path, `tools` Python tools as run_job takes them. The `output`
     section is not used. `cluster` sets the
     workers (num_workers, cpus_per_worker, gpus_per_worker, address: a local Ray instance is
     started for the pool and shut down by `close()`, an initialised one is used as is),
-    unit_rows (most prompts per unit; a call is cut into at least two units per worker),
+    unit_rows (most prompts per unit; below it, `generate` gives each unit about 1/(16 x
+    workers) of the call, 16 being POOL_UNITS_IN_FLIGHT, at least one prompt; `submit` half that),
     max_unit_attempts and unit_timeout_s. The workers start, and their engines load, in the
     constructor.
     Raises SpecError / InputError for a bad config (naming the key) and

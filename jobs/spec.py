@@ -3,13 +3,14 @@ file, a dict or a JobSpec, with --set overrides, by jobs/config.py).
 
     model:    {path: smollm2, dtype: auto, device: auto, tokenizer: null, max_num_seqs: 256,
                kv_cache_gb: null, max_seq_len: null, batch_invariant: true, prefix_sharing: true,
-               prefix_caching: true}
+               prefix_caching: true, chat_template_date: null}
     input:    {path: prompts.parquet, format: text, column: prompt, id_column: null, passthrough: [],
                sampling_column: null}
     output:   {path: out/demo, lease_timeout_s: 120}
     sampling: {num_samples: 4, max_tokens: 256, temperature: 1.0, top_k: 50, top_p: 1.0,
                min_p: 0.0, seed: 0, stop_token_ids: null, stop: null, logprobs_mode: raw}
-    tools:    {calculator: true, max_turns: 8, functions: []}   # functions: [{name, function, timeout_s, ...}]
+    tools:    {calculator: true, max_turns: 8, max_response_chars: null,
+               functions: []}   # functions: [{name, function, timeout_s, ...}]
     cluster:  {address: null, num_workers: 1, gpus_per_worker: 0, cpus_per_worker: 1,
                unit_rows: 256, max_unit_attempts: 3, unit_timeout_s: null}
 

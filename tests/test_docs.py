@@ -1,10 +1,13 @@
 """The documentation holds together: README.md stays short, every relative link in README.md
 and docs/*.md reaches an existing file and every #anchor an existing heading of its target
-(GitHub's heading slugs), and the two commands the README gives a fresh machine are the ones
-the Makefile and CI run.
+(GitHub's heading slugs), the two commands the README gives a fresh machine are the ones
+the Makefile and CI run, and the reference tables follow the code: docs/config.md's keys and
+defaults are jobs/spec.py's, its Commands block has every verb and option of jobs/cli.py, and
+the output columns of README.md and docs/output.md are jobs/outputs/schema.py's.
 
-No network, no install: these tests read files and, where `make` is present, ask it what it
-would run (`make -n`).
+No network, no install: these tests read files, import jobs.spec, jobs.cli and
+jobs.outputs.schema (no torch, no Ray) and, where `make` is present, ask it what it would run
+(`make -n`).
 """
 from __future__ import annotations
 
@@ -203,3 +206,118 @@ def test_torch_index_reaches_only_the_torch_install():
     with_index = [ln for ln in _make_n("install", f"TORCH_INDEX={url}") if "--index-url" in ln]
     assert len(with_index) == 1 and "torch==" in with_index[0] and url in with_index[0]
     assert not any("--index-url" in ln for ln in _make_n("install"))
+
+
+# ------------------------------------------------------------------ docs against the code
+
+def _table_rows(text: str, heading: str) -> list[list[str]]:
+    """The cells of every body row of the tables under `heading` (up to the next heading of
+    the same or a higher level), `\\|` kept inside a cell."""
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.strip() == heading)
+    level = len(heading) - len(heading.lstrip("#"))
+    rows = []
+    for ln in lines[start + 1:]:
+        m = HEADING.match(ln)
+        if m and len(m.group(1)) <= level:
+            break
+        if ln.startswith("|") and not re.match(r"^\|[\s:|-]+\|$", ln):
+            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", ln.strip())[1:-1]]
+            rows.append(cells)
+    return rows[1:] if rows and rows[0][0] in ("key", "column") else rows
+
+
+def _doc_default(value) -> str:
+    """A spec default as docs/config.md writes it."""
+    if value is None:
+        return "`null`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, str):
+        return f"`{value}`"
+    if value == []:
+        return "`[]`"
+    return str(int(value)) if isinstance(value, float) and value.is_integer() and value >= 10 else str(value)
+
+
+def test_config_reference_lists_every_key_with_its_default():
+    """docs/config.md's config reference has one row per key of the spec (jobs/spec.py, the
+    function tools' fields included), no row for a key the spec lacks, and each row's default
+    (before any parenthesis: `256 (null for openai_batch)`) is the spec's."""
+    from jobs.spec import DEFAULT_COLUMNS, FunctionToolSpec, spec_sections
+
+    want = {}
+    for section, model in spec_sections().items():
+        for name, field in model.model_fields.items():
+            want[f"{section}.{name}"] = field
+    del want["tools.functions"]  # documented as a row of its own and by its fields
+    want["tools.functions"] = None
+    for name, field in FunctionToolSpec.model_fields.items():
+        want[f"tools.functions[].{name}"] = field
+    rows = {}
+    for cells in _table_rows((ROOT / "docs" / "config.md").read_text(encoding="utf-8"), "## Config reference"):
+        keys = re.findall(r"`([^`]+)`", cells[0])
+        prefix = keys[0].rsplit(".", 1)[0]
+        for k in keys:
+            rows[prefix + k if k.startswith(".") else k] = cells[1]
+    assert sorted(set(want) - set(rows)) == [], "keys of jobs/spec.py missing from docs/config.md"
+    assert sorted(set(rows) - set(want)) == [], "docs/config.md documents keys jobs/spec.py does not have"
+    wrong = []
+    for key, field in want.items():
+        if field is None:
+            continue
+        doc = rows[key].split(" (")[0]
+        if field.is_required():
+            expected = "required"
+        elif key == "input.column":
+            expected = " / ".join(f"`{c}`" for c in dict.fromkeys(DEFAULT_COLUMNS.values()) if c != "body")
+        else:
+            expected = _doc_default(field.get_default(call_default_factory=True))
+        if doc != expected:
+            wrong.append(f"{key}: docs/config.md says {doc}, jobs/spec.py {expected}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/output.md"])
+def test_output_columns_are_the_schemas(page: str):
+    """The columns table of README.md and docs/output.md lists OUTPUT_SCHEMA's columns in its
+    order with their types (jobs/outputs/schema.py), then the passthrough columns."""
+    from jobs.outputs.schema import OUTPUT_SCHEMA, type_str
+
+    heading = "## Output" if page == "README.md" else "## Columns"
+    documented = []
+    for cells in _table_rows((ROOT / page).read_text(encoding="utf-8"), heading):
+        names = re.findall(r"`([^`]+)`", cells[0])
+        documented += [(n, cells[1]) for n in names] or [(cells[0], cells[1])]
+    assert documented[-1][0] == "passthrough columns"
+    # Arrow prints float32 as "float" and float64 as "double"; the docs name the widths
+    schema = [(f.name, re.sub(r"\bdouble\b", "float64", re.sub(r"\bfloat\b", "float32", type_str(f.type))))
+              for f in OUTPUT_SCHEMA]
+    assert [n for n, _ in documented[:-1]] == [n for n, _ in schema]
+    for (name, doc_type), (_, real) in zip(documented, schema):
+        if real.startswith("list<struct<"):  # README abbreviates the struct, output.md lists its fields
+            assert doc_type.startswith("list<struct"), (name, doc_type)
+            if page != "README.md":
+                fields = re.findall(r"(\w+)(?:, |: |>)", doc_type[len("list<struct<"):])
+                assert set(fields) >= set(re.findall(r"(\w+): ", real[len("list<struct<"):])), (doc_type, real)
+        else:
+            assert doc_type == real, f"{page}: {name} is {doc_type}; the schema says {real}"
+
+
+def test_commands_block_names_every_verb_and_its_flags():
+    """docs/config.md's Commands block gives every `batchgen` verb once, and only the options
+    each verb's parser has (jobs/cli.py), and all of them."""
+    from jobs.cli import _parser
+
+    text = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
+    block = re.search(r"^## Commands\n+```bash\n(.*?)^```", text, re.S | re.M).group(1)
+    sub = next(a for a in _parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    lines = [ln.split("#", 1)[0] for ln in block.splitlines() if ln.startswith("batchgen ")]
+    verbs = [ln.split()[1] for ln in lines]
+    assert sorted(verbs) == sorted(sub.choices), verbs
+    for ln, verb in zip(lines, verbs):
+        given = set(re.findall(r"(?<![\w-])--?[a-z][a-z-]*", ln))
+        options = [a.option_strings for a in sub.choices[verb]._actions if a.option_strings and a.dest != "help"]
+        missing = [o[-1] for o in options if not given & set(o)]
+        unknown = given - {o for opts in options for o in opts}
+        assert not missing and not unknown, f"batchgen {verb}: options not documented {missing}, unknown {unknown}"
