@@ -41,6 +41,12 @@ class SamplingParams:
             log-probability under the distribution the token was drawn from, after temperature,
             top_k, top_p and min_p; 0 for greedy: what importance-sampling corrections need).
         calculator: run the calculator tool on <|python_start|>...<|python_end|> spans.
+        skip_special_tokens: the text stop strings are matched on, as vLLM's skip_special_tokens
+            makes it. False: the sampled text with special tokens' text (what Sample's decode,
+            the `text` column, shows; vLLM with skip_special_tokens false), so "<|im_start|>"
+            ends a sample at a sampled <|im_start|>. True: without it (vLLM's default, what an
+            OpenAI batch line's content shows): a special token (tokenizer.special_tokens)
+            neither completes a stop string nor breaks one that spans it.
 
     top_k, top_p and min_p apply to the temperature-scaled distribution (as in vLLM and
     Hugging Face). Raises ValueError naming the field for an invalid value.
@@ -57,6 +63,7 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] | str | None = None
     logprobs_mode: str = "raw"
     calculator: bool = True
+    skip_special_tokens: bool = False  # not a job `sampling` key: an OpenAI batch line's own
 
     def __post_init__(self) -> None:
         for name in SAMPLING_FIELDS:
@@ -64,6 +71,9 @@ class SamplingParams:
                 object.__setattr__(self, name, check_sampling_value(name, getattr(self, name)))
             except ValueError as e:
                 raise ValueError(f"SamplingParams.{name}: {e}") from None
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"SamplingParams.skip_special_tokens: must be true or false, got "
+                             f"{self.skip_special_tokens!r}")
 
 
 # A prompt's samples are one request's rows, held together until they are written: a bound

@@ -120,7 +120,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         if self.request.params.stop:
-            self.stop_matcher = StopStringMatcher(self.request.params.stop)
+            self.stop_matcher = StopStringMatcher(self.request.params.stop, self.request.params.skip_special_tokens)
 
     @property
     def position(self) -> int:
@@ -150,7 +150,8 @@ class Sequence:
         max_tokens or when the sequence fills `max_len` positions. Stop strings are matched on
         the sampled text only: forced tool output is not the model's, so it neither completes
         a stop string (a chat template's "<|im_end|>" in a tool message would end every call)
-        nor joins the text a match spans.
+        nor joins the text a match spans. With params.skip_special_tokens a sampled special
+        token's text is left out of the matched text (vLLM's default), as if it were empty.
         """
         forced = logprob is None
         self.tokens.append(token)
@@ -164,7 +165,7 @@ class Sequence:
         if self.stop_matcher is not None:
             if forced:
                 self.stop_matcher.reset()
-            elif (hit := self.stop_matcher.feed(data)) is not None:
+            elif not self.stop_matcher.skips(token, tokenizer) and (hit := self.stop_matcher.feed(data)) is not None:
                 self.finish_reason, self.stop_reason = "stop", hit
                 return
         if self.scanner is not None and not forced:

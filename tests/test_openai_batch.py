@@ -61,6 +61,11 @@ def test_body_parameters_map_to_sampling_params():
                                                                {"type": "text", "text": "b"}]}]).encode(), 3, BASE, "f")
     assert p.prompt == [{"role": "user", "content": "a\nb"}]
     assert parse_line(line(url="/v1/completions", prompt=["only one"]).encode(), 4, BASE, "f").prompt == "only one"
+    # stop strings are matched on the content as vLLM matches them: without special tokens'
+    # text unless the line sets skip_special_tokens false (engine/tokenizers/stop_strings.py)
+    assert parse_line(line(stop="x").encode(), 5, BASE, "f").params.skip_special_tokens is True
+    assert parse_line(line(stop="x", skip_special_tokens=False).encode(), 6, BASE, "f").params.skip_special_tokens is False
+    assert parse_line(line().encode(), 7, BASE, "f").params is BASE  # no stop string: nothing to match
 
 
 @pytest.mark.parametrize("raw, fragment", [

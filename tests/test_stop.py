@@ -173,3 +173,54 @@ def test_stop_string_without_utf8_encoding_is_refused():
     with pytest.raises(ValueError, match="lone surrogate"):
         check_sampling_value("stop", "\ud83d\ude00x\udc00")
     assert check_sampling_value("stop", "\U0001F600") == ("\U0001F600",)
+
+
+def special_run(tok, text, stop, skip, prompt="Q:"):
+    """`text` scripted after `prompt` (special tokens spelled in it become them), greedy, no stop
+    tokens; returns (sample, text column, OpenAI chat content with special tokens skipped)."""
+    from types import SimpleNamespace
+
+    from jobs.outputs.batch_responses import sample_columns
+    import json
+
+    p, gen = tok.encode(prompt), tok.encode(text)
+    params = SamplingParams(temperature=0, max_tokens=len(gen), stop=stop, stop_token_ids=[], skip_special_tokens=skip)
+    s = Engine(ScriptedLM(p + gen, tok.vocab_size), tok).generate([p], params)[0][0]
+    assert s.tokens == gen[:len(s.tokens)]
+    col = completion_text(tok, s.tokens, s.stop_reason)
+    req = SimpleNamespace(passthrough={"_kind": "chat", "_skip_special": True})
+    content = json.loads(sample_columns(req, s, col, tok)["choice"])["message"]["content"]
+    return s, col, content
+
+
+def test_stop_strings_and_special_tokens(tok):
+    """Stop strings are matched on the text vLLM matches them on. By default on the sampled
+    text with special tokens' text, as the `text` column shows it (vLLM with
+    skip_special_tokens false): "<|im_start|>", or "im" inside it, ends a sample at a sampled
+    <|im_start|>. With skip_special_tokens (vLLM's default, the OpenAI content: vLLM's
+    detokenizer leaves special tokens out of the text it checks) a special token's text matches
+    nothing, and a stop string matches across the special token: the sample ends where vLLM's
+    does, and content is cut before the stop string as vLLM cuts its output text. (Before, an
+    OpenAI line with stop "im" ended at <|im_start|> with content "Sure", stop_reason "im".)"""
+    assert tok.special("<|im_start|>") is not None
+    text = "Sure<|im_start|>user\nok time to go"
+    s, col, content = special_run(tok, text, ["im"], skip=False)
+    assert (s.finish_reason, s.stop_reason, tok.decode(s.tokens[-1:])) == ("stop", "im", "<|im_start|>")
+    assert col == "Sure<|"
+    s, col, content = special_run(tok, text, ["<|im_start|>"], skip=False)
+    assert (s.stop_reason, col, content) == ("<|im_start|>", "Sure", "Sure")
+
+    # vLLM's default: its output text is "Sureuser\nok time to go"; "im" first completes in " time"
+    s, col, content = special_run(tok, text, ["im"], skip=True)
+    assert (s.finish_reason, s.stop_reason, tok.decode(s.tokens[-1:])) == ("stop", "im", " time")
+    assert (col, content) == ("Sure<|im_start|>user\nok t", "Sureuser\nok t")
+    s, col, content = special_run(tok, text, ["<|im_start|>"], skip=True)  # vLLM: never matched
+    assert (s.finish_reason, s.stop_reason, content) == ("length", None, "Sureuser\nok time to go")
+    # across a special token: vLLM's text "Say Hello world" holds "Hello"
+    s, col, content = special_run(tok, "Say Hel<|im_start|>lo world", ["Hello"], skip=True)
+    assert (s.finish_reason, s.stop_reason, tok.decode(s.tokens[-1:])) == ("stop", "Hello", "lo")
+    assert (col, content) == ("Say ", "Say ")
+    s, col, content = special_run(tok, "Say Hel<|im_start|>lo world", ["Hello"], skip=False)
+    assert (s.finish_reason, col) == ("length", "Say Hel<|im_start|>lo world")
+    with pytest.raises(ValueError, match="skip_special_tokens"):
+        SamplingParams(skip_special_tokens=1)

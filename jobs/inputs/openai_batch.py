@@ -71,9 +71,10 @@ log = logging.getLogger("batchgen")
 
 URLS = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
 # in the fingerprint: the layout of the `choice` objects the units store (2: vLLM's keys,
-# stop_reason null for EOS, content without special tokens), so that a job begun by an
-# earlier batchgen is not resumed into a mix of layouts
-CHOICE_FORMAT = "choices-v2"
+# stop_reason null for EOS, content without special tokens; 3: stop strings matched on that
+# content, special tokens left out, as vLLM's skip_special_tokens does), so that a job begun
+# by an earlier batchgen is not resumed into a mix of layouts
+CHOICE_FORMAT = "choices-v3"
 # max_tokens of a /v1/completions line that sets none, when the job sets no sampling.max_tokens
 # (OpenAI's legacy completions default, which vLLM's CompletionRequest keeps); a chat line
 # without one generates until the context window ends it.
@@ -265,6 +266,8 @@ def _parse_request(obj: Any, out: ParsedLine, base: SamplingParams) -> str | Non
     if skip is not None and not isinstance(skip, bool):
         return f"body.skip_special_tokens: must be true or false, got {skip!r}"
     out.skip_special_tokens, out.ignore_eos = skip is not False, body.get("ignore_eos") is True
+    if out.skip_special_tokens and changes.get("stop", base.stop):
+        changes["skip_special_tokens"] = True  # stop strings matched on the content, as vLLM does
     out.params = dataclasses.replace(base, **changes) if changes else base
     return None
 
