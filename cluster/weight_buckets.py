@@ -84,11 +84,12 @@ def _bucket(group: list[tuple[str, Any]]) -> tuple[list, list]:
     return index, data
 
 
-def copy_bucket(engine: Any, bucket: tuple[list, list], *, own_names: bool = False) -> int:
+def copy_bucket(engine: Any, bucket: tuple[list, list], *, own_names: bool = False, wmap: Any = None) -> int:
     """Copy a bucket's tensors (`pack_buckets`) into `engine`'s model in place, straight from
     its bytes (read-only views of the object store's copy); how many were copied.
     own_names: the bucket holds the model's own state-dict names (`export_bucket`), not a
-    trainer's."""
+    trainer's. wmap: the update's weight map, one for all its buckets
+    (engine.loading.checkpoint.copy_tensors)."""
     import torch
 
     from engine.loading.weight_swap import copy_tensors
@@ -103,7 +104,7 @@ def copy_bucket(engine: Any, bucket: tuple[list, list], *, own_names: bool = Fal
             yield name, flat.view(getattr(torch, dtype)).view(shape)
 
     if not own_names:
-        return copy_tensors(engine.model, tensors())
+        return copy_tensors(engine.model, tensors(), wmap)
     params = engine.model.state_dict(keep_vars=True)
     with torch.no_grad():
         n = 0

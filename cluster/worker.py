@@ -129,6 +129,10 @@ class GenerationWorker(RolloutMethods):
         self._inbox: list[tuple[_UnitState, list[tuple[Any, Any]]]] = []  # guarded by _cv
         self._control: list[_Control] = []  # guarded by _cv; run by the engine loop when idle
         self._staged: Any = None  # a checkpoint staged by stage_weights; guarded by _cv
+        # the weight map of the update from memory under way, shared by its buckets (a default a
+        # nanochat map writes is written once per update, not over a tensor an earlier bucket
+        # copied); made by its first bucket, dropped by check_update and finish_update
+        self._update_map: Any = None
         self._holding = False  # a swap from memory is under way: new prompts wait; guarded by _cv
         self._owners: dict[Any, tuple[_UnitState, int]] = {}  # request_id -> (unit, row); _cv
         self._units: set[_UnitState] = set()  # units with requests posted or in the engine; _cv
@@ -241,6 +245,7 @@ class GenerationWorker(RolloutMethods):
         if broken is not None or engine is None:
             raise EngineLoopError(f"worker {self.name}: engine failed earlier: {broken!r}")
         check_tensors(engine.model, index)
+        self._update_map = None  # a new update: its first bucket makes its map
         return {"worker": self.name, "pid": os.getpid()}
 
     def apply_bucket(self, bucket: Any) -> int:
@@ -250,8 +255,14 @@ class GenerationWorker(RolloutMethods):
         `finish_update`. Returns how many tensors were copied. Raises EngineLoopError when
         a copy failed (the worker is broken: its weights are half swapped)."""
         from cluster.weight_buckets import copy_bucket
+        from engine.loading.weight_swap import weight_map
 
-        return self._run_control(lambda eng: copy_bucket(eng, bucket), "copying a bucket of weights", hold=True)
+        def copy(eng):
+            if self._update_map is None:
+                self._update_map = weight_map(eng.model)
+            return copy_bucket(eng, bucket, wmap=self._update_map)
+
+        return self._run_control(copy, "copying a bucket of weights", hold=True)
 
     def export_weights(self, number: int, bucket_bytes: int) -> Any:
         """Bucket `number` of this worker's weights as they are now, under the model's own
@@ -272,6 +283,7 @@ class GenerationWorker(RolloutMethods):
         from engine.loading.weight_swap import MEMORY
 
         def finish(eng):
+            self._update_map = None
             eng.model.weights_changed()
             return eng.weights_swapped(MEMORY, None, eng.model.info.description, version)
 

@@ -404,3 +404,49 @@ def test_a_swap_waits_for_a_worker_finishing_samples_and_replaces_a_still_one(ra
     assert states == [{"weight_version": 7}]
     assert [name for name, _ in replaced] == ["still"], replaced
     assert "did not answer its weights swap within 1 s" in replaced[0][1] and "hung" in replaced[0][1]
+
+
+def test_worker_buckets_of_one_update_share_its_weight_map(cases):
+    """A pool worker copies an update bucket by bucket (GenerationWorker.apply_bucket): a
+    nanochat state dict whose resid_lambdas and x0_lambdas fall in different buckets (here
+    sorted by name, as a trainer may send them) leaves every tensor as loading the checkpoint
+    does, as Engine.update_weights in one call does. (Each bucket made its own weight map,
+    so the bucket holding x0_lambdas wrote the lambdas' defaults again: resid_lambdas, copied
+    by an earlier bucket, became ones.) The next update starts a map of its own: one without
+    x0_lambdas patches it to zeros (a map kept from the last update would leave it)."""
+    from cluster.weight_buckets import pack_buckets, tensor_index
+    from cluster.worker import GenerationWorker
+    from jobs.config import load_job_spec
+    from jobs.pool_task import PoolTask
+
+    one, two, sd = cases["nanochat"]
+    R, X = "_orig_mod.resid_lambdas", "_orig_mod.x0_lambdas"
+    task = PoolTask(load_job_spec({"model": {"path": str(one), "tokenizer": str(cases["tokenizer"]), "dtype": "float32",
+                                             "max_num_seqs": 8, "max_seq_len": 64}}))
+    w = GenerationWorker(task, "w0", num_threads=1)
+    try:
+        pairs = sorted(sd.items())
+        buckets = list(pack_buckets(pairs, 4096))
+        where = {name: i for i, (index, _) in enumerate(buckets) for name, _, _ in index}
+        assert where[R] != where[X]
+        w.check_update(tensor_index(pairs))
+        for b in buckets:
+            w.apply_bucket(b)
+        w.finish_update(1)
+        want = load_model(two, device="cpu", dtype="float32", step=None).state_dict()
+        got = w.engine.model.state_dict()
+        assert sorted(got) == sorted(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+        assert not torch.equal(got["resid_lambdas"], torch.ones_like(got["resid_lambdas"]))
+
+        without_x0 = [(k, v) for k, v in pairs if k != X]
+        w.check_update(tensor_index(without_x0))
+        for b in pack_buckets(without_x0, 4096):
+            w.apply_bucket(b)
+        w.finish_update(2)
+        m = w.engine.model
+        assert torch.equal(m.x0_lambdas, torch.zeros_like(m.x0_lambdas))
+        assert torch.equal(m.resid_lambdas, want["resid_lambdas"])
+    finally:
+        w.shutdown()

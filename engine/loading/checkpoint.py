@@ -271,15 +271,18 @@ def weight_map(model: torch.nn.Module):
     return family(model)
 
 
-def copy_tensors(model: CausalLM, named_tensors) -> int:
+def copy_tensors(model: CausalLM, named_tensors, wmap=None) -> int:
     """Copy (name, tensor) pairs, named as a trainer or checkpoint names them and checked
     (weight_map.index_differences), into `model` in place through its weight map, each
     cast to its parameter's dtype; returns how many were copied (ignored names, such as a
     tied head, are not counted). Call with no forward running on `model`, and
-    `model.weights_changed()` after the last one."""
+    `model.weights_changed()` after the last one. wmap: `weight_map(model)` shared by the
+    calls of one swap made in several (a pool worker's buckets): its defaults are written
+    once per swap, not again by a later call over what an earlier one copied; None: this
+    call is the whole swap."""
     from engine.loading.weight_map import copy_tensor
 
-    wmap = weight_map(model)
+    wmap = weight_map(model) if wmap is None else wmap
     params = model.state_dict(keep_vars=True)
     n = 0
     with torch.no_grad():

@@ -53,8 +53,9 @@ class WeightMap:
     may be left out as long as one of them is given (nanochat's resid_lambdas / x0_lambdas,
     which its loader accepts alone, patching the other to ones / zeros), each with the value
     its parameter takes when it is left out: `copy_tensor` writes them all before the first
-    of them is copied, once per map (checkpoint.copy_tensors makes a map for each swap), so
-    the tensors given then overwrite their defaults, in any order."""
+    of them is copied, once per map (checkpoint.copy_tensors makes a map for each swap; a pool
+    worker's buckets of one update share one, cluster/worker.py), so the tensors given then
+    overwrite their defaults, in any order."""
 
     targets: dict[str, Target | None]
     strip_prefixes: tuple[str, ...] = ()

@@ -387,9 +387,10 @@ class OutputDir(OutputChecks):
 
     def auto_dtype(self) -> str | None:
         """What model.dtype "auto" resolved to for this output (the manifest's `auto_dtype`,
-        written by record_auto_dtype when the first worker of its first run was ready), or
-        None: not recorded (a dtype set explicitly, no worker ready yet, or an output
-        written before batchgen recorded it). Raises OutputError as read_manifest."""
+        written by record_auto_dtype when the first worker of its first run was ready; for an
+        output written before batchgen recorded it, of its first resume since), or None: not
+        recorded (a dtype set explicitly, no worker ready yet, or an output written before
+        batchgen recorded it and not resumed since). Raises OutputError as read_manifest."""
         m = self.read_manifest()
         return None if m is None else m.get("auto_dtype")
 
