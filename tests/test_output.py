@@ -472,6 +472,20 @@ def test_dtype_auto_is_recorded_once_and_binds_a_resume(tmp_path):
     assert bind_auto_dtype(explicit, od) is None and explicit.engine_kwargs["dtype"] == "float32"
     text, code = describe_plan(spec)
     assert code == 0 and "dtype:         bfloat16 (model.dtype auto" in text
+    # the runner's callback names a write the store refuses (it raised the store's bare error)
+    from jobs.errors import JobFailed
+    from jobs.runner import auto_dtype_recorder
+
+    def refuse(name, text):
+        raise OSError("read-only file system")
+
+    (tmp_path / "new").mkdir()
+    spec, plan, _, fresh = make_job(tmp_path / "new")
+    fresh.prepare(plan, spec)
+    fresh._write_atomic = refuse
+    with pytest.raises(JobFailed, match=r"cannot record in .*out's manifest that model.dtype auto resolved to float32 "
+                                        r"\(OSError: read-only file system\)"):
+        auto_dtype_recorder(fresh)("float32")
 
 
 def test_status_counts_only_committed_and_reports_unreadable(tmp_path):
