@@ -72,6 +72,9 @@ class UnitDispatcher:
     on_auto_dtype(dtype): called once, with what the first ready worker resolved model dtype
         "auto" to, before that worker gets a unit (cluster/health.py refuse_dtype); what it
         raises ends the run.
+    kernels: "compiled" or "torch": the CPU kernels the workers must compute with (a resumed
+        output's); None: the first ready CPU worker's, passed to on_kernels as on_auto_dtype
+        (cluster/health.py refuse_kernels).
     """
 
     def __init__(self, task: UnitTask, *, num_workers: int, num_cpus: float = 1, num_gpus: float = 0,
@@ -79,7 +82,8 @@ class UnitDispatcher:
                  suspect_timeout_s: float | None = None, in_flight_per_worker: int = 2,
                  progress_interval_s: float = 1.0, start_timeout_s: float = 900.0, max_start_failures: int = 3,
                  max_worker_failures: int = 3, may_add_nodes: bool = False, actor_options: dict | None = None,
-                 on_auto_dtype: Callable[[str], None] | None = None) -> None:
+                 on_auto_dtype: Callable[[str], None] | None = None, kernels: str | None = None,
+                 on_kernels: Callable[[str], None] | None = None) -> None:
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         self.task = task
@@ -94,7 +98,8 @@ class UnitDispatcher:
                                  in_flight_per_worker=self.in_flight_per_worker, actor_options=actor_options,
                                  suspect_timeout_s=suspect_timeout_s, start_timeout_s=start_timeout_s,
                                  max_start_failures=max_start_failures, may_add_nodes=may_add_nodes,
-                                 events=self.events, on_auto_dtype=on_auto_dtype)
+                                 events=self.events, on_auto_dtype=on_auto_dtype, kernels=kernels,
+                                 on_kernels=on_kernels)
         self._closed = False
 
     # what the collaborators know, as the dispatcher's own (reports, tests)

@@ -112,7 +112,8 @@ class WorkerSlots:
     def __init__(self, task: UnitTask, *, num_workers: int, num_cpus: float, num_gpus: float,
                  in_flight_per_worker: int, actor_options: dict | None, suspect_timeout_s: float | None,
                  start_timeout_s: float, max_start_failures: int, may_add_nodes: bool, events: deque,
-                 on_auto_dtype: Callable[[str], None] | None = None) -> None:
+                 on_auto_dtype: Callable[[str], None] | None = None, kernels: str | None = None,
+                 on_kernels: Callable[[str], None] | None = None) -> None:
         self.task = task
         self.num_workers = num_workers
         self.num_cpus = num_cpus
@@ -130,6 +131,10 @@ class WorkerSlots:
         self.waiting_for_nodes = ""  # why no worker can start now (when may_add_nodes)
         self.auto_dtype: str | None = None  # what the workers resolved model dtype "auto" to
         self.on_auto_dtype = on_auto_dtype
+        # which CPU kernels the run's rows are computed with ("compiled" or "torch"; None:
+        # not bound yet): given when resuming an output that recorded it, else the first
+        # ready CPU worker's (refuse_kernels)
+        self.kernels, self.kernels_given, self.on_kernels = kernels, kernels is not None, on_kernels
         self.tokens_by_worker: dict[str, int] = {}
         self.progress_by_worker: dict[str, dict] = {}
         self.last_start_error = ""
@@ -293,10 +298,11 @@ class WorkerSlots:
         except Exception as exc:  # noqa: BLE001 - any failure before ready is a start failure
             self._start_failed(w, exc)
             return
-        refused = self.refuse_dtype(w)
+        refused = self.refuse_kernels(w) or self.refuse_dtype(w)
         if refused:
             self._start_failed(w, refused)
             return
+        self._bind(w)
         w.state = WorkerState.READY
         self._slot_failures[w.slot] = 0
         self._late[w.slot] = False
@@ -308,22 +314,54 @@ class WorkerSlots:
         resolved another (a GPU of another generation, a CPU of another kind) is refused, so
         that one run never mixes dtypes. Returns why, or None.
 
-        The binding is passed to `on_auto_dtype` before the worker is ready, so before any
-        unit runs (the job runner records it in the output's manifest, for resumes: a
-        resume on another kind of machine runs in the dtype the output began in)."""
+        The binding (`_bind`) is passed to `on_auto_dtype` before the worker is ready, so
+        before any unit runs (the job runner records it in the output's manifest, for resumes:
+        a resume on another kind of machine runs in the dtype the output began in)."""
         if self.task.engine_kwargs.get("dtype") != "auto" or not w.info.get("dtype"):
             return None
         got = w.info["dtype"]
-        if self.auto_dtype is None:
-            if self.on_auto_dtype is not None:
-                self.on_auto_dtype(got)
-            self.auto_dtype = got
-            return None
-        if got == self.auto_dtype:
+        if self.auto_dtype is None or got == self.auto_dtype:
             return None
         return (f"worker {w.name} on {w.info.get('host')} ({w.info.get('device')}) resolved model.dtype auto to "
                 f"{got}, but this run's workers use {self.auto_dtype}: set model.dtype to one of them explicitly "
                 f"to run on mixed machines")
+
+    def refuse_kernels(self, w: WorkerRecord) -> str | None:
+        """A CPU worker computes with batchgen's compiled kernels where their library builds
+        and loads (engine/kernels/native.py), else with torch's, whose rows differ in their
+        last bits (and are not batch-invariant): the first ready CPU worker's kind binds the
+        run (or the output's record, on a resume), and a worker of the other kind is refused,
+        so that one run, and one output, never mixes them. Returns why, or None."""
+        got = w.info.get("kernels")
+        if got is None or self.kernels is None or got == self.kernels:
+            return None
+        whose = "this output's rows were" if self.kernels_given else "this run's workers are"
+        if got == "torch":
+            return (f"worker {w.name} on {w.info.get('host')} has no compiled kernels (their library did not build "
+                    f"or load there: a C++ compiler missing, or BATCHGEN_NATIVE=0; its log says why), but {whose} "
+                    f"computed with them: its samples would differ. Give that machine a C++ compiler (README), "
+                    f"or start the output over (--overwrite)")
+        return (f"worker {w.name} on {w.info.get('host')} has batchgen's compiled kernels, but {whose} computed "
+                f"with torch's (machines without a compiler, or BATCHGEN_NATIVE=0): its samples would differ. Set "
+                f"BATCHGEN_NATIVE=0 for the workers to go on with torch's, or start the output over (--overwrite)")
+
+    def _bind(self, w: WorkerRecord) -> None:
+        """A worker passed refuse_kernels and refuse_dtype: what it resolved binds the run
+        where nothing is bound yet, passed to on_auto_dtype / on_kernels first (what they
+        raise ends the run before any unit)."""
+        dtype, kernels = w.info.get("dtype"), w.info.get("kernels")
+        if self.task.engine_kwargs.get("dtype") == "auto" and dtype and self.auto_dtype is None:
+            if self.on_auto_dtype is not None:
+                self.on_auto_dtype(dtype)
+            self.auto_dtype = dtype
+        if kernels is not None and self.kernels is None:
+            if self.on_kernels is not None:
+                self.on_kernels(kernels)
+            self.kernels = kernels
+            if kernels == "torch":
+                log.warning("worker %s on %s computes with torch's CPU kernels, not batchgen's compiled ones "
+                            "(their library did not build or load there: its log says why): samples are not "
+                            "batch-invariant, and differ from a machine with them", w.name, w.info.get("host"))
 
     def _start_failed(self, w: WorkerRecord, exc: BaseException | str) -> None:
         """`w` failed to start (`exc`: what ready() raised, or why it was refused): its slot

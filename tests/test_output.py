@@ -2,6 +2,8 @@
 status and verify catching each kind of corruption."""
 from __future__ import annotations
 
+import collections
+
 import json
 import logging
 import os
@@ -420,6 +422,7 @@ def test_verify_catches(tmp_path, kind):
     (lambda m: m.update(num_prompts="10"), "num_prompts must be a non-negative integer, got '10'"),
     (lambda m: m.update(checkpoint_sha256=[]), "checkpoint_sha256 must be an object, got list"),
     (lambda m: m.update(auto_dtype="bf16"), "auto_dtype must be one of float32, bfloat16, float16, got 'bf16'"),
+    (lambda m: m.update(kernels="avx2"), "kernels must be one of compiled, torch, got 'avx2'"),
 ])
 def test_a_damaged_manifest_entry_is_named_by_status_verify_plan_and_run(tmp_path, edit, why):
     """A manifest whose values are hand-edited or wrong (a unit entry without a key, a value of
@@ -464,7 +467,7 @@ def test_dtype_auto_is_recorded_once_and_binds_a_resume(tmp_path):
     assert od.auto_dtype() is None and bind_auto_dtype(auto, od) is None and auto.engine_kwargs["dtype"] == "auto"
     od.record_auto_dtype("bfloat16")
     od.record_auto_dtype("bfloat16")
-    with pytest.raises(OutputError, match="rows are computed in bfloat16 .* resolved auto to float32"):
+    with pytest.raises(OutputError, match="rows are computed with auto_dtype bfloat16 .* resolved model.dtype auto to float32"):
         od.record_auto_dtype("float32")
     assert od.auto_dtype() == "bfloat16" and od.prepare(plan, spec) == "resume"
     assert bind_auto_dtype(auto, od) == "bfloat16" and auto.engine_kwargs["dtype"] == "bfloat16"
@@ -474,7 +477,7 @@ def test_dtype_auto_is_recorded_once_and_binds_a_resume(tmp_path):
     assert code == 0 and "dtype:         bfloat16 (model.dtype auto" in text
     # the runner's callback names a write the store refuses (it raised the store's bare error)
     from jobs.errors import JobFailed
-    from jobs.runner import auto_dtype_recorder
+    from jobs.runner import recorder
 
     def refuse(name, text):
         raise OSError("read-only file system")
@@ -485,7 +488,49 @@ def test_dtype_auto_is_recorded_once_and_binds_a_resume(tmp_path):
     fresh._write_atomic = refuse
     with pytest.raises(JobFailed, match=r"cannot record in .*out's manifest that model.dtype auto resolved to float32 "
                                         r"\(OSError: read-only file system\)"):
-        auto_dtype_recorder(fresh)("float32")
+        recorder(fresh.record_auto_dtype, fresh, "model.dtype auto resolved to")("float32")
+
+
+def test_workers_of_the_other_cpu_kernels_are_refused(tmp_path):
+    """Rows computed with torch's CPU kernels (a machine without a C++ compiler) differ in
+    their last bits from the compiled kernels': the first ready CPU worker's kind binds the
+    run and is recorded in the manifest (a resume on a machine without a compiler silently
+    finished an output begun with them), a worker of the other kind is refused naming why
+    and what to do, and a resume gives the recorded kind (OutputDir.kernels) to the slots.
+    GPU workers (kernels None) are not concerned."""
+    from types import SimpleNamespace
+
+    from cluster.health import WorkerRecord, WorkerSlots
+    from jobs.plan.report import describe_plan
+
+    spec, plan, task, od = make_job(tmp_path)
+    od.prepare(plan, spec)
+
+    def slots(kernels=None):
+        return WorkerSlots(SimpleNamespace(engine_kwargs={"dtype": "float32"}), num_workers=2, num_cpus=1, num_gpus=0,
+                           in_flight_per_worker=2, actor_options=None, suspect_timeout_s=None, start_timeout_s=60,
+                           max_start_failures=2, may_add_nodes=False, events=collections.deque(),
+                           kernels=kernels, on_kernels=od.record_kernels)
+
+    def worker(name, kernels):
+        return WorkerRecord(name=name, slot=0, handle=None, ready_ref=None, created=0.0,
+                            info={"host": "h", "kernels": kernels, "dtype": "float32"})
+
+    s = slots()
+    first, torch_one, gpu = worker("w0", "compiled"), worker("w1", "torch"), worker("w2", None)
+    assert s.refuse_kernels(first) is None
+    s._bind(first)
+    assert od.kernels() == "compiled" and s.kernels == "compiled"
+    why = s.refuse_kernels(torch_one)
+    assert "has no compiled kernels" in why and "this run's workers are computed with them" in why
+    assert s.refuse_kernels(gpu) is None
+    resumed = slots(od.kernels())  # a resume: the output's record, not the first worker's, binds
+    assert "but this output's rows were computed with them" in resumed.refuse_kernels(torch_one)
+    assert resumed.refuse_kernels(worker("w3", "compiled")) is None
+    text, code = describe_plan(spec)
+    assert code == 0 and "kernels:       compiled" in text
+    with pytest.raises(OutputError, match="rows are computed with kernels compiled"):
+        od.record_kernels("torch")
 
 
 def test_status_counts_only_committed_and_reports_unreadable(tmp_path):

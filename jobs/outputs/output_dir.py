@@ -52,6 +52,7 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 UNIT_KEYS = ("index", "row_start", "row_end", "expected_rows")
 AUTO_DTYPES = ("float32", "bfloat16", "float16")  # what model.dtype "auto" can resolve to
+KERNELS = ("compiled", "torch")  # which CPU kernels an output's rows were computed with
 
 
 def manifest_problem(m: dict[str, Any]) -> str | None:
@@ -70,8 +71,9 @@ def manifest_problem(m: dict[str, Any]) -> str | None:
     if not isinstance(schema, list) or not all(isinstance(f, list) and len(f) == 2 and all(isinstance(x, str) for x in f)
                                                for f in schema):
         return "output_schema must be a list of [column, type] pairs of strings"
-    if m.get("auto_dtype") is not None and m["auto_dtype"] not in AUTO_DTYPES:
-        return f"auto_dtype must be one of {', '.join(AUTO_DTYPES)}, got {m['auto_dtype']!r}"[:200]
+    for key, allowed in (("auto_dtype", AUTO_DTYPES), ("kernels", KERNELS)):
+        if m.get(key) is not None and m[key] not in allowed:
+            return f"{key} must be one of {', '.join(allowed)}, got {m[key]!r}"[:200]
     if not isinstance(m.get("checkpoint_sha256", {}), (dict, type(None))):
         return f"checkpoint_sha256 must be an object, got {type(m['checkpoint_sha256']).__name__}"
     units = m["units"]
@@ -400,15 +402,33 @@ class OutputDir(OutputChecks):
         it too instead of mixing dtypes in one output (the fingerprint holds "auto"). Call
         under the output lease, before the first unit of the run starts. Raises OutputError
         when there is no manifest, or it already records another dtype."""
+        self._record("auto_dtype", dtype, "this run's workers resolved model.dtype auto to")
+
+    def kernels(self) -> str | None:
+        """Which CPU kernels this output's rows are computed with ("compiled", "torch": the
+        manifest's `kernels`, written by record_kernels when the first CPU worker was ready),
+        or None (not recorded: a GPU job, or an output from before batchgen recorded it).
+        Raises OutputError as read_manifest."""
+        m = self.read_manifest()
+        return None if m is None else m.get("kernels")
+
+    def record_kernels(self, kernels: str) -> None:
+        """Record in the manifest that this output's rows are computed with `kernels`
+        ("compiled" or "torch"), so that a resume refuses workers of the other kind
+        (cluster/health.py refuse_kernels): their rows differ in the last bits. As
+        record_auto_dtype."""
+        self._record("kernels", kernels, "this run's workers compute with the kernels")
+
+    def _record(self, key: str, value: str, what: str) -> None:
         m = self.read_manifest()
         if m is None:
-            raise OutputError(f"{self.shown}: no {MANIFEST} to record model.dtype auto's {dtype} in")
-        if m.get("auto_dtype") == dtype:
+            raise OutputError(f"{self.shown}: no {MANIFEST} to record {key} {value} in")
+        if m.get(key) == value:
             return
-        if m.get("auto_dtype") is not None:
-            raise OutputError(f"{self.shown}: its rows are computed in {m['auto_dtype']} (model.dtype auto, "
-                              f"{MANIFEST} auto_dtype), but this run's workers resolved auto to {dtype}")
-        m["auto_dtype"] = dtype
+        if m.get(key) is not None:
+            raise OutputError(f"{self.shown}: its rows are computed with {key} {m[key]} ({MANIFEST}), but {what} "
+                              f"{value}")
+        m[key] = value
         self._write_atomic(MANIFEST, json.dumps(m, indent=1, sort_keys=True))
 
     def _manifest(self, plan: Any, spec: Any) -> dict[str, Any]:

@@ -76,6 +76,9 @@ def describe_plan(spec: Any) -> tuple[str, int]:
             if spec.resolved_dtype() == "auto" and manifest.get("auto_dtype"):
                 lines.append(f"dtype:         {manifest['auto_dtype']} (model.dtype auto: the dtype this output's "
                              f"rows were computed in, kept for the rest)")
+            if manifest.get("kernels"):
+                lines.append(f"kernels:       {manifest['kernels']} (the CPU kernels this output's rows were computed "
+                             f"with: workers with the other kind are refused)")
         else:
             diffs = describe_differences(manifest.get("fingerprint_data") or {}, plan.fingerprint_data)
             lines.append(f"output:        {out.shown}: holds another job's output (fingerprint "
