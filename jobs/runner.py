@@ -213,6 +213,7 @@ def _run_units(spec: Any, plan: Any, out: Any, todo: list, lease: Any, t0: float
     lease.check()
     task = (task_factory or JobTask)(spec, plan, staged=staged)
     bind_auto_dtype(task, out)
+    kernels = out.kernels()  # the CPU kernels a resumed output's rows use (cluster/health.py refuse_kernels)
     started = connect_ray(spec)
     bar = _Progress(total_rows, done_rows, disable=None if progress is None else not progress)
     try:
@@ -220,7 +221,7 @@ def _run_units(spec: Any, plan: Any, out: Any, todo: list, lease: Any, t0: float
                             num_gpus=c.gpus_per_worker, max_unit_attempts=int(c.max_unit_attempts),
                             unit_timeout_s=c.unit_timeout_s, may_add_nodes=c.address is not None,
                             on_auto_dtype=recorder(out.record_auto_dtype, out, "model.dtype auto resolved to"),
-                            kernels=out.kernels(),
+                            kernels=kernels,
                             on_kernels=recorder(out.record_kernels, out, "the workers' CPU kernels are")) as pool:
             results = pool.run(todo, on_result=bar.on_result, on_progress=bar.on_progress, watchdog=lease.check)
         return results, bar.tokens_committed, staged_rows

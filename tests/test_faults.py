@@ -225,15 +225,14 @@ def test_driver_whose_lease_heartbeats_fail_stops_committing(ray_local, inputs, 
     from test_lease import BrokenFS
 
     fs = BrokenFS()
-    real_resolve, real_connect = output_dir.resolve_output, runner.connect_ray
+    real_resolve, real_record = output_dir.resolve_output, output_dir.OutputDir.record_kernels
     monkeypatch.setattr(output_dir, "resolve_output", lambda path: (fs, real_resolve(path)[1]))
 
-    def connect_then_lose_storage(spec):
-        started = real_connect(spec)
+    def record_then_lose_storage(self, kernels):
+        real_record(self, kernels)  # the first worker is ready and its kernels recorded (before any unit)
         fs.broken.set()
-        return started
 
-    monkeypatch.setattr(runner, "connect_ray", connect_then_lose_storage)
+    monkeypatch.setattr(output_dir.OutputDir, "record_kernels", record_then_lose_storage)
     out = tmp_path / "out"
     spec = job_spec(inputs, out, num_workers=1)
     spec = spec.model_copy(update={"output": spec.output.model_copy(update={"lease_timeout_s": 5})})
