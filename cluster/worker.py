@@ -109,16 +109,6 @@ def node_share() -> float:
         return 1.0
 
 
-def _cpu_kernels(device: Any) -> str | None:
-    """Which kernels a CPU engine computes with: "compiled" (batchgen's library,
-    engine/kernels/native.py) or "torch" (it did not build or load here); None off CPU."""
-    if device is None or getattr(device, "type", None) != "cpu":
-        return None
-    from engine.kernels.native import native_kernels
-
-    return "torch" if native_kernels() is None else "compiled"
-
-
 class GenerationWorker(RolloutMethods):
     """Loads the engine once and runs units through it (see the module docstring); aborts
     and pauses its units for a pool's calls (cluster/worker_rollout.py)."""
@@ -170,7 +160,7 @@ class GenerationWorker(RolloutMethods):
         dev, dt = getattr(self.engine, "device", None), getattr(self.engine, "dtype", None)
         return {"worker": self.name, "pid": os.getpid(), "host": socket.gethostname(), "node_id": self._node,
                 "device": None if dev is None else str(dev), "dtype": None if dt is None else str(dt).replace("torch.", ""),
-                "kernels": _cpu_kernels(dev)}
+                "kernels": getattr(self.engine, "cpu_kernels", None)}
 
     def pid(self) -> int:
         return os.getpid()

@@ -171,6 +171,17 @@ class Engine:
         return self.scheduler.num_slots
 
     @property
+    def cpu_kernels(self) -> str | None:
+        """Which kernels a CPU engine computes with: "compiled" (batchgen's library,
+        engine/kernels/native.py) or "torch" (it did not build or load here: rows differ in
+        their last bits and are not batch-invariant); None off CPU."""
+        if self.device.type != "cpu":
+            return None
+        from engine.kernels.native import native_kernels
+
+        return "torch" if native_kernels() is None else "compiled"
+
+    @property
     def kv_capacity_bytes(self) -> int:
         return self.scheduler.allocator.num_blocks * self.block_bytes
 

@@ -212,8 +212,8 @@ def _run_units(spec: Any, plan: Any, out: Any, todo: list, lease: Any, t0: float
     todo, staged, staged_rows = stage_inputs(plan, out, c.unit_rows, RowLayout.of(spec).columns(), todo)
     lease.check()
     task = (task_factory or JobTask)(spec, plan, staged=staged)
-    bind_auto_dtype(task, out)
-    kernels = out.kernels()  # the CPU kernels a resumed output's rows use (cluster/health.py refuse_kernels)
+    recorded = out.recorded()  # what a resumed output's rows are bound to
+    bind_auto_dtype(task, out, recorded["auto_dtype"])
     started = connect_ray(spec)
     bar = _Progress(total_rows, done_rows, disable=None if progress is None else not progress)
     try:
@@ -221,7 +221,7 @@ def _run_units(spec: Any, plan: Any, out: Any, todo: list, lease: Any, t0: float
                             num_gpus=c.gpus_per_worker, max_unit_attempts=int(c.max_unit_attempts),
                             unit_timeout_s=c.unit_timeout_s, may_add_nodes=c.address is not None,
                             on_auto_dtype=recorder(out.record_auto_dtype, out, "model.dtype auto resolved to"),
-                            kernels=kernels,
+                            kernels=recorded["kernels"],  # cluster/health.py refuse_kernels
                             on_kernels=recorder(out.record_kernels, out, "the workers' CPU kernels are")) as pool:
             results = pool.run(todo, on_result=bar.on_result, on_progress=bar.on_progress, watchdog=lease.check)
         return results, bar.tokens_committed, staged_rows
@@ -241,16 +241,15 @@ def _run_units(spec: Any, plan: Any, out: Any, todo: list, lease: Any, t0: float
             ray.shutdown()
 
 
-def bind_auto_dtype(task: Any, out: Any) -> str | None:
+def bind_auto_dtype(task: Any, out: Any, bound: str | None) -> str | None:
     """With model.dtype "auto", a resumed output's rows must not mix dtypes when this run's
     machines would resolve auto otherwise (an output begun on an AMX Xeon, in bfloat16,
     resumed on an AVX2 EPYC, which picks float32): the dtype its first run resolved (the
-    manifest's auto_dtype, OutputDir.record_auto_dtype) becomes the workers' dtype, set in
+    manifest's auto_dtype, `bound`: OutputDir.recorded) becomes the workers' dtype, set in
     `task.engine_kwargs`. Returns it, or None when nothing is bound (a dtype set explicitly,
     or none recorded: a new output, whose first ready worker binds it)."""
     if task.engine_kwargs.get("dtype") != "auto":
         return None
-    bound = out.auto_dtype()
     if bound is not None:
         task.engine_kwargs["dtype"] = bound
         log.info("model.dtype auto: %s holds rows computed in %s, so this run's workers use %s whatever "

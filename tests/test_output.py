@@ -464,15 +464,15 @@ def test_dtype_auto_is_recorded_once_and_binds_a_resume(tmp_path):
     spec, plan, task, od = make_job(tmp_path)
     od.prepare(plan, spec)
     auto = SimpleNamespace(engine_kwargs={"dtype": "auto"})
-    assert od.auto_dtype() is None and bind_auto_dtype(auto, od) is None and auto.engine_kwargs["dtype"] == "auto"
+    assert od.recorded()["auto_dtype"] is None and bind_auto_dtype(auto, od, None) is None and auto.engine_kwargs["dtype"] == "auto"
     od.record_auto_dtype("bfloat16")
     od.record_auto_dtype("bfloat16")
     with pytest.raises(OutputError, match="rows are computed with auto_dtype bfloat16 .* resolved model.dtype auto to float32"):
         od.record_auto_dtype("float32")
-    assert od.auto_dtype() == "bfloat16" and od.prepare(plan, spec) == "resume"
-    assert bind_auto_dtype(auto, od) == "bfloat16" and auto.engine_kwargs["dtype"] == "bfloat16"
+    assert od.recorded()["auto_dtype"] == "bfloat16" and od.prepare(plan, spec) == "resume"
+    assert bind_auto_dtype(auto, od, od.recorded()["auto_dtype"]) == "bfloat16" and auto.engine_kwargs["dtype"] == "bfloat16"
     explicit = SimpleNamespace(engine_kwargs={"dtype": "float32"})
-    assert bind_auto_dtype(explicit, od) is None and explicit.engine_kwargs["dtype"] == "float32"
+    assert bind_auto_dtype(explicit, od, "bfloat16") is None and explicit.engine_kwargs["dtype"] == "float32"
     text, code = describe_plan(spec)
     assert code == 0 and "dtype:         bfloat16 (model.dtype auto" in text
     # the runner's callback names a write the store refuses (it raised the store's bare error)
@@ -520,11 +520,11 @@ def test_workers_of_the_other_cpu_kernels_are_refused(tmp_path):
     first, torch_one, gpu = worker("w0", "compiled"), worker("w1", "torch"), worker("w2", None)
     assert s.refuse_kernels(first) is None
     s._bind(first)
-    assert od.kernels() == "compiled" and s.kernels == "compiled"
+    assert od.recorded()["kernels"] == "compiled" and s.kernels == "compiled"
     why = s.refuse_kernels(torch_one)
     assert "has no compiled kernels" in why and "this run's workers are computed with them" in why
     assert s.refuse_kernels(gpu) is None
-    resumed = slots(od.kernels())  # a resume: the output's record, not the first worker's, binds
+    resumed = slots(od.recorded()["kernels"])  # a resume: the output's record, not the first worker's, binds
     assert "but this output's rows were computed with them" in resumed.refuse_kernels(torch_one)
     assert resumed.refuse_kernels(worker("w3", "compiled")) is None
     text, code = describe_plan(spec)

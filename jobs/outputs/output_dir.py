@@ -387,14 +387,14 @@ class OutputDir(OutputChecks):
         self._write_atomic(MANIFEST, json.dumps(self._manifest(plan, spec), indent=1, sort_keys=True))
         return mode
 
-    def auto_dtype(self) -> str | None:
-        """What model.dtype "auto" resolved to for this output (the manifest's `auto_dtype`,
-        written by record_auto_dtype when the first worker of its first run was ready; for an
-        output written before batchgen recorded it, of its first resume since), or None: not
-        recorded (a dtype set explicitly, no worker ready yet, or an output written before
-        batchgen recorded it and not resumed since). Raises OutputError as read_manifest."""
-        m = self.read_manifest()
-        return None if m is None else m.get("auto_dtype")
+    def recorded(self) -> dict[str, str | None]:
+        """What this output's rows are bound to, from one read of its manifest: `auto_dtype`,
+        what model.dtype "auto" resolved to (record_auto_dtype), and `kernels`, the CPU
+        kernels they are computed with (record_kernels); each None where not recorded (a
+        dtype set explicitly, a GPU job, no worker ready yet, an output written before batchgen
+        recorded it and not resumed since). Raises OutputError as read_manifest."""
+        m = self.read_manifest() or {}
+        return {"auto_dtype": m.get("auto_dtype"), "kernels": m.get("kernels")}
 
     def record_auto_dtype(self, dtype: str) -> None:
         """Record in the manifest that this output's rows are computed in `dtype` (what
@@ -403,14 +403,6 @@ class OutputDir(OutputChecks):
         under the output lease, before the first unit of the run starts. Raises OutputError
         when there is no manifest, or it already records another dtype."""
         self._record("auto_dtype", dtype, "this run's workers resolved model.dtype auto to")
-
-    def kernels(self) -> str | None:
-        """Which CPU kernels this output's rows are computed with ("compiled", "torch": the
-        manifest's `kernels`, written by record_kernels when the first CPU worker was ready),
-        or None (not recorded: a GPU job, or an output from before batchgen recorded it).
-        Raises OutputError as read_manifest."""
-        m = self.read_manifest()
-        return None if m is None else m.get("kernels")
 
     def record_kernels(self, kernels: str) -> None:
         """Record in the manifest that this output's rows are computed with `kernels`
