@@ -73,13 +73,32 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name}: {e}") from None
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"SamplingParams.skip_special_tokens: must be true or false, got "
-                             f"{self.skip_special_tokens!r}")
+                             f"{shown(self.skip_special_tokens)}")
 
 
 # A prompt's samples are one request's rows, held together until they are written: a bound
 # far above any use (OpenAI's n stops at 128) that keeps a typo (1e12) an error row, not a
 # MemoryError that fails its unit and then the job
 MAX_NUM_SAMPLES = 1_000_000
+
+
+# Most characters of an offending value that a message echoes: a 5 MB string given for a number
+# was echoed whole (the console, the output's error column)
+MAX_SHOWN_CHARS = 200
+
+
+def shown(value: Any, limit: int = MAX_SHOWN_CHARS) -> str:
+    """repr(value) for a message, bounded: its first `limit` characters, then
+    "... (N characters)" (N: the string's length for a str, else its repr's). An integer
+    too long for repr (Python refuses over 4,300 digits) is "an integer of N bits"."""
+    try:
+        text = repr(value)
+    except ValueError:  # int.__repr__ past sys.get_int_max_str_digits
+        return f"an integer of {value.bit_length():,} bits" if isinstance(value, int) else object.__repr__(value)
+    if len(text) <= limit:
+        return text
+    n = len(value) if isinstance(value, str) else len(text)
+    return f"{text[:limit]}... ({n:,} characters)"
 
 
 def _is_int(v: Any) -> bool:
@@ -101,35 +120,35 @@ def check_sampling_value(name: str, v: Any) -> Any:
     """
     if name == "num_samples":
         if not _is_int(v) or not 1 <= v <= MAX_NUM_SAMPLES:
-            raise ValueError(f"must be an integer from 1 to {MAX_NUM_SAMPLES:,}, got {v!r}")
+            raise ValueError(f"must be an integer from 1 to {MAX_NUM_SAMPLES:,}, got {shown(v)}")
     elif name == "max_tokens":
         if v is not None and (not _is_int(v) or v < 1):
-            raise ValueError(f"must be an integer >= 1, got {v!r}")
+            raise ValueError(f"must be an integer >= 1, got {shown(v)}")
     elif name == "temperature":
         if not _is_number(v) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"must be a finite number >= 0 (0 is greedy), got {v!r}")
+            raise ValueError(f"must be a finite number >= 0 (0 is greedy), got {shown(v)}")
         return float(v)
     elif name == "top_k":
         v = 0 if v is None else v
         # bounded as the engine's int64 tensor holds it (2**63 failed the whole batch's step)
         if not _is_int(v) or not 0 <= v < 2**63:
-            raise ValueError(f"must be an integer >= 0 (0 disables it) and below 2**63, got {v!r}")
+            raise ValueError(f"must be an integer >= 0 (0 disables it) and below 2**63, got {shown(v)}")
     elif name == "top_p":
         if not _is_number(v) or not 0.0 < v <= 1.0:
-            raise ValueError(f"must be in (0, 1], got {v!r}")
+            raise ValueError(f"must be in (0, 1], got {shown(v)}")
         return float(v)
     elif name == "min_p":
         if not _is_number(v) or not 0.0 <= v < 1.0:
-            raise ValueError(f"must be in [0, 1), got {v!r}")
+            raise ValueError(f"must be in [0, 1), got {shown(v)}")
         return float(v)
     elif name == "seed":
         if not _is_int(v) or not -(2**63) <= v < 2**63:
-            raise ValueError(f"must be a 64-bit integer, got {v!r}")
+            raise ValueError(f"must be a 64-bit integer, got {shown(v)}")
     elif name == "stop_token_ids":
         if v is None:
             return None
         if not isinstance(v, (list, tuple)) or any(not _is_int(t) or t < 0 for t in v):
-            raise ValueError(f"must be a list of non-negative token ids (or null for the model's default), got {v!r}")
+            raise ValueError(f"must be a list of non-negative token ids (or null for the model's default), got {shown(v)}")
         return tuple(v)
     elif name == "stop":
         if v is None:
@@ -137,20 +156,20 @@ def check_sampling_value(name: str, v: Any) -> Any:
         if isinstance(v, str):
             v = (v,)
         if not isinstance(v, (list, tuple)) or any(not isinstance(x, str) or not x for x in v):
-            raise ValueError(f"must be a non-empty string or a list of them (or null for none), got {v!r}")
+            raise ValueError(f"must be a non-empty string or a list of them (or null for none), got {shown(v)}")
         for x in v:  # matched on UTF-8 bytes: a lone surrogate (JSON's "\ud83d") has none, and failed the step
             try:
                 x.encode("utf-8")
             except UnicodeEncodeError:
-                raise ValueError(f"must be valid Unicode text, got {x!r} (a lone surrogate has no UTF-8 "
+                raise ValueError(f"must be valid Unicode text, got {shown(x)} (a lone surrogate has no UTF-8 "
                                  f"encoding)") from None
         return tuple(v) or None
     elif name == "logprobs_mode":
         if v not in LOGPROBS_MODES:
-            raise ValueError(f"must be one of {', '.join(LOGPROBS_MODES)}, got {v!r}")
+            raise ValueError(f"must be one of {', '.join(LOGPROBS_MODES)}, got {shown(v)}")
     elif name == "calculator":
         if not isinstance(v, bool):
-            raise ValueError(f"must be true or false, got {v!r}")
+            raise ValueError(f"must be true or false, got {shown(v)}")
     else:
         raise KeyError(name)
     return v

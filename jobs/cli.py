@@ -6,16 +6,18 @@
                        [--set KEY=VALUE ...] [--overwrite]
     batchgen submit CONFIG --address http://HEAD:8265 [--set KEY=VALUE ...] [--overwrite]
     batchgen status OUTPUT [--json]
-    batchgen verify OUTPUT
+    batchgen verify OUTPUT [--complete]
     batchgen prepare INPUT.jsonl OUTPUT.parquet [--column question] [--id-column NAME] [--format text|chat]
                      [--row-group-rows 256]
     batchgen export MODEL --out DIR [--format onnx|pt2] [--dtype float32|float16] [--static-max-len N]
                     [--verify] [--max-tokens 32]
+    batchgen --version
 
 Exit codes: 0 success; 1 the job ran and failed, or `verify` found problems; 2 the job
 could not start (bad config, bad input, output belongs to another job or is in use by
 another driver, bad prepare input, bad export options or model; `plan` returns 2 where `run`
-would stop; `status` or `verify` with no output to read); `export --verify` returns 1 when
+would stop; `status` or `verify` with no output to read; `verify --complete` returns 1 for an
+unfinished output too); `export --verify` returns 1 when
 the artifact does not generate the engine's tokens; 130 interrupted. Every jobs.errors.JobError is printed as "error: <message>" on stderr.
 """
 from __future__ import annotations
@@ -29,9 +31,61 @@ from typing import Any, Sequence
 from jobs.errors import JobError
 
 
+def _distribution_version(name: str) -> str | None:
+    """The installed version of distribution `name` (importlib.metadata), None if it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _source_version() -> str | None:
+    """The [project] version of the pyproject.toml beside the `jobs` package (a checkout run
+    without being installed: PYTHONPATH=.), None if there is none."""
+    import re
+    from pathlib import Path
+
+    try:
+        text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    project = re.search(r"^\[project\]\s*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    if project is None or not re.search(r'^name\s*=\s*"batchgen"\s*$', project.group(1), re.M):
+        return None
+    m = re.search(r'^version\s*=\s*"([^"]+)"\s*$', project.group(1), re.M)
+    return m.group(1) if m else None
+
+
+def version_line() -> str:
+    """`batchgen --version`: "batchgen <version> (torch <version>, python <version>)". The
+    versions come from the installed distributions' metadata (batchgen's is pyproject.toml's,
+    as installed; from the checkout's pyproject.toml when batchgen is not installed), so
+    nothing is imported: no torch, no engine, no kernels compiled."""
+    import platform
+
+    ours = _distribution_version("batchgen") or _source_version() or "unknown"
+    torch = _distribution_version("torch") or "not installed"
+    return f"batchgen {ours} (torch {torch}, python {platform.python_version()})"
+
+
+class _VersionAction(argparse.Action):
+    """argparse's `version` action, the line computed only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: Any = None) -> None:
+        print(version_line())
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="batchgen", description="Distributed batch generation: Parquet prompts in, "
                                 "one Parquet row per sample out.")
+    p.add_argument("--version", action=_VersionAction,
+                   help="print batchgen's version, with torch's and python's, and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add_set(sp: argparse.ArgumentParser) -> None:
@@ -74,8 +128,14 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("output", help="output directory (output.path)")
     st.add_argument("--json", action="store_true", help="print the status as JSON")
 
-    v = sub.add_parser("verify", help="check an output directory; exit 1 if anything is wrong")
+    v = sub.add_parser("verify", help="check an output directory; exit 1 if anything is wrong",
+                       description="Check an output directory's integrity: nothing wrong in what is there (an "
+                                   "interrupted job's partial output passes, and the verdict says it is incomplete). "
+                                   "Exit 1 on a problem.")
     v.add_argument("output", help="output directory (output.path)")
+    v.add_argument("--complete", action="store_true",
+                   help="also count an unfinished output (units missing or no _SUCCESS) as a problem: for scripts "
+                        "that check a job before using its output")
 
     pr = sub.add_parser("prepare", help="turn a JSONL file into a prompts Parquet file")
     pr.add_argument("input", help="JSONL file, one JSON object a line")
@@ -100,9 +160,10 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--verify", action="store_true",
                     help="greedy loop in the artifact against the engine before the directory is created")
     ex.add_argument("--max-tokens", type=int, default=None, metavar="N",
-                    help="with --verify (not read without it): tokens the verification generates per prompt "
-                         "(default 32, fewer where the model's context is shorter than the longest prompt, "
-                         "21, plus 32; more than it holds: exit 2)")
+                    help="with --verify (not read without it): tokens the verification generates per prompt, "
+                         "at least 2 (the first is the prefill's, the second the first decode step's, which "
+                         "reads the KV cache back in; below 2: exit 2) (default 32, fewer where the model's "
+                         "context is shorter than the longest prompt, 21, plus 32; more than it holds: exit 2)")
     return p
 
 
@@ -123,8 +184,8 @@ def batch_spec(input_path: str, output: str, *, model: str | None = None, config
     requests."""
     import copy
 
-    from jobs.config import apply_override, read_config
-    from jobs.errors import SpecError
+    from jobs.config import apply_override, read_config, set_origin
+    from jobs.errors import SpecError, shown
     from jobs.spec import JobSpec
 
     if _same_file(input_path, output):
@@ -139,16 +200,21 @@ def batch_spec(input_path: str, output: str, *, model: str | None = None, config
         # keep openai_batch's defaults
         data = read_config(config)
         JobSpec.from_dict(copy.deepcopy(data), source)  # the config's own errors first, naming its keys
+    origins: dict[str, str] = {}
     if model is not None:
         data.setdefault("model", {})["path"] = model
+        origins["model.path"] = f"--model {shown(model)}"
     for ov in overrides:
-        apply_override(data, ov, source)
+        origins[apply_override(data, ov, source)] = set_origin(ov)
     inp = data.setdefault("input", {})
     for key in ("column", "id_column", "sampling_column", "passthrough"):
         inp.pop(key, None)
     inp.update({"path": input_path, "format": "openai_batch"})
     data.setdefault("output", {})["path"] = output_dir or batch_output_dir(output)
-    return JobSpec.from_dict(data, source)
+    origins.pop("input.path", None)
+    origins.pop("input.format", None)
+    origins["output.path"] = f"--output-dir {shown(output_dir)}" if output_dir else f"-o {shown(output)}"
+    return JobSpec.from_dict(data, source, origins)
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -265,16 +331,23 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(json.dumps(st, indent=1, default=str) if args.json else format_status(st))
         return 0
     if args.command == "verify":
+        from jobs.outputs.layout import SUCCESS
         from jobs.outputs.output_dir import OutputDir
 
         od = OutputDir(args.output)
         problems = od.verify()
+        done, total, success = (0, 0, False) if problems else od.completion()
+        finished = success and done == total
+        unfinished = (f"{done} of {total} units committed; incomplete: no {SUCCESS}, the job has not finished: "
+                      f"run it again to resume")
+        if not problems and not finished and args.complete:
+            problems = [f"{od.shown}: {unfinished}"]
         for p in problems:
             print(p)
         if problems:  # od.shown: a URI's credentials are never printed
             print(f"{len(problems)} problem(s) in {od.shown}", file=sys.stderr)
             return 1
-        print(f"ok: {od.shown} ({len(od.committed_units())} unit files verified)")
+        print(f"ok: {od.shown} ({f'{done} of {total} units committed; complete' if finished else unfinished})")
         return 0
     if args.command == "prepare":
         from jobs.inputs.prepare import prepare_jsonl

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from jobs.errors import SpecError
+from jobs.errors import SpecError, shown
 from jobs.spec import JobSpec, spec_sections
 
 
@@ -33,35 +33,41 @@ ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float",
                                    list("-+.0123456789"))
 
 
-def apply_override(data: dict[str, Any], override: str, source: str = "--set") -> None:
-    """Apply one `a.b=value` override to the raw config dict in place.
+def set_origin(override: str) -> str:
+    """How messages name the `--set` override `override`: `--set 'KEY=VALUE'` (bounded)."""
+    return f"--set {shown(override)}"
+
+
+def apply_override(data: dict[str, Any], override: str, source: str = "--set") -> str:
+    """Apply one `a.b=value` override to the raw config dict in place; returns its key, "a.b".
 
     The value is parsed as YAML (ConfigLoader: "0.7" -> 0.7, "1e-5" -> 1e-05, "[1,2]" -> [1, 2],
     "null" -> None, "" -> None). Raises SpecError for a malformed override or an unknown key path.
     """
+    given = set_origin(override)
     if "=" not in override:
-        raise SpecError(f"--set {override!r}: expected KEY=VALUE, e.g. sampling.temperature=0.7")
+        raise SpecError(f"{given}: expected KEY=VALUE, e.g. sampling.temperature=0.7")
     key, _, raw = override.partition("=")
     key = key.strip()
     parts = key.split(".")
     if len(parts) != 2 or not all(parts):
-        raise SpecError(f"--set {override!r}: expected SECTION.KEY=VALUE (e.g. sampling.temperature=0.7), got key {key!r}")
+        raise SpecError(f"{given}: expected SECTION.KEY=VALUE (e.g. sampling.temperature=0.7), got key {shown(key)}")
     section, name = parts
     sections = spec_sections()
     if section not in sections:
-        raise SpecError(f"--set {override!r}: unknown key {key} (sections: {', '.join(sections)})")
+        raise SpecError(f"{given}: unknown key {key} (sections: {', '.join(sections)})")
     fields = sections[section].model_fields
     if name not in fields:
-        raise SpecError(f"--set {override!r}: unknown key {key} (keys of {section}: {', '.join(fields)})")
+        raise SpecError(f"{given}: unknown key {key} (keys of {section}: {', '.join(fields)})")
     is_str = fields[name].annotation in (str, str | None)
     try:
         value = yaml.load(raw, Loader=ConfigLoader) if raw.strip() else None
     except yaml.YAMLError as e:
-        raise SpecError(f"--set {override!r}: {key}: value is not valid YAML: {e}") from None
+        raise SpecError(f"{given}: {key}: value is not valid YAML: {e}") from None
     except (ValueError, TypeError) as e:
         # YAML resolved a scalar to a type it then cannot build: an impossible date, 2026-02-30
         if not is_str:
-            raise SpecError(f"--set {override!r}: {key}: cannot read the value {raw.strip()!r}: {e}") from None
+            raise SpecError(f"{given}: {key}: cannot read the value {shown(raw.strip())}: {e}") from None
         value = raw.strip()
     if isinstance(value, (int, float, bool, datetime.date)) and is_str:
         value = raw.strip()  # `--set output.path=2024` (or 2024-01-01) means the string
@@ -69,8 +75,9 @@ def apply_override(data: dict[str, Any], override: str, source: str = "--set") -
     if sec is None:
         sec = data[section] = {}
     if not isinstance(sec, dict):
-        raise SpecError(f"{source}: {section}: must be a mapping, got {sec!r}")
+        raise SpecError(f"{source}: {section}: must be a mapping, got {shown(sec)}")
     sec[name] = value
+    return key
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -187,7 +194,7 @@ def _unbuildable_value(text: str, error: Exception) -> str:
         return f"invalid value: {error}"
     path, node = found
     mark = node.start_mark
-    return (f"{'.'.join(path) or '<top>'}: cannot read {node.value!r} at line {mark.line + 1}, column "
+    return (f"{'.'.join(path) or '<top>'}: cannot read {shown(node.value)} at line {mark.line + 1}, column "
             f"{mark.column + 1}: {error} (quote it to give a string)")
 
 
@@ -206,7 +213,7 @@ def normalise_sections(data: Any, source: str) -> dict[str, Any]:
         if key not in spec_sections():
             raise SpecError(f"{source}: unknown key {key} (sections: {', '.join(spec_sections())})")
         if value is not None and not isinstance(value, dict):
-            raise SpecError(f"{source}: {key}: must be a mapping, got {value!r}")
+            raise SpecError(f"{source}: {key}: must be a mapping, got {shown(value)}")
         if value is None:
             data[key] = {}
     return data
@@ -219,12 +226,11 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
     in order after reading. Nothing is checked on disk except the file itself (inputs are
     checked by jobs.plan.planner.plan_job). Raises SpecError (exit code 2) for a missing or
     unreadable file, invalid YAML (with line and column), an unknown key or a bad value;
-    the message names the file and the dotted key.
+    the message names the file and the dotted key, or the --set override that gave the value.
     """
     data = read_config(path)
-    for ov in overrides:
-        apply_override(data, ov, str(path))
-    return JobSpec.from_dict(data, str(path))
+    origins = {apply_override(data, ov, str(path)): set_origin(ov) for ov in overrides}
+    return JobSpec.from_dict(data, str(path), origins)
 
 
 def load_job_spec(config: str | Path | Mapping[str, Any] | Any,
@@ -253,11 +259,11 @@ def load_job_spec(config: str | Path | Mapping[str, Any] | Any,
         data = normalise_sections(data, source)
     else:
         raise SpecError(f"run_job: config must be a YAML path, a dict or a JobSpec, got {type(config).__name__}")
-    for ov in strings:
-        apply_override(data, ov, source)
+    origins = {apply_override(data, ov, source): set_origin(ov) for ov in strings}
     for key, value in sets:
         _set(data, key, value, source)
-    spec = JobSpec.from_dict(data, source)
+        origins[key.strip()] = f"override {key.strip()}={shown(value)}"
+    spec = JobSpec.from_dict(data, source, origins)
     # with_python_tools checks their names again, against the tools.functions overrides may have set
     return spec.with_python_tools(python_tools) if python_tools else spec
 

@@ -3,7 +3,13 @@
 Exit code 2: the job cannot start (bad config, bad input schema, output belongs to another
 job); raised before any unit runs, and the message names the key, file, column or row.
 Exit code 1: the job started and failed (a unit kept failing, workers kept dying).
+
+`shown(value)` is how a message echoes a value it refuses: its repr, bounded.
 """
+from __future__ import annotations
+
+# one rule for both layers (engine/ imports nothing from jobs/; engine.params imports no torch)
+from engine.params import MAX_SHOWN_CHARS, shown  # noqa: F401 - re-exported
 
 
 class JobError(Exception):

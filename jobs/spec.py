@@ -58,13 +58,13 @@ import datetime
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
 from engine.params import check_sampling_value
-from jobs.errors import SpecError
+from jobs.errors import SpecError, shown
 
 if TYPE_CHECKING:
     from engine.params import SamplingParams
@@ -96,7 +96,7 @@ def _is_int(v: Any) -> bool:
 
 def _check_int(v: Any, lo: int | None = None, what: str = "") -> Any:
     if not _is_int(v) or (lo is not None and v < lo):
-        raise ValueError(f"must be an integer{what}, got {v!r}")
+        raise ValueError(f"must be an integer{what}, got {shown(v)}")
     return v
 
 
@@ -105,20 +105,20 @@ PositiveInt = Annotated[Any, AfterValidator(lambda v: _check_int(v, 1, " >= 1"))
 
 def _check_number(v: Any) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"must be a number, got {v!r}")
+        raise ValueError(f"must be a number, got {shown(v)}")
 
 
 def _check_bound(v: Any, lo: float, *, strict: bool, what: str) -> Any:
     """v, a finite number > lo (strict) or >= lo; else ValueError "must be {what}, got v"."""
     _check_number(v)
     if not math.isfinite(v) or (v <= lo if strict else v < lo):
-        raise ValueError(f"must be {what}, got {v!r}")
+        raise ValueError(f"must be {what}, got {shown(v)}")
     return v
 
 
 def _local_path(v: str | None) -> str | None:
     if v is not None and "://" in v:
-        raise ValueError(f"{v!r}: object store URIs are not supported for checkpoints (workers load them from a "
+        raise ValueError(f"{shown(v)}: object store URIs are not supported for checkpoints (workers load them from a "
                          f"filesystem): copy it to a directory every node can read at the same path")
     return v
 
@@ -167,7 +167,7 @@ class ModelSpec(_Section):
         # refused here, before any work: a worker would otherwise fail in torch.device after
         # the output directory was written
         if not DEVICE_RE.fullmatch(v):
-            raise ValueError(f"must be auto, cpu, cuda or cuda:N (N: a GPU index), got {v!r}")
+            raise ValueError(f"must be auto, cpu, cuda or cuda:N (N: a GPU index), got {shown(v)}")
         return v
 
     @field_validator("max_seq_len")
@@ -186,7 +186,7 @@ class ModelSpec(_Section):
                 return datetime.date.fromisoformat(v).isoformat()
             except ValueError:
                 pass
-        raise ValueError(f"must be a date, YYYY-MM-DD (or null for the job's creation date in UTC), got {v!r}")
+        raise ValueError(f"must be a date, YYYY-MM-DD (or null for the job's creation date in UTC), got {shown(v)}")
 
     @field_validator("kv_cache_gb")
     @classmethod
@@ -212,9 +212,9 @@ class InputSpec(_Section):
         seen = set()
         for name in v:
             if name in seen:
-                raise ValueError(f"column {name!r} is listed twice")
+                raise ValueError(f"column {shown(name)} is listed twice")
             if name in RESERVED_COLUMNS:
-                raise ValueError(f"column {name!r} would overwrite the output column of the same name")
+                raise ValueError(f"column {shown(name)} would overwrite the output column of the same name")
             seen.add(name)
         return v
 
@@ -277,7 +277,7 @@ def _not_json(v: Any, where: str = "") -> str | None:
     if isinstance(v, dict):
         for k, item in v.items():
             if not isinstance(k, str):
-                return f"the key {k!r}{where and ' in ' + where} is not a string (quote it)"
+                return f"the key {shown(k)}{where and ' in ' + where} is not a string (quote it)"
             if why := _not_json(item, f"{where}.{k}" if where else k):
                 return why
         return None
@@ -285,7 +285,7 @@ def _not_json(v: Any, where: str = "") -> str | None:
         return next((why for i, item in enumerate(v) if (why := _not_json(item, f"{where}[{i}]"))), None)
     if v is None or isinstance(v, (str, bool, int)) or isinstance(v, float) and math.isfinite(v):
         return None
-    return f"{where or 'the value'}: {v!r} is not a JSON value (quote it to give a string)"
+    return f"{where or 'the value'}: {shown(v)} is not a JSON value (quote it to give a string)"
 
 
 class FunctionToolSpec(_Section):
@@ -306,14 +306,14 @@ class FunctionToolSpec(_Section):
 
         why = (check_tool_name if info.field_name == "name" else check_function_path)(v)
         if why is not None:
-            raise ValueError(why)
+            raise ValueError(why.replace(repr(v), shown(v)))  # the engine's message echoes the value whole
         return v
 
     @field_validator("parameters")
     @classmethod
     def _parameters(cls, v: dict | None) -> dict | None:
         if v is not None and v.get("type") != "object":
-            raise ValueError(f'must be a JSON schema object ({{"type": "object", "properties": {{...}}}}), got {v!r}')
+            raise ValueError(f'must be a JSON schema object ({{"type": "object", "properties": {{...}}}}), got {shown(v)}')
         why = None if v is None else _not_json(v)
         if why:
             # the chat template and the fingerprint take it as JSON (a YAML date or a number as a
@@ -348,7 +348,7 @@ class ToolsSpec(_Section):
         names = [f.name for f in v]
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup is not None:
-            raise ValueError(f"the tool name {dup!r} is used twice")
+            raise ValueError(f"the tool name {shown(dup)} is used twice")
         return v
 
 
@@ -406,8 +406,13 @@ class JobSpec(_Section):
         return self
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None, source: str = "<spec>") -> "JobSpec":
-        """Validate a config dict (the parsed YAML). Raises SpecError naming `source` and the key."""
+    def from_dict(cls, data: dict[str, Any] | None, source: str = "<spec>",
+                  origins: Mapping[str, str] | None = None) -> "JobSpec":
+        """Validate a config dict (the parsed YAML). Raises SpecError naming `source` and the key.
+
+        origins: for keys an override set ("sampling.temperature"), what set it (`--set
+        'sampling.temperature=abc'`): an error in such a key (or below it) names that instead
+        of `source`, which did not give the value."""
         data = {} if data is None else data
         if isinstance(data, dict) and isinstance(data.get("tools"), list):  # `tools: [...]`: the functions
             data = {**data, "tools": {"functions": data["tools"]}}
@@ -419,7 +424,7 @@ class JobSpec(_Section):
         try:
             return cls.model_validate({**data, "source": source})
         except ValidationError as e:
-            raise SpecError(f"{source}: {_format_validation_error(e)}") from None
+            raise SpecError(_format_validation_error(e, source, origins or {})) from None
 
     def sampling_params(self) -> "SamplingParams":
         """The engine's SamplingParams for this job (calculator from tools.calculator)."""
@@ -580,10 +585,15 @@ def model_identity(path: str, tokenizer: str | None = None) -> dict[str, Any]:
     return ident
 
 
-def _format_validation_error(e: ValidationError) -> str:
-    parts = []
+def _format_validation_error(e: ValidationError, source: str, origins: Mapping[str, str]) -> str:
+    """The message of a validation error: its problems, each "key: what is wrong", after
+    what gave the value: `source` (the file), or the override that set the key (`origins`,
+    keyed by "section.key"). Problems of one origin are joined with "; ", in order."""
+    by_origin: dict[str, list[str]] = {}
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"])
+        origin = origins.get(".".join(str(x) for x in err["loc"][:2]), source) if len(err["loc"]) >= 2 else source
+        parts = by_origin.setdefault(origin, [])
         typ = err["type"]
         if typ == "extra_forbidden":
             parts.append(f"unknown key {loc}")
@@ -592,11 +602,11 @@ def _format_validation_error(e: ValidationError) -> str:
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
         elif typ not in ("missing",):
-            msg = f"{msg}, got {err.get('input')!r}"
+            msg = f"{msg}, got {shown(err.get('input'))}"
         if typ == "model_type" or typ == "dict_type":
-            msg = f"must be a mapping, got {err.get('input')!r}"
+            msg = f"must be a mapping, got {shown(err.get('input'))}"
         parts.append(f"{loc}: {msg}")
-    return "; ".join(parts)
+    return "; ".join(f"{origin}: {'; '.join(parts)}" for origin, parts in by_origin.items())
 
 
 def spec_sections() -> dict[str, type[BaseModel]]:

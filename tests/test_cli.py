@@ -182,7 +182,7 @@ def test_verify_prints_no_credentials_of_the_output_uri(tmp_path, capsys, monkey
     may carry (s3://KEY:SECRET@bucket/...): they printed the URI as given."""
     from jobs.outputs.output_dir import OutputDir
 
-    monkeypatch.setattr(OutputDir, "committed_units", lambda self, remove_damaged=False: {0})
+    monkeypatch.setattr(OutputDir, "completion", lambda self: (1, 1, True))  # the verdict's counts
     url = "s3://AKIAKEY:SECRETKEY@bkt/run?endpoint_override=127.0.0.1:1&scheme=http"
     for problems, code, stream in (([], 0, "out"), (["part-000000.parquet: a problem"], 1, "err")):
         monkeypatch.setattr(OutputDir, "verify", lambda self, p=problems: list(p))
@@ -427,3 +427,160 @@ def test_function_tools_on_a_model_without_a_chat_template_exit_2(tmp_path):
     cfg.write_text(json.dumps(data))
     r = cli("plan", cfg)
     assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------------ --version
+
+def test_version_prints_batchgen_torch_and_python_without_importing_them(tmp_path):
+    """`batchgen --version` prints `batchgen <version> (torch <v>, python <v>)` from the
+    installed distributions' metadata, and imports neither torch nor the engine (it did not
+    exist: exit 2, "the following arguments are required: COMMAND")."""
+    import platform
+    import re
+    from importlib import metadata
+
+    r = cli("--version")
+    assert r.returncode == 0, r.stderr
+    want = metadata.version("batchgen")  # pyproject.toml's, as installed
+    torch = metadata.version("torch")
+    assert r.stdout == f"batchgen {want} (torch {torch}, python {platform.python_version()})\n"
+    assert re.search(r'^version = "' + re.escape(want) + '"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    probe = ("import sys\nfrom jobs.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit as e:\n"
+             "    print(e.code, sorted(m for m in ('torch', 'engine', 'pyarrow', 'ray') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, env=child_env(),
+                       timeout=120)
+    assert r.stdout.splitlines()[-1] == "0 []", r.stdout + r.stderr
+
+
+def test_version_falls_back_to_the_checkouts_pyproject(monkeypatch, capsys):
+    """Run from a checkout that is not installed (PYTHONPATH=.), the version is the
+    pyproject.toml's beside the package; with neither, "unknown"; torch "not installed"."""
+    import re
+
+    import jobs.cli as cli_module
+
+    monkeypatch.setattr(cli_module, "_distribution_version", lambda name: None)
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    want = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert capsys.readouterr().out.startswith(f"batchgen {want} (torch not installed, python ")
+    monkeypatch.setattr(cli_module, "_source_version", lambda: None)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("batchgen unknown (torch not installed, python ")
+
+
+# ------------------------------------------------------------------ --set errors name the override
+
+def test_set_value_errors_name_the_override_not_the_file(tmp_path):
+    """A bad value given by `--set` is reported as the override's, not the YAML file's (it
+    said `configs/x.yaml: sampling.temperature: ...` for a file that never set it); an error
+    from the file still names the file; exit 2 either way (the real CLI, `plan`: no Ray)."""
+    cfg = _plan_config(tmp_path)
+    r = cli("plan", cfg, "--set", "sampling.temperature=abc")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == ("error: --set 'sampling.temperature=abc': sampling.temperature: must be a finite number "
+                        ">= 0 (0 is greedy), got 'abc'\n"), r.stderr
+    r = cli("plan", cfg, "--set", "model.device=gpu", "--set", "cluster.unit_rows=0")
+    assert r.returncode == 2 and str(cfg) not in r.stderr, r.stderr
+    assert "--set 'model.device=gpu': model.device: must be auto, cpu" in r.stderr
+    assert "--set 'cluster.unit_rows=0': cluster.unit_rows: must be an integer >= 1, got 0" in r.stderr
+    # the file's own error names the file, the override's the override, in one message
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(json.dumps({**json.loads(cfg.read_text()), "sampling": {"top_p": 1.5}}))
+    r = cli("plan", bad, "--set", "sampling.temperature=abc")
+    assert r.returncode == 2
+    assert f"{bad}: sampling.top_p: must be in (0, 1], got 1.5" in r.stderr
+    assert "--set 'sampling.temperature=abc': sampling.temperature: must be" in r.stderr
+    # an override that fixes the file's value: no error; a later --set of the same key wins
+    assert cli("plan", bad, "--set", "sampling.top_p=0.9").returncode == 0
+    r = cli("plan", cfg, "--set", "sampling.seed=x", "--set", "sampling.seed=y")
+    assert r.returncode == 2 and "error: --set 'sampling.seed=y': sampling.seed: must be a 64-bit integer" in r.stderr
+
+
+def test_override_errors_name_the_override_in_python_and_run_batch(tmp_path):
+    """load_job_spec (run_job, GenerationPool) and run-batch attribute an override's bad value
+    to it too: a string override as `--set`, a mapping's as `override KEY=VALUE`, run-batch's
+    --model as `--model`."""
+    from jobs.cli import batch_spec
+    from jobs.config import load_job_spec
+    from jobs.errors import SpecError
+
+    cfg = _plan_config(tmp_path)
+    with pytest.raises(SpecError, match=r"^--set 'sampling.top_p=2': sampling.top_p: must be in \(0, 1\], got 2$"):
+        load_job_spec(str(cfg), ["sampling.top_p=2"])
+    with pytest.raises(SpecError, match=r"^override sampling.top_k=-1: sampling.top_k: must be an integer >= 0"):
+        load_job_spec(str(cfg), {"sampling.top_k": -1})
+    with pytest.raises(SpecError, match=r"^--set 'sampling.min_p=1': sampling.min_p: must be in \[0, 1\)"):
+        batch_spec(str(tmp_path / "in.jsonl"), str(tmp_path / "o.jsonl"), config=str(cfg), overrides=["sampling.min_p=1"])
+    with pytest.raises(SpecError, match=r"^--model 's3://b/m': model.path: 's3://b/m': object store URIs"):
+        batch_spec(str(tmp_path / "in.jsonl"), str(tmp_path / "o.jsonl"), model="s3://b/m")
+
+
+# ------------------------------------------------------------------ verify: integrity and completion
+
+def test_verify_says_an_interrupted_jobs_output_is_incomplete(tmp_path, capsys):
+    """A partial output (an interrupted job: some units committed, no _SUCCESS) verifies ok,
+    as integrity goes, but the verdict says it is unfinished (it said `ok: out (1 unit files
+    verified)`, which a script took for a finished job), and `verify --complete` counts it as
+    a problem, exit 1. A finished output is ok either way."""
+    from test_output import make_job, run_unit
+
+    spec, plan, task, od = make_job(tmp_path)
+    od.prepare(plan, spec)
+    run_unit(task, plan.units[0])  # interrupted after its first unit
+    unfinished = "1 of 3 units committed; incomplete: no _SUCCESS, the job has not finished: run it again to resume"
+    assert main(["verify", od.path]) == 0
+    assert capsys.readouterr().out == f"ok: {od.path} ({unfinished})\n"
+    assert main(["verify", "--complete", od.path]) == 1
+    printed = capsys.readouterr()
+    assert printed.out == f"{od.path}: {unfinished}\n" and "1 problem(s)" in printed.err
+    # every unit in, but the job stopped before writing its summary: still not finished
+    for u in plan.units[1:]:
+        run_unit(task, u)
+    assert main(["verify", od.path, "--complete"]) == 1
+    assert "3 of 3 units committed; incomplete: no _SUCCESS" in capsys.readouterr().out
+    od.mark_success({"prompts": 10})
+    for args in (["verify", od.path], ["verify", "--complete", od.path]):
+        assert main(args) == 0
+        assert capsys.readouterr().out == f"ok: {od.path} (3 of 3 units committed; complete)\n"
+    # a problem is reported as before, with or without --complete
+    os.remove(Path(od.path) / "part-000001.parquet")
+    assert main(["verify", "--complete", od.path]) == 1
+    out = capsys.readouterr().out
+    assert "_SUCCESS is present but 1 of 3 units are missing" in out and "incomplete" not in out
+
+
+def test_verify_complete_via_subprocess_on_a_copy_with_parts_removed(tmp_path):
+    """The exit codes a pipeline script sees: a finished job's output 0, a copy of it with a
+    part and the success marker removed (as an interrupted run leaves it) 0 with an
+    incomplete verdict, and 1 with --complete."""
+    import shutil
+
+    od = _job(tmp_path)
+    od.mark_success({})
+    assert cli("verify", "--complete", od.path).returncode == 0
+    partial = tmp_path / "partial"
+    shutil.copytree(od.path, partial)
+    os.remove(partial / "part-000002.parquet")
+    os.remove(partial / "_SUCCESS")
+    r = cli("verify", partial)
+    assert r.returncode == 0 and "(2 of 3 units committed; incomplete: no _SUCCESS" in r.stdout, r.stdout
+    r = cli("verify", partial, "--complete")
+    assert r.returncode == 1 and "2 of 3 units committed; incomplete" in r.stdout, r.stdout
+
+
+# ------------------------------------------------------------------ bounded echoes
+
+def test_a_huge_set_value_is_not_echoed_whole(tmp_path, capsys):
+    """A 5 MB `--set` value (for a number, or of an unknown key) is echoed as its first 200
+    characters and its length, not whole: the message was megabytes."""
+    cfg = _plan_config(tmp_path)
+    huge = "a" * 5_000_000
+    for ov in (f"sampling.temperature={huge}", f"sampling.tempx={huge}", f"model.batch_invariant={huge}",
+               f"model.device={huge}", "sampling.seed=" + "9" * 5000):
+        assert main(["plan", str(cfg), "--set", ov]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --set '") and len(err) < 1200, (len(err), err[:300])
+        assert "characters)" in err, err

@@ -306,13 +306,19 @@ def test_output_columns_are_the_schemas(page: str):
 
 def test_commands_block_names_every_verb_and_its_flags():
     """docs/config.md's Commands block gives every `batchgen` verb once, and only the options
-    each verb's parser has (jobs/cli.py), and all of them."""
+    each verb's parser has (jobs/cli.py), and all of them; and every option of `batchgen`
+    itself (`--version`), each on a line of its own."""
     from jobs.cli import _parser
 
     text = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
     block = re.search(r"^## Commands\n+```bash\n(.*?)^```", text, re.S | re.M).group(1)
-    sub = next(a for a in _parser()._actions if a.__class__.__name__ == "_SubParsersAction")
-    lines = [ln.split("#", 1)[0] for ln in block.splitlines() if ln.startswith("batchgen ")]
+    top = _parser()
+    sub = next(a for a in top._actions if a.__class__.__name__ == "_SubParsersAction")
+    all_lines = [ln.split("#", 1)[0] for ln in block.splitlines() if ln.startswith("batchgen ")]
+    top_given = {ln.split()[1] for ln in all_lines if ln.split()[1].startswith("-")}
+    top_options = {a.option_strings[-1] for a in top._actions if a.option_strings and a.dest != "help"}
+    assert top_given == top_options, f"batchgen's own options: documented {top_given}, jobs/cli.py has {top_options}"
+    lines = [ln for ln in all_lines if not ln.split()[1].startswith("-")]
     verbs = [ln.split()[1] for ln in lines]
     assert sorted(verbs) == sorted(sub.choices), verbs
     for ln, verb in zip(lines, verbs):

@@ -62,7 +62,7 @@ import pyarrow.parquet as pq
 
 from cluster.unit import UnitRequest, WorkUnit
 from jobs import uri
-from jobs.errors import InputError
+from jobs.errors import InputError, shown
 from jobs.ids import find_duplicate
 from jobs.inputs.prompts import RowLayout, Undecodable, requests_from_columns
 from jobs.inputs.reader import PACKAGE_PREFIX, InputFile, InputScan, modified_ns, open_input, resolve, source_for
@@ -366,7 +366,7 @@ def check_input_schema(spec: Any, name: str, schema: pa.Schema, empty: bool = Fa
         return empty and pa.types.is_null(schema.field(col).type)
 
     def missing(col: str, key: str) -> InputError:
-        return InputError(f"{name}: column {col!r} ({key}) not found; the file has columns: {', '.join(cols)}")
+        return InputError(f"{name}: column {shown(col)} ({key}) not found; the file has columns: {', '.join(cols)}")
 
     if inp.column not in cols:
         hint = ""
@@ -488,7 +488,7 @@ def _check_duplicate_ids(spec: Any, files: list[InputFile]) -> None:
     dup = find_duplicate(len(files), read, threads=FOOTER_THREADS)
     if dup is not None:
         key, (fa, ra), (fb, rb) = dup
-        raise InputError(f"duplicate prompt id {key!r} (input.id_column {col!r}): {files[fa].name} row {ra} "
+        raise InputError(f"duplicate prompt id {shown(key)} (input.id_column {col!r}): {files[fa].name} row {ra} "
                          f"and {files[fb].name} row {rb}")
     if not nulls or pa.types.is_integer(files[0].schema.field(col).type):
         return  # an integer id's text never holds the ":" of "<file>:<row>"

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.unit import UnitRequest
+from jobs.errors import MAX_SHOWN_CHARS, shown
 from jobs.inputs.row_params import row_params
 
 
@@ -128,12 +129,14 @@ def check_messages(messages: Any) -> str | None:
         return "messages is empty (a conversation needs at least one user message)"
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            return f"message {i} is not a {{role, content}} struct (got {m!r})"
+            return f"message {i} is not a {{role, content}} struct (got {shown(m)})"
         role, content = m.get("role"), m.get("content")
         if role is None:
             return f"message {i} has no role"
         if not isinstance(role, str) or not role:
-            return f"message {i} role must be a non-empty string, got {role!r}"
+            return f"message {i} role must be a non-empty string, got {shown(role)}"
+        if len(role) > MAX_SHOWN_CHARS:  # the role's text, bounded as shown() bounds it
+            role = f"{role[:MAX_SHOWN_CHARS]}... ({len(role):,} characters)"
         if content is None:
             return f"message {i} ({role}) has no content (null)"
         if not isinstance(content, str):

@@ -10,6 +10,10 @@ temporary files or probes; no unexpected files (a part name that is not the cano
 Files are read in parallel; a 40,000-file output holds one 64-bit key per prompt
 (jobs/ids.py), not every row.
 
+verify() is integrity, not completion: a partial output (an interrupted job) with nothing
+wrong in what is there has no problems; `completion()` says how far the job got (`batchgen
+verify` prints it; `--complete` counts an unfinished output as a problem).
+
 `OutputChecks` is mixed into jobs.outputs.output_dir.OutputDir: it reads the directory
 through OutputDir's helpers (`fs`, `_p`, `_entries`, `_exists`, `read_manifest`).
 """
@@ -247,6 +251,20 @@ class OutputChecks:
             problems.append(f"{SUCCESS} is present but {len(missing)} of {len(units)} units are missing "
                             f"(first: {part_name(missing[0])})")
         return problems
+
+    def completion(self) -> tuple[int, int, bool]:
+        """(units committed, units of the job, whether _SUCCESS is present): how far the job
+        got, for `verify`'s verdict. An output without _SUCCESS is a job that has not finished
+        (interrupted, failed or still running), whatever verify() finds in what is there.
+        Raises OutputError for an unreadable manifest (verify() reports it first)."""
+        try:
+            m = self.read_manifest()
+            if m is None:
+                return 0, 0, self._exists(SUCCESS)
+            units = {u["index"] for u in m["units"]}
+            return len(self.committed_units() & units), len(units), self._exists(SUCCESS)
+        except OSError as e:  # a store that stopped answering (exit code 2, as verify())
+            raise OutputError(f"{self.shown}: cannot read the output: {e}") from None
 
     def _cross_file_duplicates(self, parts: list[tuple[str, int]], keys: list[Any]) -> list[str]:
         """Prompt ids present in more than one part file: jobs.ids.find_duplicates over each
