@@ -500,6 +500,23 @@ def test_the_documented_onnxruntime_loop_runs(hf_checkpoint, tmp_path):
     assert scope["tokens"].shape == (2, 32) and (scope["tokens"] == want).all()
 
 
+@pytest.mark.parametrize("name", sorted(HF_CASES))
+def test_genai_config_sizes_are_the_models(name, hf_checkpoint):
+    """genai_config.json's hidden_size is the model's (config.json's hidden_size, GPT-2's
+    n_embd), not heads x head_dim: Qwen3 here has 4 heads of 24 in a 64-wide model (it wrote 96)."""
+    from engine.export.artifacts import genai_config
+
+    src = hf_checkpoint(name)
+    cfg = json.loads((src / "config.json").read_text())
+    dec = genai_config(load_model(src, "cpu", torch.float32), "model.onnx", [2], None)["model"]["decoder"]
+    heads = cfg.get("num_attention_heads", cfg.get("n_head"))
+    assert dec["hidden_size"] == cfg.get("hidden_size", cfg.get("n_embd"))
+    assert dec["num_attention_heads"] == heads
+    assert dec["head_size"] == (cfg.get("head_dim") or cfg.get("hidden_size", cfg.get("n_embd")) // heads)
+    if name == "qwen3":
+        assert (dec["hidden_size"], dec["head_size"], heads) == (64, 24, 4)
+
+
 def test_genai_config_ends_on_the_engines_end_tokens(tmp_path):
     """genai_config.json's end tokens are the engine's default stop tokens (nanochat: none in the
     model's info, the tokenizer's <|assistant_end|> and <|bos|>), its pad one of them, never a
@@ -552,8 +569,25 @@ def test_verification_length_must_fit_the_context(tmp_path, capsys):
     assert "verifying 19 tokens per prompt" in capsys.readouterr().out
     v = json.loads((out / "batchgen_export.json").read_text())["verification"]
     assert v["passed"] and v["max_tokens"] == 19 and len(v["tokens"][3]) == 19
-    with pytest.raises(ExportError, match="--max-tokens 0: must be at least 1"):
+    with pytest.raises(ExportError, match="--max-tokens 0: must be at least 2"):
         export(tmp_path / "gpt2", tmp_path / "zero", verify=True, max_tokens=0, log=lambda *_: None)
+
+
+def test_verification_needs_a_decode_step(hf_checkpoint, tmp_path, capsys):
+    """`export --verify --max-tokens 1` checked the prefill only (the KV cache never read back
+    in) and said verified: it exits 2 naming the flag, before anything is written; 2 tokens
+    verify one decode step; without --verify the flag is not read."""
+    from jobs.cli import main
+
+    src = hf_checkpoint("gpt2")
+    assert main(["export", str(src), "--out", str(tmp_path / "one"), "--verify", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-tokens 1: must be at least 2" in err and "decode step" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+    assert main(["export", str(src), "--out", str(tmp_path / "two"), "--verify", "--max-tokens", "2"]) == 0
+    v = json.loads((tmp_path / "two" / "batchgen_export.json").read_text())["verification"]
+    assert v["passed"] and v["max_tokens"] == 2 and all(len(t) == 2 for t in v["tokens"])
+    assert main(["export", str(src), "--out", str(tmp_path / "plain"), "--max-tokens", "1"]) == 0
 
 
 def test_float16_tie_is_a_tie_not_a_failure(tmp_path):

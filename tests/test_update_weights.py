@@ -145,6 +145,25 @@ def test_tensors_without_data_are_refused_before_any_copy(cases):
     assert eng.weight_version == 0
 
 
+def test_a_tied_models_lm_head_is_the_embedding_sent(cases):
+    """A tied model (Qwen3 here) takes its head from model.embed_tokens.weight and skips an
+    lm_head.weight, as vLLM's load_weights (skip_prefixes=["lm_head."] when
+    tie_word_embeddings) and transformers' tie_weights do (docs/rl.md): the state dict of a
+    tied model (transformers', FSDP's), which names one tensor twice, swaps in; one whose
+    lm_head.weight differs gives the model of its embedding, and leaving it out is fine too."""
+    one, two, sd = cases["qwen3"]
+    assert sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr()  # one tensor, twice
+    want = load_model(two, device="cpu", dtype="float32", step=None).state_dict()
+    eng = load_engine(one, device="cpu", dtype="float32", tokenizer=cases["tokenizer"], max_seq_len=64, num_threads=1)
+    for variant in ({k: v.clone() for k, v in sd.items()},  # equal values, separate tensors
+                    {**sd, "lm_head.weight": torch.randn(sd["lm_head.weight"].shape)},
+                    {k: v for k, v in sd.items() if k != "lm_head.weight"}):
+        eng.update_weights(variant)
+        got = eng.model.state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert eng.weight_version == 3
+
+
 # ------------------------------------------------------------------ a pool
 @pytest.fixture(scope="module")
 def pool(cases, ray_local):

@@ -112,6 +112,10 @@ def genai_config(model: CausalLM, filename: str, end_ids: list[int], bos_id: int
         raise ValueError(f"genai_config needs end tokens within the vocabulary of {info.vocab_size}, got {eos}")
     heads = (getattr(getattr(model, "cfg", None), "num_heads", None) or getattr(model, "n_head", None)
              or getattr(getattr(model, "config", None), "n_head", info.n_kv_head))
+    # the residual stream's width: not heads x head_dim where a config gives its own head_dim
+    # (Qwen3: 16 heads of 128 in a 1024-wide model)
+    hidden = (getattr(getattr(model, "cfg", None), "hidden_size", None) or getattr(model, "n_embd", None)
+              or getattr(getattr(model, "config", None), "n_embd", None) or heads * info.head_dim)
     return {
         "model": {
             # genai only reports it (Tokenizer.bos_token_id); GPT-2's own convention without one
@@ -121,7 +125,7 @@ def genai_config(model: CausalLM, filename: str, end_ids: list[int], bos_id: int
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
                 "filename": filename,
                 "head_size": info.head_dim,
-                "hidden_size": heads * info.head_dim,
+                "hidden_size": hidden,
                 "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
                            "position_ids": "position_ids", "past_key_names": "past_key_values.%d.key",
                            "past_value_names": "past_key_values.%d.value"},

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 FORMATS = ("onnx", "pt2")
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 DEFAULT_MAX_TOKENS = 32  # the verification's tokens per prompt when max_tokens is not given
+# the fewest a verification generates: the first token comes from the prefill (past of length
+# 0), the second from the first decode step, the only one that feeds the KV cache back in
+MIN_VERIFY_TOKENS = 2
 
 
 def _check_out(out: Path) -> None:
@@ -46,14 +49,16 @@ def verify_tokens(max_tokens: int | None, context_len: int, longest_prompt: int)
     DEFAULT_MAX_TOKENS clamped to what the model's context leaves after the longest prompt (a
     default is not a request: a tiny-context model just verifies fewer tokens). Raises
     ExportError naming --max-tokens and the context for a given value the context cannot hold,
-    and for a context that cannot hold the longest prompt and one token."""
+    and for a context that cannot hold the longest prompt and MIN_VERIFY_TOKENS tokens (a
+    prefill and a decode step)."""
     # the engine generates min(max_tokens, context - prompt) tokens and the artifact's position
     # table ends at the context (onnxruntime: "Gather ... out of bounds"): prompt + tokens must fit
     room = context_len - longest_prompt
     if max_tokens is None:
-        if room < 1:
+        if room < MIN_VERIFY_TOKENS:
             raise ExportError(f"--verify: the model's context of {context_len} tokens cannot hold the verification's "
-                              f"longest prompt ({longest_prompt} tokens) and one generated token")
+                              f"longest prompt ({longest_prompt} tokens) and {MIN_VERIFY_TOKENS} generated tokens "
+                              f"(the prefill's and a decode step's)")
         return min(DEFAULT_MAX_TOKENS, room)
     if max_tokens > room:
         raise ExportError(f"--max-tokens {max_tokens}: the verification's longest prompt ({longest_prompt} tokens) "
@@ -65,7 +70,7 @@ def verify_tokens(max_tokens: int | None, context_len: int, longest_prompt: int)
 def check_options(out: Path, format: str, dtype: str, static_max_len: int | None, verify: bool,
                   max_tokens: int | None, context_len: int | None = None, longest_prompt: int | None = None) -> None:
     """Raise ExportError naming the option for an unknown format or dtype, a pt2 export without a
-    static length, a --max-tokens below 1, a static length below the verification's prompt +
+    static length, a --max-tokens below MIN_VERIFY_TOKENS, a static length below the verification's prompt +
     tokens or above the model's context, or an output that cannot be written. (The
     verification's prompt + tokens against the context: verify_tokens.)"""
     if format not in FORMATS:
@@ -83,8 +88,10 @@ def check_options(out: Path, format: str, dtype: str, static_max_len: int | None
     if missing:
         raise ExportError(f"--format onnx{' --verify' if verify else ''} needs {', '.join(missing)}, not installed: "
                           f"pip install -e '.[export]' (or pip install {' '.join(missing)})")
-    if verify and max_tokens is not None and max_tokens < 1:
-        raise ExportError(f"--max-tokens {max_tokens}: must be at least 1")
+    if verify and max_tokens is not None and max_tokens < MIN_VERIFY_TOKENS:
+        raise ExportError(f"--max-tokens {max_tokens}: must be at least {MIN_VERIFY_TOKENS} (the first token comes "
+                          f"from the prefill alone; the second is the first decode step, the only one that "
+                          f"reads the KV cache back in)")
     if static_max_len is not None:
         if static_max_len < 1:
             raise ExportError(f"--static-max-len {static_max_len}: must be at least 1")
@@ -110,7 +117,8 @@ def export(model: "str | Path | CausalLM", out: str | Path, *, format: str = "on
     verify: run engine/export/verify.py's greedy loop (4 prompts, `max_tokens` tokens) in the
         artifact against the engine before the directory is renamed into place. max_tokens:
         None: 32, or fewer where the model's context cannot hold the longest prompt (21) + 32;
-        a number the context cannot hold is an ExportError (verify_tokens).
+        below 2 (no decode step) or a number the context cannot hold is an ExportError
+        (check_options, verify_tokens).
     step: nanochat only, the checkpoint step (default: the highest). log: progress lines.
     Returns batchgen_export.json's contents. Raises ExportError (bad options, unwritable out,
     an unsupported model; nothing written), VerificationError (nothing written), and what

@@ -20,24 +20,49 @@ compiler (`cache_dir()`: `$BATCHGEN_CACHE_DIR`, else `$XDG_CACHE_HOME/batchgen`,
 `~/.cache/batchgen`); processes that build at once each get a whole file. The machine's
 one-time verdicts (the AMX probe's, `dtype: auto`'s) are kept in the same directory
 (`cached_verdict`).
+
+A build compiles in a temporary folder of the cache, `.build-{host}-{pid}-*`, which its
+process holds locked (flock) while it lives and renames the library out of at the end. An
+interrupted build (KeyboardInterrupt or any other exception, a compiler that fails or is
+killed) kills its compilers and removes the folder before the exception goes on. A process
+killed hard (SIGKILL, the OOM killer) cannot, so each build first removes the folders no
+live process holds (`sweep_stale_builds`: of this host, unlocked and of a dead pid or
+unlocked at all where the cache's filesystem can lock; of another host sharing the cache,
+untouched for `STALE_AFTER_S`); a folder a live process is building in is never removed.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import platform
 import shutil
+import signal
+import socket
 import subprocess
 import tempfile
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: stale folders go by pid and age alone
+    fcntl = None
+
 CSRC = Path(__file__).parent / "csrc"  # every .cpp in it is compiled into one library; the .h are shared
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+COMPILE_TIMEOUT_S = 300  # one compiler process (a source file, the link)
+# A build folder of another host (a cache on a shared filesystem, whose pids and locks this
+# host cannot see) is stale once untouched this long: every compiler writes its .o there
+# within COMPILE_TIMEOUT_S, so a live build's folder is never this old
+STALE_AFTER_S = 4 * 3600
+BUILD_PREFIX = ".build-"
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 # Narrowest first: each ISA's compiler flags and the /proc/cpuinfo flags it needs.
 ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -110,18 +135,195 @@ def cached_verdict(name: str, key: str, decide: Callable[[], dict]) -> dict:
     except (OSError, ValueError):
         pass
     verdict = decide()
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(verdict))
         os.replace(tmp, path)
     except OSError:
         pass
+    finally:  # written but not renamed (an OSError, a KeyboardInterrupt): not left behind
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
     return verdict
 
 
-def _run_compiler(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, timeout=300)
+def _host() -> str:
+    """This host's name as build folders carry it (no '-', which separates the pid)."""
+    return "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname()) or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's process, alive
+        return True
+    return True
+
+
+def _try_lock(fd: int) -> bool | None:
+    """Take an exclusive flock on `fd` without waiting: True taken, False held by another
+    process (a live one: the kernel drops a dead process's locks), None where the filesystem
+    cannot lock."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        return None  # ENOLCK, EOPNOTSUPP, EINVAL: no locks here
+
+
+class _CacheLock:
+    """The cache directory's own lock (flock on the directory), held while build folders are
+    swept or one is created and locked: a sweeper never sees a new folder before its owner
+    holds it. A no-op where the filesystem cannot lock."""
+
+    def __init__(self, cache: Path):
+        self.cache = cache
+        self.fd: int | None = None
+
+    def __enter__(self):
+        try:
+            self.fd = os.open(self.cache, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:
+            return self
+        if fcntl is not None:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX)  # held for a directory listing and a mkdir
+            except OSError:
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # releases the lock
+            self.fd = None
+
+
+def _owner(name: str) -> tuple[str, int] | None:
+    """(host, pid) of build folder `name` (`.build-{host}-{pid}-{random}`), None for another name."""
+    if not name.startswith(BUILD_PREFIX):
+        return None
+    parts = name[len(BUILD_PREFIX):].rsplit("-", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
+
+
+def sweep_stale_builds(cache: Path, now: float | None = None) -> list[str]:
+    """Remove the build folders in `cache` that no live process builds in (a build killed
+    hard: SIGKILL, the OOM killer, a lost node); returns their names. A folder goes when no
+    process holds its lock and it is this host's (its pid dead, or any pid where the
+    filesystem can lock: the lock is the owner's for as long as it lives, whatever its pid
+    namespace) or untouched for STALE_AFTER_S (another host's, whose pids and NFS locks this
+    host cannot see). Call under `_CacheLock`."""
+    now = time.time() if now is None else now
+    host, removed = _host(), []
+    try:
+        entries = [e for e in os.scandir(cache) if e.name.startswith(BUILD_PREFIX) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return removed
+    for entry in entries:
+        owner = _owner(entry.name)
+        if owner is None:
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:
+            continue  # gone meanwhile
+        try:
+            locked = _try_lock(fd)
+            if locked is False:
+                continue  # a live process builds there
+            try:
+                age = now - os.fstat(fd).st_mtime
+            except OSError:
+                continue
+            if owner[0] == host:
+                stale = locked is True or not _pid_alive(owner[1]) or age > STALE_AFTER_S
+            else:
+                stale = age > STALE_AFTER_S
+            if stale:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.name)
+        finally:
+            os.close(fd)
+    return removed
+
+
+class _Compilers:
+    """The build's compiler processes, each in a process group of its own (the driver and
+    cc1plus, as), so that an interrupted build kills them all (`cancel`) instead of waiting
+    for them, and none writes into its folder after it is removed."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen] = set()
+        self.cancelled = False
+
+    def run(self, args: list[str]) -> subprocess.CompletedProcess:
+        with self._lock:
+            if self.cancelled:
+                return subprocess.CompletedProcess(args, -signal.SIGKILL, "", "cancelled")
+            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+            self._running.add(proc)
+        try:
+            try:
+                out, err = proc.communicate(timeout=COMPILE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self._kill(proc)
+                out, err = proc.communicate()
+                err = f"{err}\ntimed out after {COMPILE_TIMEOUT_S} s"
+            except BaseException:  # interrupted while waiting in this thread (the link)
+                self._kill(proc)
+                proc.wait()
+                raise
+            return subprocess.CompletedProcess(args, proc.returncode, out, err)
+        finally:
+            with self._lock:
+                self._running.discard(proc)
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            try:
+                proc.kill()
+            except OSError:
+                pass
+
+    def cancel(self) -> None:
+        """Start no more compilers and kill (and reap) the running ones."""
+        with self._lock:
+            self.cancelled = True
+            running = list(self._running)
+        for proc in running:
+            self._kill(proc)
+        for proc in running:
+            try:
+                proc.wait(timeout=30)
+            except (subprocess.TimeoutExpired, OSError):
+                pass
+
+
+def _failure(r: subprocess.CompletedProcess) -> str:
+    why = (r.stderr or "").strip()[-500:]
+    if r.returncode < 0:
+        try:
+            name = signal.Signals(-r.returncode).name
+        except ValueError:
+            name = f"signal {-r.returncode}"
+        why = f"killed by {name}" + (f": {why}" if why else "")
+    return why or f"exit status {r.returncode}"
 
 
 def build_library(isa: str, require_cpu: bool = True, extra_flags: tuple[str, ...] = ()) -> Path:
@@ -149,24 +351,44 @@ def build_library(isa: str, require_cpu: bool = True, extra_flags: tuple[str, ..
     target = cache_dir() / f"batchgen_kernels-{tag}-{key}.so"
     if target.exists():
         return target
+    tmp: Path | None = None
+    fd: int | None = None
+    compilers = _Compilers()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename into place: processes that build at once (the
-        # workers of one machine) each get a whole file.
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            objects = [Path(tmp) / (f.stem + ".o") for f in sources]
-            compile_flags = [f for f in flags if f != "-shared"]
-            steps = [[cxx, *compile_flags, "-c", "-o", str(o), str(f)] for f, o in zip(sources, objects)]
-            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            with ThreadPoolExecutor(max_workers=max(1, min(len(steps), cpus))) as pool:
-                compiled = list(pool.map(_run_compiler, steps))
-            failed = [r for r in compiled if r.returncode != 0]
-            if not failed:  # link
-                failed = [r for r in [_run_compiler([cxx, *flags, "-o", str(out), *map(str, objects)])] if r.returncode]
-            if failed:
-                raise Unavailable(f"{cxx} failed: {failed[0].stderr.strip()[-500:]}")
-            os.replace(out, target)
+        # workers of one machine) each get a whole file. The folder is created and locked
+        # under the cache's lock, which the sweep of stale folders holds too.
+        with _CacheLock(target.parent):
+            sweep_stale_builds(target.parent)
+            tmp = Path(tempfile.mkdtemp(prefix=f"{BUILD_PREFIX}{_host()}-{os.getpid()}-", dir=target.parent))
+            fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            _try_lock(fd)  # held until the folder is gone (closing fd releases it)
+        out = tmp / target.name
+        objects = [tmp / (f.stem + ".o") for f in sources]
+        compile_flags = [f for f in flags if f != "-shared"]
+        steps = [[cxx, *compile_flags, "-c", "-o", str(o), str(f)] for f, o in zip(sources, objects)]
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        pool = ThreadPoolExecutor(max_workers=max(1, min(len(steps), cpus)))
+        try:
+            compiled = list(pool.map(compilers.run, steps))
+        except BaseException:
+            compilers.cancel()  # kill the running compilers rather than wait for them
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        failed = [r for r in compiled if r.returncode != 0]
+        if not failed:  # link
+            failed = [r for r in [compilers.run([cxx, *flags, "-o", str(out), *map(str, objects)])] if r.returncode]
+        if failed:
+            raise Unavailable(f"{cxx} failed: {_failure(failed[0])}")
+        os.replace(out, target)
     except (OSError, subprocess.SubprocessError) as e:
         raise Unavailable(f"building in {target.parent} failed: {e}") from None
+    finally:  # whatever ends the build (KeyboardInterrupt included): no compiler, no folder left
+        compilers.cancel()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if fd is not None:
+            os.close(fd)
     return target
