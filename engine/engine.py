@@ -23,8 +23,10 @@ free blocks become one range. This happens only between steps, and changes no sa
 Tools (engine/tool_turns.py): a sample whose sampled text completes a Hermes <tool_call>
 leaves the decode batch while its tool runs on a thread; the others go on decoding. Once the
 result is in, the template's rendering of it is fed as forced tokens (mask 0, no logprob) and
-the sample samples again. When every running sample waits on a tool and nothing can be
-admitted, `step()` blocks on the tools (at most engine/tool_turns.py MAX_BLOCK_S).
+the sample samples again. With tools.parallel_calls the calls of a turn run together once the
+model samples its end-of-turn token, and their tool messages are forced together. When every
+running sample waits on a tool and nothing can be admitted, `step()` blocks on the tools (at
+most engine/tool_turns.py MAX_BLOCK_S).
 
 `generate()` runs steps until its prompts are done; workers use the streaming form
 (`add_request` / `step`) to keep one engine full across many work units.
@@ -91,7 +93,8 @@ class Engine:
             `num_cached_prompt_tokens` counts the positions copied, `num_prefill_tokens` those
             computed.
         tools: the tools the model may call in the Hermes format (engine/tool_runner.py: a
-            ToolBox, or a list of Tool / callables / dicts of Tool fields, max_turns 8);
+            ToolBox, or a list of Tool / callables / dicts of Tool fields, max_turns 8; a ToolBox
+            also sets max_response_chars and parallel_calls);
             None: none (nanochat's calculator does not need this).
     Attribute batched_sampling: the sampler's GPU path (engine/sampling.py: every row of a
     kind in one pass, no host synchronisation), True on a GPU; on CPU tensors it gives the
@@ -146,7 +149,7 @@ class Engine:
         self._admitting: list[Admission] = []  # the step's admissions, for `_fail` (not all running yet)
         self.tools = self._tool_tokens(tokenizer)
         box = ToolBox.of(tools)
-        self.tool_turns = None if box is None else ToolTurns(box, tokenizer)
+        self.tool_turns = None if box is None else ToolTurns(box, tokenizer, max_len=self.max_seq_len)
         # the checkpoint's own end tokens (Llama family: eos_token_id) when it names any
         self.default_stop_ids = frozenset(info.stop_token_ids or tokenizer.default_stop_token_ids)
         self.num_generated_tokens = 0
@@ -421,7 +424,8 @@ class Engine:
                 seq = Sequence(req, idx, slot, request_key(req.params.seed, req.prompt_id, idx), own_block=block,
                                own_blocks=size, own_start=block * bs, own_pos0=P if self.prefix_sharing else 0,
                                prefix_start=prompt_start if self.prefix_sharing else -1,
-                               scanner=None if self.tool_turns is None else HermesScanner())
+                               scanner=None if self.tool_turns is None else HermesScanner(),
+                               parallel_calls=self.tool_turns is not None and self.tool_turns.box.parallel_calls)
                 if not self.prefix_sharing:
                     copies.append((prompt_start, block * bs, P))
                 seq.weight_version = self.weight_version
@@ -430,6 +434,9 @@ class Engine:
                                None if self.tool_turns is None else self.tool_turns.responses)
                     if seq.new_call is not None:  # cut while its tool ran: run it again
                         self.tool_turns.start(seq)
+                        seq.first_pending = seq.pending is not None
+                    elif seq.resume_turn:  # parallel_calls: cut while its turn's calls ran
+                        self.tool_turns.resume(seq)
                         seq.first_pending = seq.pending is not None
                 self.running[slot] = seq
                 seqs.append(seq)
@@ -479,7 +486,7 @@ class Engine:
             if seq.next_is_forced():  # a continuation stopped inside (or just before) forced tool output
                 t, lp = seq.forced.popleft(), None
             seq.append(int(t), lp, self.tools, self.tokenizer, self.max_seq_len)
-            if seq.new_call is not None:
+            if seq.tools_due():
                 self.tool_turns.start(seq)
         self.num_generated_tokens += len(seqs)
 
@@ -511,7 +518,7 @@ class Engine:
             else:
                 tok, lp = int(host[0][i]), host[1][i]
             seq.append(tok, lp, self.tools, self.tokenizer, self.max_seq_len)
-            if seq.new_call is not None:
+            if seq.tools_due():  # a call closed (or, parallel_calls, a turn ended)
                 self.tool_turns.start(seq)  # runs the tool (the sample waits) or queues its answer
             changed |= seq.finish_reason is not None or seq.pending is not None
         self.num_generated_tokens += len(db.seqs)

@@ -202,6 +202,15 @@ class ToolCall:
         0 for one refused before running; None if not run).
     forced_start: index in Sample.tokens of the first forced token of the result (the span
         [forced_start, end) has mask 0 and no logprobs); None if nothing was forced.
+
+    Parallel calls (tools.parallel_calls, engine/tool_turns.py): the calls of one assistant turn
+    share one forced block, the tool messages of all of them (in call order) and the next
+    assistant header, which begins just after the turn's sampled end-of-turn token (mask 1).
+    Each call of the turn has its own start, and forced_start and end of that whole block, so
+    [forced_start, end) is the same span for all of them and [start, end) of an earlier call
+    holds the later calls' text. A call not run (its turn never ended, or was past max_turns)
+    has end one past its </tool_call> token and no forced_start; a call answered before the
+    sample was aborted, while others of its turn ran, has its output and no forced_start.
     """
 
     start: int

@@ -12,6 +12,9 @@ Hermes tool calls (engine/tool_calls.py): with an engine's tools, the sampled to
 feed a `HermesScanner`; a completed <tool_call>...</tool_call> is left in `new_call` for the
 engine, which runs it on a thread while the sample waits (`pending`) outside the decode batch,
 then forces the template's rendering of the result, as the calculator's output is forced.
+With tools.parallel_calls (`parallel_calls`) a closed call is only recorded (`turn_calls`); a
+sampled stop token that ends the template's assistant turn then runs the turn's calls
+(engine/tool_turns.py), and the sample goes on after their forced tool messages.
 
 A sample ends on a stop token (kept as its last token, with mask 1 and its logprob: the
 model chose to stop, and a trainer must score that choice), on a stop string completed in
@@ -117,6 +120,9 @@ class Sequence:
     num_turns: int = 0  # tool results forced so far (Hermes calls)
     calls_by_name: dict = field(default_factory=dict)
     first_pending: bool = False  # a continuation whose first token is a tool result still running
+    parallel_calls: bool = False  # tools.parallel_calls: calls run when the model ends its turn
+    turn_calls: list = field(default_factory=list)  # ... the turn's closed calls (ToolCall), not run yet
+    resume_turn: list | None = None  # a continuation cut while its turn's calls ran: those calls (replay)
 
     def __post_init__(self) -> None:
         if self.request.params.stop:
@@ -154,6 +160,9 @@ class Sequence:
         token's text is left out of the matched text (vLLM's default), as if it were empty.
         """
         forced = logprob is None
+        if forced and self.parallel_calls and self.mask and self.mask[-1] == 1 \
+                and self.tokens[-1] in self.request.stop_ids:
+            self.end_turn_scan()  # the first token of a turn's tool messages (replay meets it here too)
         self.tokens.append(token)
         self.mask.append(0 if forced else 1)
         self.logprobs.append(logprob)
@@ -175,6 +184,28 @@ class Sequence:
             self.finish_reason = "length"
         if tools is not None and not forced and self.request.params.calculator:
             self._tool_step(token, tools, tokenizer)  # after the length check: a call the last token closes is not run
+
+    def full(self, max_len: int) -> bool:
+        """Whether no token may follow: max_tokens reached, or the sequence fills max_len."""
+        limit = self.request.params.max_tokens
+        return (limit is not None and len(self.tokens) >= limit) or self.position + 1 >= max_len
+
+    def end_turn_scan(self) -> None:
+        """tools.parallel_calls: the assistant's turn ended on its stop token and its calls run.
+        A <tool_call> the turn left open is over (the next turn starts a new search): it is
+        recorded as not finished, its span up to the stop token."""
+        sc = self.scanner
+        if sc is not None and sc.open_at is not None:
+            self.tool_calls.append(ToolCall(start=sc.open_start, end=len(self.tokens) - 1, expr=sc.open_text(),
+                                            output=None, error="call not finished: the turn ended before </tool_call>"))
+            self.tool_calls.sort(key=lambda c: c.start)
+        if sc is not None:
+            sc.reset()
+
+    def tools_due(self) -> bool:
+        """Whether the engine's ToolTurns.start must see the last token: it closed a Hermes call,
+        or (tools.parallel_calls) it ended a sample whose turn holds closed calls."""
+        return self.new_call is not None or (bool(self.turn_calls) and self.finish_reason is not None)
 
     def _tool_step(self, token: int, tools: ToolTokens, tokenizer) -> None:
         if token == tools.python_start:
@@ -222,6 +253,9 @@ class Sequence:
             call.expr = _decode(tokenizer, self.expr_tokens)
             call.error = "call not finished: the sample ended before <|python_end|>"
             call.end = n
+        for call in self.turn_calls:  # tools.parallel_calls: closed calls whose turn never ended
+            call.error = f"not run: the sample ended ({self.finish_reason or 'length'}) before the turn's calls ran"
+        self.turn_calls = []
         if self.scanner is not None and self.scanner.open_at is not None:  # inside <tool_call> ...
             self.tool_calls.append(ToolCall(start=self.scanner.open_start, end=n, expr=self.scanner.open_text(),
                                             output=None, error="call not finished: the sample ended before "
@@ -251,7 +285,12 @@ class Sequence:
                 self.forced.popleft()
             self.new_call = None  # only a call the last token closes is still to handle
             self.append(tok, lp, tools, tokenizer, max_len)
-        if self.scanner is not None:
+            if self.parallel_calls and self.finish_reason == "stop" and lp is not None and tok in self.request.stop_ids:
+                # the end of a tool turn: an aborted sample never holds the stop token that ended it
+                self.finish_reason = self.stop_reason = None
+        if self.scanner is not None and self.parallel_calls:
+            self._restore_parallel_calls(prior, responses)
+        elif self.scanner is not None:
             self._restore_hermes_calls(prior, responses)
 
     def _restore_hermes_calls(self, prior: Sample, responses: ToolResponses) -> None:
@@ -287,3 +326,51 @@ class Sequence:
             first = n if last.forced_start is None else last.forced_start
             last.forced_start, last.end = first, first + len(toks)
             self.forced.extend(toks[n - first:])
+
+    def _restore_parallel_calls(self, prior: Sample, responses: ToolResponses) -> None:
+        """`_restore_hermes_calls` for tools.parallel_calls, where a turn's calls run together
+        once its stop token is sampled (engine/tool_turns.py). From the prior sample's records:
+        - a forced turn's calls (forced_start set: one block per turn) are kept, and the rest of
+          the latest block, if the abort cut it, is queued in `forced` again;
+        - calls "not run: the sample ended (abort) ..." are the turn the abort cut before its
+          stop token: they wait in `turn_calls` again, to run when the turn ends;
+        - calls with no forced_start otherwise (answered, or "not finished" while their tool ran)
+          are the turn whose stop token is the last replayed token: `resume_turn`, which the
+          engine (ToolTurns.resume) completes, running the unfinished ones again;
+        - "call not finished" records are skipped: the replay's scanner makes them again.
+        Turns and per-tool counts are those of every turn that ran (forced or resumed)."""
+        self.new_call = None  # a closing call is recorded when it closes (it runs with its turn): see its record
+        blocks: dict[int, list[ToolCall]] = {}
+        resume: list[ToolCall] = []
+        for c in prior.tool_calls:
+            err = c.error or ""
+            if c.name == "calculator" or err.startswith("call not finished"):
+                continue
+            call = dataclasses.replace(c)
+            self.tool_calls.append(call)
+            if err.startswith("not run"):
+                call.error = None
+                self.turn_calls.append(call)
+            elif call.forced_start is not None:
+                blocks.setdefault(call.forced_start, []).append(call)
+            else:
+                resume.append(call)
+        self.tool_calls.sort(key=lambda c: c.start)
+        self.turn_calls.sort(key=lambda c: c.start)
+        resume.sort(key=lambda c: c.start)
+        for calls in [*blocks.values(), *([resume] if resume else [])]:
+            self.num_turns += 1
+            for c in calls:
+                if c.name is not None:
+                    self.calls_by_name[c.name] = self.calls_by_name.get(c.name, 0) + 1
+        if resume:
+            self.end_turn_scan()  # as ToolTurns.end_turn did when the turn ended
+            self.resume_turn = resume
+        elif blocks:
+            # the latest block: the forced tokens of its turn that the abort cut off
+            first = max(blocks)
+            last = sorted(blocks[first], key=lambda c: c.start)
+            toks = responses.after_turn_end([c.output for c in last])
+            for c in last:
+                c.end = first + len(toks)
+            self.forced.extend(toks[len(prior.tokens) - first:])

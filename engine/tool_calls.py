@@ -191,7 +191,9 @@ class ToolResponses:
     ToolResponses(tokenizer, tools): `tokenizer` needs `render_chat_text` and `chat_template`
     (engine/tokenizers/hf_tokenizer.py); `tools` the schemas the prompts list.
     `suffix(result)` -> the token ids that follow the assistant's text: the turn's end, the
-    tool message with `result`, the next assistant header. Raises ValueError at construction
+    tool message with `result`, the next assistant header (`suffix([r1, r2])`: one tool
+    message per result; `after_turn_end` the same without the turn's end, for a model that
+    sampled it itself: tools.parallel_calls). Raises ValueError at construction
     when the tokenizer has no chat template, its template refuses a tool message, or its
     prompt with tools asks for calls in another format than <tool_call> (Llama 3.x's asks for
     bare JSON): no call of that model would ever be recognised.
@@ -212,6 +214,7 @@ class ToolResponses:
         self.tokenizer = tokenizer
         self.tools = tools
         self.native = True  # the probe renders the tool message as given
+        self._ends_turn: dict[int, bool] = {}
         try:
             self.native = "<tool_response>" in self.suffix_text("probe")
             prompt = render([{"role": "user", "content": "."}], add_generation_prompt=True, tools=tools or None)
@@ -223,18 +226,40 @@ class ToolResponses:
                              f"tools never names {OPEN.decode()}, as Llama 3.x's asks for bare JSON): batchgen "
                              f"recognises Hermes {OPEN.decode()} calls only, so this model's calls would never run")
 
-    def suffix_text(self, result: str) -> str:
-        content = result if self.native else f"<tool_response>\n{result}\n</tool_response>"
-        msgs = [{"role": "user", "content": "."}, {"role": "assistant", "content": _SENTINEL},
-                {"role": "tool", "content": content}]
+    def suffix_text(self, result: str | list[str]) -> str:
+        """The text after the assistant's text: its turn's end, one tool message per result
+        (a list: consecutive tool messages, in order, as the template renders them: Qwen's
+        groups them in one user block, one <tool_response> each), the next assistant header."""
+        results = [result] if isinstance(result, str) else list(result)
+        msgs = [{"role": "user", "content": "."}, {"role": "assistant", "content": _SENTINEL}]
+        msgs += [{"role": "tool", "content": r if self.native else f"<tool_response>\n{r}\n</tool_response>"}
+                 for r in results]
         text = self.tokenizer.render_chat_text(msgs, add_generation_prompt=True, tools=self.tools or None)
         at = text.rfind(_SENTINEL)
         if at < 0:
             raise ValueError("the template does not render the assistant's content as given")
         return text[at + len(_SENTINEL):]
 
-    def suffix(self, result: str) -> list[int]:
+    def suffix(self, result: str | list[str]) -> list[int]:
         return list(self.tokenizer.encode(self.suffix_text(result)))
+
+    def ends_turn(self, token: int) -> bool:
+        """Whether `token` (a sampled stop token) is the template's end of an assistant turn:
+        the first token of what it renders after the assistant's text (Qwen's and ChatML's
+        <|im_end|>). Cached per token: the answer depends on the template alone."""
+        known = self._ends_turn.get(token)
+        if known is None:
+            toks = self.suffix(["probe"])
+            known = self._ends_turn[token] = bool(toks) and toks[0] == token
+        return known
+
+    def after_turn_end(self, results: list[str]) -> list[int]:
+        """tools.parallel_calls: the tokens the template renders after the assistant's
+        end-of-turn token (which the model sampled, see `ends_turn`) for one tool message per
+        result, in order, and the next assistant header: `suffix(results)` without its first
+        token. For Qwen2.5 and two results `\n<|im_start|>user\n<tool_response>\nA\n</tool_response>`
+        `\n<tool_response>\nB\n</tool_response><|im_end|>\n<|im_start|>assistant\n`."""
+        return self.suffix(results)[1:]
 
 
 __all__ = ["ParsedCall", "parse_tool_call", "HermesScanner", "ToolResponses", "hermes_system_prompt",

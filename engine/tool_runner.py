@@ -201,12 +201,18 @@ class ToolBox:
     characters; a longer one is cut to its first max_response_chars characters followed by
     TRUNCATED (verl bounds tool results the same way: `max_tool_response_length`), before it is
     tokenized (a 5 MB result otherwise stalls the engine for seconds and fills the context);
-    None: no limit. Raises ValueError for duplicate names, max_turns < 1 or
-    max_response_chars < 1."""
+    None: no limit. `parallel_calls` (engine/tool_turns.py): False runs each call as soon as its
+    </tool_call> closes and forces its result with the end of the assistant's turn (one call per
+    turn); True lets the model write several calls in one turn and end the turn itself (its
+    sampled end-of-turn token), then runs them all and forces their tool messages together, as
+    verl's and SGLang's agent loops do; a turn counts once towards max_turns. Raises ValueError
+    for duplicate names, max_turns < 1, max_response_chars < 1 or a parallel_calls that is not
+    a bool."""
 
     tools: list[Tool]
     max_turns: int = 8
     max_response_chars: int | None = None
+    parallel_calls: bool = False
 
     def __post_init__(self) -> None:
         self.tools = [Tool.of(t) for t in self.tools]
@@ -219,6 +225,8 @@ class ToolBox:
         m = self.max_response_chars
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"max_response_chars: must be an integer >= 1 or None, got {m!r}")
+        if not isinstance(self.parallel_calls, bool):
+            raise ValueError(f"parallel_calls: must be true or false, got {self.parallel_calls!r}")
         self.by_name = {t.name: t for t in self.tools}
 
     @classmethod

@@ -9,7 +9,7 @@ file, a dict or a JobSpec, with --set overrides, by jobs/config.py).
     output:   {path: out/demo, lease_timeout_s: 120}
     sampling: {num_samples: 4, max_tokens: 256, temperature: 1.0, top_k: 50, top_p: 1.0,
                min_p: 0.0, seed: 0, stop_token_ids: null, stop: null, logprobs_mode: raw}
-    tools:    {calculator: true, max_turns: 8, max_response_chars: null,
+    tools:    {calculator: true, max_turns: 8, max_response_chars: null, parallel_calls: false,
                functions: []}   # functions: [{name, function, timeout_s, ...}]
     cluster:  {address: null, num_workers: 1, gpus_per_worker: 0, cpus_per_worker: 1,
                unit_rows: 256, max_unit_attempts: 3, unit_timeout_s: null}
@@ -340,6 +340,7 @@ class ToolsSpec(_Section):
     calculator: bool = True
     max_turns: PositiveInt = 8
     max_response_chars: PositiveInt | None = None
+    parallel_calls: bool = False
     functions: list[FunctionToolSpec] = Field(default_factory=list)
 
     @field_validator("functions")
@@ -458,7 +459,8 @@ class JobSpec(_Section):
         tools = [Tool(name=f.name, function=f.function, description=f.description, parameters=f.parameters,
                       timeout_s=f.timeout_s, max_calls=f.max_calls) for f in self.tools.functions]
         tools += self._python_tools
-        return ToolBox(tools, self.tools.max_turns, self.tools.max_response_chars) if tools else None
+        return ToolBox(tools, self.tools.max_turns, self.tools.max_response_chars,
+                       self.tools.parallel_calls) if tools else None
 
     def resolved_device(self) -> str:
         """model.device with "auto" resolved: "cuda" when cluster.gpus_per_worker > 0, else "cpu"."""
@@ -530,7 +532,7 @@ class JobSpec(_Section):
     def _tools_identity(self) -> dict[str, Any]:
         """tools as the fingerprint holds them: the calculator flag, and (only with function
         tools, so that older outputs keep their fingerprint) max_turns, max_response_chars when
-        set, and every tool's
+        set, parallel_calls when true, and every tool's
         name, function ("module:qualname" for a Python object: its code is not hashed),
         description, parameters, timeout and max_calls."""
         out: dict[str, Any] = {"calculator": self.tools.calculator}
@@ -539,6 +541,8 @@ class JobSpec(_Section):
             out["max_turns"] = box.max_turns
             if box.max_response_chars is not None:  # absent when unset: older outputs keep their fingerprint
                 out["max_response_chars"] = box.max_response_chars
+            if box.parallel_calls:  # likewise: absent when false
+                out["parallel_calls"] = True
             out["functions"] = [{"name": t.name, "function": t.function if isinstance(t.function, str) else
                                  f"{getattr(t.function, '__module__', '?')}:{getattr(t.function, '__qualname__', '?')}",
                                  "description": t.description, "parameters": t.parameters, "timeout_s": t.timeout_s,

@@ -25,7 +25,8 @@ def test_defaults_from_empty_file(tmp_path):
     assert d["output"] == {"path": "out/demo", "lease_timeout_s": 120}
     assert d["sampling"] == {"num_samples": 4, "max_tokens": 256, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
                              "min_p": 0.0, "seed": 0, "stop_token_ids": None, "stop": None, "logprobs_mode": "raw"}
-    assert d["tools"] == {"calculator": True, "max_turns": 8, "max_response_chars": None, "functions": []}
+    assert d["tools"] == {"calculator": True, "max_turns": 8, "max_response_chars": None, "parallel_calls": False,
+                          "functions": []}
     assert d["cluster"] == {"address": None, "num_workers": 1, "gpus_per_worker": 0, "cpus_per_worker": 1,
                             "unit_rows": 256, "max_unit_attempts": 3, "unit_timeout_s": None}
 
@@ -307,6 +308,24 @@ def test_tools_max_response_chars_reaches_the_toolbox_and_the_fingerprint_only_w
     for bad in ("0", "1.5", "many"):
         with pytest.raises(SpecError, match="tools.max_response_chars"):
             load_job_spec({"model": None, "tools": tools}, [f"tools.max_response_chars={bad}"])
+
+
+def test_tools_parallel_calls_reaches_the_toolbox_and_the_fingerprint_only_when_set():
+    """tools.parallel_calls (engine/tool_turns.py) is the ToolBox's flag; the fingerprint holds
+    it only when true, so outputs of jobs that never set it still resume; a value that is not
+    a boolean stops the job (exit 2) naming the key."""
+    from jobs.config import load_job_spec
+
+    tools = [{"name": "f", "function": "operator:add"}]
+    plain = load_job_spec({"model": None, "tools": tools})
+    par = load_job_spec({"model": None, "tools": tools}, ["tools.parallel_calls=true"])
+    assert plain.tool_box().parallel_calls is False and par.tool_box().parallel_calls is True
+    assert "parallel_calls" not in plain.fingerprint_dict()["tools"]
+    assert par.fingerprint_dict()["tools"]["parallel_calls"] is True
+    assert load_job_spec({"model": None, "tools": {"parallel_calls": True}}).tool_box() is None  # no function tools
+    with pytest.raises(SpecError, match="tools.parallel_calls") as e:
+        load_job_spec({"model": None, "tools": tools}, ["tools.parallel_calls=many"])
+    assert e.value.exit_code == 2
 
 
 def test_load_job_spec_keeps_a_jobspecs_python_tools(tmp_path):
