@@ -17,6 +17,10 @@ fresh process (peak RSS is that process's ru_maxrss):
 3. status and verify of a 40,000-file output: the plan of step 1 prepared as an output and
    one part file per unit (250 prompts x 4 samples = 1,000 rows, 40,000,000 rows in all)
    written through jobs.outputs.commit.write_part.
+4. batch_plan: `batchgen plan` of an OpenAI batch file of 1,000,000 chat lines (--batch-lines;
+   GSM8K questions with a system message, max_completion_tokens and temperature, n 2 on every
+   fourth line), which reads and checks every line; and of 200,000 lines with a seed each.
+5. queue: UnitQueue.in_flight(), which every progress report calls, with 200,000 units.
 
 Targets (issue 8): plan under 60 s and 2 GB RSS for 10M prompts; rows decoded / used about
 2x at most; verify of 40,000 files under 2 GB.
@@ -38,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 N_FILES, ROWS_PER_FILE, GROUP = 100, 100_000, 250
 BIG_ROWS, BIG_UNIT = 1 << 20, 256
+BATCH_LINES = 1_000_000
 SAMPLES = 4
 
 
@@ -60,6 +65,50 @@ def _write_inputs(d: Path, row_group_size: int | None) -> None:
         f = d / f"part-{k:03d}.parquet"
         if not f.exists():
             pq.write_table(_prompts(k, ROWS_PER_FILE), f, row_group_size=row_group_size)
+
+
+def _write_batch(path: Path, n: int, seeds: bool = False) -> None:
+    """An OpenAI batch file of `n` chat lines over the GSM8K demo questions."""
+    if path.exists():
+        return
+    qs = [json.loads(line)["question"] for line in (ROOT / "jobs" / "data" / "gsm8k_demo.jsonl").open()]
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        for i in range(n):
+            body = {"model": "smollm2", "messages": [{"role": "system", "content": "Solve the problem step by step."},
+                                                      {"role": "user", "content": qs[i % len(qs)]}],
+                    "max_completion_tokens": 256, "temperature": 0.7}
+            if seeds:
+                body["seed"] = i
+            if i % 4 == 0:
+                body["n"] = 2
+            f.write(json.dumps({"custom_id": f"request-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": body}) + "\n")
+    tmp.rename(path)
+
+
+def _queue_report_ms(n: int) -> float:
+    """Milliseconds of one progress report's UnitQueue.in_flight() with `n` units, 16 running."""
+    from collections import deque
+
+    from cluster.unit import WorkUnit
+    from cluster.unit_queue import UnitQueue
+
+    class W:
+        def __init__(self, name):
+            self.name = name
+
+    q = UnitQueue(max_unit_attempts=3, unit_timeout_s=None, events=deque(maxlen=100))
+    q.reset([WorkUnit(index=i, source="f", row_start=i, row_end=i + 1) for i in range(n)])
+    for k in range(16):
+        w = W(f"w{k % 8}")
+        u = q.take(w, 64)
+        if u is not None:
+            q.sent(u, w, 0.0)
+    t = time.perf_counter()
+    for _ in range(200):
+        q.in_flight()
+    return (time.perf_counter() - t) / 200 * 1e3
 
 
 def _config(path: Path, inp: Path, out: Path, unit_rows: int, **extra) -> Path:
@@ -236,10 +285,11 @@ def main() -> None:
     global N_FILES, ROWS_PER_FILE, BIG_ROWS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/batchgen_scale", help="where the generated data and outputs go")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["plan", "amplification", "verify"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["plan", "amplification", "verify", "batch_plan", "queue"])
     ap.add_argument("--files", type=int, default=N_FILES, help="input files (default 100)")
     ap.add_argument("--rows", type=int, default=ROWS_PER_FILE, help="prompts per file (default 100,000)")
     ap.add_argument("--big-rows", type=int, default=BIG_ROWS, help="rows of the one-row-group file (default 2^20)")
+    ap.add_argument("--batch-lines", type=int, default=BATCH_LINES, help="lines of the OpenAI batch file (default 1,000,000)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -297,6 +347,22 @@ def main() -> None:
             results[verb] = r
             last = [ln for ln in r["output"].splitlines() if ln.strip()][-1:]
             print(f"{verb} of {N_FILES * ROWS_PER_FILE // GROUP:,} files: {r['wall_s']}s, peak RSS {r['max_rss_mb']} MB, exit {r['exit']} {last}")
+    if "batch_plan" not in args.skip:
+        for label, n, seeds in (("chat lines", args.batch_lines, False), ("chat lines, a seed each", args.batch_lines // 5, True)):
+            f = d / f"batch-{n}{'-seeds' if seeds else ''}.jsonl"
+            _write_batch(f, n, seeds)
+            cfg = d / f"{f.stem}.yaml"
+            cfg.write_text(json.dumps({"model": {"path": "tiny-random"}, "output": {"path": str(d / f"out_{f.stem}")},
+                                       "input": {"path": str(f), "format": "openai_batch"}}))
+            r = _measure(["plan", str(cfg)])
+            results[f"batch_plan_{f.stem}"] = r
+            print(f"plan of an OpenAI batch file, {n:,} {label} ({f.stat().st_size / 1e6:,.0f} MB): {r['wall_s']}s "
+                  f"({n / r['wall_s']:,.0f} lines/s, the process's start included), peak RSS {r['max_rss_mb']} MB, "
+                  f"exit {r['exit']}")
+    if "queue" not in args.skip:
+        ms = _queue_report_ms(200_000)
+        results["queue_in_flight_ms"] = ms
+        print(f"UnitQueue.in_flight() with 200,000 units: {ms:.4f} ms per progress report")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     (d / "results.json").write_text(json.dumps(results, indent=1))
 

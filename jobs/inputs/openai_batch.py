@@ -48,21 +48,28 @@ layout of the stored choices (CHOICE_FORMAT).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import json
 import logging
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+try:  # pydantic's JSON parser (a dependency of batchgen through pydantic): json.loads's values, twice as fast
+    from pydantic_core import from_json as _from_json
+except ImportError:  # pragma: no cover - pydantic 2 always has it
+    _from_json = None
+
 from cluster.unit import UnitRequest, WorkUnit
 from engine.params import SamplingParams, check_sampling_value
 from jobs import uri
-from jobs.errors import InputError
+from jobs.errors import InputError, shown
 from jobs.inputs.prompts import check_messages, template_tool_calls, text_bos, tokenize
 from jobs.inputs.reader import InputFile, InputScan, open_input, resolve
 from jobs.outputs.schema import BATCH_FIELDS, CHAT_URL, COMPLETIONS_URL
@@ -158,15 +165,19 @@ class ParsedLine:
     ignore_eos: bool = False
     error: str | None = None
     ignored: list[str] = field(default_factory=list)
+    num_samples: int = 0  # the line's n once the job's defaults apply (its output rows), 0 with an error
 
 
-def parse_line(raw: bytes, lineno: int, base: SamplingParams, where: str) -> ParsedLine:
+def parse_line(raw: bytes, lineno: int, base: SamplingParams, where: str, *, shapes: "LineShapes | None" = None,
+               params: bool = True) -> ParsedLine:
     """Check one JSONL line against the batch format; `base` holds the job's sampling values
     for what the body leaves out. Never raises: a problem is ParsedLine.error, which names
-    `where`, the line and the field."""
+    `where`, the line and the field. shapes: what the checks gave for earlier lines of the
+    same shape (LineShapes(base), one per file read: the same answers, faster); params False:
+    leave ParsedLine.params None (the scan needs num_samples only)."""
     out = ParsedLine(line=lineno)
     try:
-        obj = json.loads(raw)
+        obj = _loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         why: str | None = f"not valid JSON: {e}"
     except RecursionError:  # json's decoder recurses once per nested array or object
@@ -177,10 +188,39 @@ def parse_line(raw: bytes, lineno: int, base: SamplingParams, where: str) -> Par
             cid = obj.get("custom_id") if isinstance(obj, dict) else None
             out.custom_id = cid if isinstance(cid, str) and cid and _is_text(cid) else None
         else:
-            why = _parse_request(obj, out, base)
+            why = _parse_request(obj, out, base, shapes if shapes is not None and shapes.base is base else None,
+                                 params)
     if why is not None:
-        out.error, out.params = f"{where} line {lineno}: {why}", None
+        out.error, out.params, out.num_samples = f"{where} line {lineno}: {why}", None, 0
     return out
+
+
+# json.loads(raw) for a line, by pydantic_core's parser (jiter) where it parses the line and by
+# json otherwise. jiter refuses all that json refuses, and more (NaN and Infinity, a lone
+# surrogate's escape, a UTF-8 BOM, UTF-16 text, nesting past 200, integers of over 4,300
+# digits, encoded surrogates): json then decodes the line, or gives the error and its message,
+# as before. Where both parse a line they give the same value (tests/test_openai_batch_plan.py).
+# Only while Python's limit on integer digits is its default or above (jiter's is 4,300).
+_JITER_DIGITS = 4300
+_int_digits = getattr(sys, "get_int_max_str_digits", lambda: 0)  # Python before 3.10.7: no limit
+_jiter = None
+if _from_json is not None:
+    try:  # strings but keys not cached (faster here); pydantic-core before 2.17 caches all
+        _from_json(b"{}", cache_strings="keys")
+        _jiter = functools.partial(_from_json, allow_inf_nan=False, cache_strings="keys")
+    except TypeError:  # pragma: no cover
+        _jiter = functools.partial(_from_json, allow_inf_nan=False)
+
+
+def _loads(raw: bytes) -> Any:
+    if _jiter is not None:
+        limit = _int_digits()
+        if limit == 0 or limit >= _JITER_DIGITS:
+            try:
+                return _jiter(raw)
+            except Exception:  # noqa: BLE001 - json's verdict and message decide
+                pass
+    return json.loads(raw)
 
 
 # a \u escape of a UTF-16 surrogate (D800-DFFF): only then can a decoded line hold a lone one
@@ -226,8 +266,11 @@ def _lone_surrogate(obj: Any) -> str | None:
     return None
 
 
-def _parse_request(obj: Any, out: ParsedLine, base: SamplingParams) -> str | None:
-    """Fill `out` from a decoded line; returns why the line is refused (None if it runs)."""
+def _parse_request(obj: Any, out: ParsedLine, base: SamplingParams, shapes: "LineShapes | None" = None,
+                   params: bool = True) -> str | None:
+    """Fill `out` from a decoded line; returns why the line is refused (None if it runs).
+    `shapes`: the outcomes of the envelope's and the body's checks for earlier lines of the
+    same shape (see LineShapes), used and filled; params False: out.params stays None."""
     if not isinstance(obj, dict):
         return f"expected a JSON object with custom_id, method, url and body, got {type(obj).__name__}"
     cid = obj.get("custom_id")
@@ -237,7 +280,15 @@ def _parse_request(obj: Any, out: ParsedLine, base: SamplingParams) -> str | Non
     body = obj.get("body")
     if isinstance(body, dict) and isinstance(body.get("model"), str):
         out.model = body["model"]
-    why = _check_envelope(obj, out, cid, url, body)
+    key = shapes.key(obj, out.custom_id, url, body) if shapes is not None else None
+    shape = shapes.shapes.get(key) if key is not None else None
+    if shape is None:
+        why = _check_envelope(obj, out, cid, url, body)
+        if key is not None:
+            shape = shapes.put(key, _Shape(why, out.kind, tuple(out.ignored), seeded=_ANY_SEED in key))
+    else:
+        why, out.kind = shape.why, shape.kind
+        out.ignored.extend(shape.ignored)
     if why is not None:
         return why
     kind = out.kind
@@ -251,25 +302,158 @@ def _parse_request(obj: Any, out: ParsedLine, base: SamplingParams) -> str | Non
         if why:
             return f"body.prompt: {why}"
         out.prompt = prompt
+    if shape is None:
+        why, changes = _sampling_part(body, kind, base, out)
+        if why is None:
+            out.num_samples = changes.get("num_samples", base.num_samples)
+            if params:
+                out.params = dataclasses.replace(base, **changes) if changes else base
+        return why
+    if shape.sampling is None:  # the first line of this shape to get here
+        why, changes = _sampling_part(body, kind, base, out)
+        shape.sampling = (why, out.logprobs, out.skip_special_tokens, out.ignore_eos, changes)
+    why, out.logprobs, out.skip_special_tokens, out.ignore_eos, changes = shape.sampling
+    if why is None:
+        out.num_samples = changes.get("num_samples", base.num_samples)
+        if shape.seeded:  # the seed check_sampling_value gave back for this line: its own
+            if params:
+                out.params = dataclasses.replace(base, **{**changes, "seed": body["seed"]})
+        elif params:
+            if shape.params is None:
+                shape.params = dataclasses.replace(base, **changes) if changes else base
+            out.params = shape.params
+    return why
+
+
+def _sampling_part(body: dict, kind: str, base: SamplingParams, out: ParsedLine) -> tuple[str | None, dict]:
+    """The checks of a body after its prompt (logprobs, sampling parameters, best_of,
+    skip_special_tokens), setting out.logprobs, skip_special_tokens and ignore_eos as far as
+    they get: (why the line is refused or None, the SamplingParams fields it sets). Reads the
+    body only by body.get of a key in _RELEVANT (LineShapes' rule)."""
     out.logprobs, why = _logprobs_flag(kind, body.get("logprobs"))
     if why is not None:
-        return why
+        return why, {}
     changes, why = _sampling_changes(body, kind, base)
     if why is not None:
-        return why
+        return why, {}
     # best_of = n is plain sampling; compared with the line's n after its defaults (a null or
     # absent n is the job's sampling.num_samples), so "n": null, "best_of": 1 runs
     best_of, n = body.get("best_of"), changes.get("num_samples", base.num_samples)
     if kind == "completion" and best_of is not None and (isinstance(best_of, bool) or best_of != n):
-        return f"body.best_of: {best_of!r} is not supported (only best_of = n, here {n})"
+        return f"body.best_of: {shown(best_of)} is not supported (only best_of = n, here {n})", {}
     skip = body.get("skip_special_tokens")
     if skip is not None and not isinstance(skip, bool):
-        return f"body.skip_special_tokens: must be true or false, got {skip!r}"
+        return f"body.skip_special_tokens: must be true or false, got {shown(skip)}", {}
     out.skip_special_tokens, out.ignore_eos = skip is not False, body.get("ignore_eos") is True
     if out.skip_special_tokens and changes.get("stop", base.stop):
         changes["skip_special_tokens"] = True  # stop strings matched on the content, as vLLM does
-    out.params = dataclasses.replace(base, **changes) if changes else base
-    return None
+    return None, changes
+
+
+
+# the body keys whose values the checks read, per kind (_check_envelope's tests, _sampling_part's
+# body.get); of any other body key they read only the name and whether the value is null
+_RELEVANT = {kind: frozenset(_FEATURES) | frozenset(_DEFAULT_ONLY[kind]) | frozenset(_PARAMS) | _USED[kind]
+             for kind in _USED}
+_PROMPT_KEY = {"chat": "messages", "completion": "prompt"}
+_ENVELOPE = frozenset(("custom_id", "method", "url", "body"))
+_UNKNOWN = object()  # a LineShapes key's mark of a key whose value is not read
+_BIG = 1 << 64  # integers beyond: no shape (a key holds no 4,300-digit number)
+# a seed check_sampling_value takes as it is (a 64-bit integer): lines that differ only there
+# (a seed per line) share a shape, and each gets its own seed back (_Shape.seeded)
+_ANY_SEED = object()
+_SEED_MIN, _SEED_END = -(1 << 63), 1 << 63
+
+
+@dataclass(slots=True, eq=False)
+class _Shape:
+    """What the checks gave for lines of one shape (LineShapes): the envelope's and body's
+    verdict (why, kind, ignored keys) and, once a line of the shape got past its prompt,
+    _sampling_part's (why, logprobs, skip_special_tokens, ignore_eos, changes) and the
+    SamplingParams the changes make."""
+
+    why: str | None
+    kind: str | None
+    ignored: tuple[str, ...]
+    sampling: tuple | None = None
+    params: SamplingParams | None = None
+    seeded: bool = False  # the shape holds any valid seed: the changes' "seed" is the line's own
+
+
+class LineShapes:
+    """The outcomes of a line's checks but for its custom_id and prompt, kept for the lines of
+    a file that share them: in a batch file most lines differ only there, and checking each
+    line's body parameters again (and building its SamplingParams) was most of the scan.
+
+    A line's shape is its url and its body without the prompt (messages or prompt): the value
+    of each key the checks read (_RELEVANT: exact, its type included, a zero float by its hex
+    so that -0.0 is not 0.0, a list as a tuple of strings and integers; of a seed only that it
+    is a valid one, each line getting its own back), the name and nullness of every other key,
+    in the body's order. Only lines with a usable custom_id, method
+    "POST", no key but custom_id, method, url and body, a url batchgen answers and short
+    values have one (LineShapes.key None: checked in full, every time); at most LIMIT shapes
+    are kept (then forgotten all at once), each bounded by MAX_CHARS characters of text.
+    `base`: the job's SamplingParams, the only base the outcomes hold for (parse_line ignores
+    shapes made for another)."""
+
+    LIMIT = 1024
+    MAX_ITEMS = 64
+    MAX_CHARS = 2048
+    MAX_LIST = 32
+
+    def __init__(self, base: SamplingParams) -> None:
+        self.base = base
+        self.shapes: dict[tuple, _Shape] = {}
+
+    def put(self, key: tuple, shape: _Shape) -> _Shape:
+        if len(self.shapes) >= self.LIMIT:
+            self.shapes.clear()
+        self.shapes[key] = shape
+        return shape
+
+    def key(self, obj: dict, custom_id: str | None, url: Any, body: Any) -> tuple | None:
+        """The shape of a decoded line (see the class docstring), or None when it has none."""
+        kind = URLS.get(url) if url.__class__ is str else None
+        if (kind is None or custom_id is None or body.__class__ is not dict or len(body) > self.MAX_ITEMS
+                or obj.get("method") != "POST" or not _ENVELOPE.issuperset(obj)):
+            return None
+        relevant, skip = _RELEVANT[kind], _PROMPT_KEY[kind]
+        parts: list[Any] = [url]
+        chars = 0
+        for k, v in body.items():
+            if k not in relevant:
+                chars += len(k)
+                parts += (k, _UNKNOWN, v is None)
+                continue
+            if k == skip:  # _check_envelope passes it by; _sampling_part does not read it
+                continue
+            t = v.__class__
+            if t is int:
+                if k == "seed" and _SEED_MIN <= v < _SEED_END:  # any valid seed: the line's own is put back
+                    parts += (k, _ANY_SEED, None)
+                    continue
+                if not -_BIG <= v <= _BIG:
+                    return None
+            elif t is float:
+                if not v:  # -0.0 == 0.0: told apart by their hex (other floats compare exactly)
+                    v = v.hex()
+            elif t is str:
+                chars += len(v)
+            elif t is list:
+                if len(v) > self.MAX_LIST:
+                    return None
+                for x in v:
+                    if x.__class__ is str:
+                        chars += len(x)
+                    elif x.__class__ is not int or not -_BIG <= x <= _BIG:
+                        return None
+                v = tuple(v)
+            elif not (v is None or t is bool):
+                return None  # objects: checked in full
+            parts += (k, t, v)
+        if chars > self.MAX_CHARS:
+            return None
+        return tuple(parts)
 
 
 def _check_envelope(obj: dict, out: ParsedLine, cid: Any, url: Any, body: Any) -> str | None:
@@ -277,14 +461,14 @@ def _check_envelope(obj: dict, out: ParsedLine, cid: Any, url: Any, body: Any) -
     why the line is refused, or None."""
     for key in obj:
         if key not in ("custom_id", "method", "url", "body"):
-            return f"unknown key {key!r} (a request line has custom_id, method, url and body)"
+            return f"unknown key {shown(key)} (a request line has custom_id, method, url and body)"
     if out.custom_id is None:
-        return f"custom_id: must be a non-empty string, got {cid!r}"
+        return f"custom_id: must be a non-empty string, got {shown(cid)}"
     if obj.get("method") != "POST":
-        return f"method: must be \"POST\", got {obj.get('method')!r}"
+        return f"method: must be \"POST\", got {shown(obj.get('method'))}"
     kind = URLS.get(url) if isinstance(url, str) else None
     if kind is None:
-        return f"url: {url!r} is not supported (batchgen answers {CHAT_URL} and {COMPLETIONS_URL})"
+        return f"url: {shown(url)} is not supported (batchgen answers {CHAT_URL} and {COMPLETIONS_URL})"
     out.kind = kind
     if not isinstance(body, dict):
         return f"body: must be a JSON object, got {type(body).__name__}"
@@ -297,7 +481,7 @@ def _check_envelope(obj: dict, out: ParsedLine, cid: Any, url: Any, body: Any) -
                 return f"body.{key}: not supported by batchgen for {url}"
         elif key in default_only:
             if not default_only[key](value):
-                return f"body.{key}: {value!r} is not supported (batchgen does not compute it)"
+                return f"body.{key}: {shown(value)} is not supported (batchgen does not compute it)"
         elif key not in _PARAMS and key not in _USED[kind] and key not in _IGNORED:
             out.ignored.append(f"body.{key}")
     return None
@@ -307,12 +491,12 @@ def _logprobs_flag(kind: str, lp: Any) -> tuple[bool, str | None]:
     """Whether the line asks for the sampled tokens' logprobs, or (False, why refused)."""
     if kind == "chat":
         if lp is not None and not isinstance(lp, bool):
-            return False, f"body.logprobs: must be true or false, got {lp!r}"
+            return False, f"body.logprobs: must be true or false, got {shown(lp)}"
         return bool(lp), None
     if lp is None:
         return False, None
     if isinstance(lp, bool) or not isinstance(lp, int) or lp < 0:
-        return False, f"body.logprobs: must be an integer >= 0, got {lp!r}"
+        return False, f"body.logprobs: must be an integer >= 0, got {shown(lp)}"
     if lp > 0:
         return False, (f"body.logprobs: {lp} asks for the {lp} most likely alternatives per token, which batchgen "
                        f"does not compute; 0 returns the sampled tokens' logprobs")
@@ -341,7 +525,7 @@ def _sampling_changes(body: dict, kind: str, base: SamplingParams) -> tuple[dict
             return {}, f"body.{key}: {e}"
     ignore_eos = body.get("ignore_eos")
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
-        return {}, f"body.ignore_eos: must be true or false, got {ignore_eos!r}"
+        return {}, f"body.ignore_eos: must be true or false, got {shown(ignore_eos)}"
     if ignore_eos and "stop_token_ids" not in changes:
         changes["stop_token_ids"] = ()
     return changes, None
@@ -357,7 +541,14 @@ def _messages(value: Any, ignored: list[str]) -> tuple[list[dict] | None, str | 
     if not isinstance(value, list) or not value:
         return None, f"must be a non-empty list of messages, got {value!r}"[:200]
     out = []
+    plain = True  # every message only a non-empty role and a text content: check_messages passes them
     for i, m in enumerate(value):
+        if m.__class__ is dict and len(m) == 2:  # the common message, as the loop below makes it
+            role, content = m.get("role"), m.get("content")
+            if role.__class__ is str and role and content.__class__ is str:
+                out.append({"role": role, "content": content})
+                continue
+        plain = False
         if not isinstance(m, dict):
             return None, f"message {i} is not an object"
         role, content = m.get("role"), m.get("content")
@@ -367,7 +558,7 @@ def _messages(value: Any, ignored: list[str]) -> tuple[list[dict] | None, str | 
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    return None, f"message {i} content part {j}: type {kind!r} is not supported (text only)"
+                    return None, f"message {i} content part {j}: type {shown(kind)} is not supported (text only)"
                 texts.append(part["text"])
             content = "\n".join(texts)
         if content is None and role == "assistant" and m.get("tool_calls"):
@@ -390,6 +581,8 @@ def _messages(value: Any, ignored: list[str]) -> tuple[list[dict] | None, str | 
             else:
                 ignored.append(f"messages[].{key}")
         out.append(msg)
+    if plain:
+        return out, None
     why = check_messages(out)
     return (None, why) if why else (out, None)
 
@@ -520,21 +713,22 @@ class BatchReader:
         bos = text_bos(tokenizer)
         vocab = getattr(tokenizer, "vocab_size", None)
         out: list[UnitRequest] = []
+        shapes = LineShapes(params)
         for _, _, lineno, raw in _iter_lines(io.BytesIO(data), first_line=first_line, offset=start):
-            if raw.strip():
-                out.append(self._request(raw, lineno, params, tokenizer, bos, vocab))
+            if raw and not raw.isspace():  # raw.strip(): not only ASCII whitespace
+                out.append(self._request(raw, lineno, params, tokenizer, bos, vocab, shapes))
         if len(out) != unit.num_rows:
             raise RuntimeError(f"{bp.name}: unit {unit.index} holds {len(out)} request lines, expected "
                                f"{unit.num_rows} (was the input file changed after the job started?)")
         return out, 0
 
     def _request(self, raw: bytes, lineno: int, params: Any, tokenizer: Any, bos: int | None,
-                 vocab: int | None) -> UnitRequest:
+                 vocab: int | None, shapes: LineShapes | None = None) -> UnitRequest:
         bp = self.state
-        parsed = parse_line(raw, lineno, params, bp.name)
+        parsed = parse_line(raw, lineno, params, bp.name, shapes=shapes)
         error = parsed.error
         if error is None and lineno in bp.duplicates:
-            error = (f"{bp.name} line {lineno}: custom_id: {parsed.custom_id!r} is also the custom_id of line "
+            error = (f"{bp.name} line {lineno}: custom_id: {shown(parsed.custom_id)} is also the custom_id of line "
                      f"{bp.duplicates[lineno]} (custom_ids must be unique)")
         pid = bp.prompt_id(parsed.custom_id, lineno)
         line_params = parsed.params if error is None else dataclasses.replace(params, num_samples=1)
@@ -577,12 +771,14 @@ def _cut_lines(stream: Any, sha: Any, name: str, source: str, base: SamplingPara
             bp.ranges[index] = (cur[0], cur[1], cur[2])
             expected[index] = cur[4]
 
+    shapes = LineShapes(base)
     for start, end, lineno, raw in _iter_lines(stream, hasher=sha):
-        if not raw.strip():
+        if not raw or raw.isspace():  # not raw.strip(): empty or only ASCII whitespace
             continue
-        parsed = parse_line(raw, lineno, base, name)
-        for key in dict.fromkeys(parsed.ignored):
-            ignored.setdefault(key, [0, lineno])[0] += 1
+        parsed = parse_line(raw, lineno, base, name, shapes=shapes, params=False)
+        if parsed.ignored:
+            for key in dict.fromkeys(parsed.ignored):
+                ignored.setdefault(key, [0, lineno])[0] += 1
         if parsed.custom_id is None:
             fallback.append(lineno)
         elif parsed.custom_id in owners:
@@ -590,7 +786,7 @@ def _cut_lines(stream: Any, sha: Any, name: str, source: str, base: SamplingPara
             fallback.append(lineno)
         else:
             owners[parsed.custom_id] = lineno
-        rows = 1 if parsed.error or lineno in bp.duplicates else parsed.params.num_samples
+        rows = 1 if parsed.error or lineno in bp.duplicates else parsed.num_samples
         if cur is None or cur[3] == step:
             close()
             cur = [start, end, lineno, 0, 0]
