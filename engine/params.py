@@ -109,6 +109,18 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _finite_float(v: Any) -> float | None:
+    """float(v) for a finite number, else None (an int past float's range, 10**400, raised
+    OverflowError out of the check: a batch line's "temperature" stopped the whole scan)."""
+    if not _is_number(v):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def check_sampling_value(name: str, v: Any) -> Any:
     """Validate and normalise one sampling field; the one set of rules for the engine's
     SamplingParams and the job spec's `sampling` section.
@@ -125,9 +137,10 @@ def check_sampling_value(name: str, v: Any) -> Any:
         if v is not None and (not _is_int(v) or v < 1):
             raise ValueError(f"must be an integer >= 1, got {shown(v)}")
     elif name == "temperature":
-        if not _is_number(v) or not math.isfinite(v) or v < 0:
+        f = _finite_float(v)
+        if f is None or f < 0:
             raise ValueError(f"must be a finite number >= 0 (0 is greedy), got {shown(v)}")
-        return float(v)
+        return f
     elif name == "top_k":
         v = 0 if v is None else v
         # bounded as the engine's int64 tensor holds it (2**63 failed the whole batch's step)

@@ -111,7 +111,11 @@ def _check_number(v: Any) -> None:
 def _check_bound(v: Any, lo: float, *, strict: bool, what: str) -> Any:
     """v, a finite number > lo (strict) or >= lo; else ValueError "must be {what}, got v"."""
     _check_number(v)
-    if not math.isfinite(v) or (v <= lo if strict else v < lo):
+    try:
+        finite = math.isfinite(v)
+    except OverflowError:  # an int past float's range (10**400): not a traceback, a bad value
+        finite = False
+    if not finite or (v <= lo if strict else v < lo):
         raise ValueError(f"must be {what}, got {shown(v)}")
     return v
 
@@ -395,6 +399,9 @@ class JobSpec(_Section):
     source: str = "<spec>"
     # Tools given as Python objects (run_job / GenerationPool `tools=`): engine.tool_runner.Tool
     _python_tools: list = PrivateAttr(default_factory=list)
+    # What set the keys an override gave ("model.path" -> "--set 'model.path=x'"), from_dict's
+    # `origins`: the checks after validation (jobs/plan/planner.py) name them with `given`
+    _origins: dict = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _openai_defaults(self) -> "JobSpec":
@@ -423,9 +430,17 @@ class JobSpec(_Section):
         if "source" in data:
             raise SpecError(f"{source}: unknown key source")
         try:
-            return cls.model_validate({**data, "source": source})
+            spec = cls.model_validate({**data, "source": source})
         except ValidationError as e:
             raise SpecError(_format_validation_error(e, source, origins or {})) from None
+        spec._origins = dict(origins or {})
+        return spec
+
+    def given(self, *keys: str) -> str:
+        """What gave `keys` ("section.key"), for a message about them: the config (`source`), the
+        overrides that set them, or both ("job.yaml, --set 'model.device=cuda'") where the
+        config gave some of them."""
+        return _origin_of(keys, self.source, self._origins)
 
     def sampling_params(self) -> "SamplingParams":
         """The engine's SamplingParams for this job (calculator from tools.calculator)."""
@@ -589,6 +604,17 @@ def model_identity(path: str, tokenizer: str | None = None) -> dict[str, Any]:
     return ident
 
 
+def _origin_of(keys: Any, source: str, origins: Mapping[str, str], partly: bool = False) -> str:
+    """What gave `keys`: `source`, the overrides among `origins` that set them, or both where
+    `source` gave some of them (always, with `partly`: a check over keys not all listed)."""
+    given = list(dict.fromkeys(origins[k] for k in keys if k in origins))
+    if not given:
+        return source
+    if partly or len(given) < len(set(keys)) or any(k not in origins for k in keys):
+        return ", ".join([source, *given])
+    return ", ".join(given)
+
+
 def _format_validation_error(e: ValidationError, source: str, origins: Mapping[str, str]) -> str:
     """The message of a validation error: its problems, each "key: what is wrong", after
     what gave the value: `source` (the file), or the override that set the key (`origins`,
@@ -596,7 +622,13 @@ def _format_validation_error(e: ValidationError, source: str, origins: Mapping[s
     by_origin: dict[str, list[str]] = {}
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"])
-        origin = origins.get(".".join(str(x) for x in err["loc"][:2]), source) if len(err["loc"]) >= 2 else source
+        if len(err["loc"]) >= 2:
+            origin = origins.get(".".join(str(x) for x in err["loc"][:2]), source)
+        elif err["loc"]:  # a section's own check across its keys (input: column with format openai_batch)
+            section = f"{err['loc'][0]}."
+            origin = _origin_of([k for k in origins if k.startswith(section)], source, origins, partly=True)
+        else:
+            origin = source
         parts = by_origin.setdefault(origin, [])
         typ = err["type"]
         if typ == "extra_forbidden":

@@ -375,3 +375,20 @@ def test_exponent_numbers_without_a_dot_are_numbers(tmp_path):
         assert d["sampling"]["stop"] == value
     apply_override(d, "output.path=1e5")
     assert d["output"]["path"] == "1e5"
+
+
+@pytest.mark.parametrize("key", ["sampling.temperature", "output.lease_timeout_s", "cluster.unit_timeout_s"])
+def test_an_integer_past_floats_range_is_a_bad_value_not_a_crash(key):
+    """An integer too large for a float (10**400) given for a number: math.isfinite raised
+    OverflowError out of the check (a traceback, exit 1, and in an OpenAI batch file the whole
+    scan stopped on one line's "temperature"). Now a bad value named by key (exit 2), and the
+    engine's check (per-row and batch-line parameters) a ValueError."""
+    from engine.params import check_sampling_value
+    from jobs.config import load_job_spec
+
+    with pytest.raises(SpecError, match=key.replace(".", r"\.")) as e:
+        load_job_spec({"model": None}, [f"{key}=1{'0' * 400}"])
+    assert e.value.exit_code == 2
+    for name in ("temperature", "top_p", "min_p"):
+        with pytest.raises(ValueError, match="must be"):
+            check_sampling_value(name, 10**400)
