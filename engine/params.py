@@ -95,10 +95,20 @@ def shown(value: Any, limit: int = MAX_SHOWN_CHARS) -> str:
         text = repr(value)
     except ValueError:  # int.__repr__ past sys.get_int_max_str_digits
         return f"an integer of {value.bit_length():,} bits" if isinstance(value, int) else object.__repr__(value)
+    except Exception as e:  # noqa: BLE001 - a repr that raises (or nests past the recursion limit):
+        # the message about the value is still made, not replaced by the repr's error
+        return f"{object.__repr__(value)} (its repr failed: {type(e).__name__})"
     if len(text) <= limit:
         return text
     n = len(value) if isinstance(value, str) else len(text)
     return f"{text[:limit]}... ({n:,} characters)"
+
+
+def shown_key(key: Any, limit: int = MAX_SHOWN_CHARS) -> str:
+    """A key (a config key, a dotted key path) as a message names it: its text, bounded as
+    shown() bounds a value (a 100 KB key was named whole)."""
+    text = str(key)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def _is_int(v: Any) -> bool:

@@ -60,12 +60,13 @@ def _source_version() -> str | None:
 
 def version_line() -> str:
     """`batchgen --version`: "batchgen <version> (torch <version>, python <version>)". The
-    versions come from the installed distributions' metadata (batchgen's is pyproject.toml's,
-    as installed; from the checkout's pyproject.toml when batchgen is not installed), so
-    nothing is imported: no torch, no engine, no kernels compiled."""
+    versions come from the installed distributions' metadata, so nothing is imported: no
+    torch, no engine, no kernels compiled. batchgen's is the pyproject.toml's beside the code
+    that runs (a checkout, run with PYTHONPATH=. or installed editable: the metadata is the
+    version at install time, or another installed batchgen's), else its metadata (installed)."""
     import platform
 
-    ours = _distribution_version("batchgen") or _source_version() or "unknown"
+    ours = _source_version() or _distribution_version("batchgen") or "unknown"
     torch = _distribution_version("torch") or "not installed"
     return f"batchgen {ours} (torch {torch}, python {platform.python_version()})"
 

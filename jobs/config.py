@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from jobs.errors import SpecError, shown
+from jobs.errors import SpecError, shown, shown_key
 from jobs.spec import JobSpec, spec_sections
 
 
@@ -55,10 +55,10 @@ def apply_override(data: dict[str, Any], override: str, source: str = "--set") -
     section, name = parts
     sections = spec_sections()
     if section not in sections:
-        raise SpecError(f"{given}: unknown key {key} (sections: {', '.join(sections)})")
+        raise SpecError(f"{given}: unknown key {shown_key(key)} (sections: {', '.join(sections)})")
     fields = sections[section].model_fields
     if name not in fields:
-        raise SpecError(f"{given}: unknown key {key} (keys of {section}: {', '.join(fields)})")
+        raise SpecError(f"{given}: unknown key {shown_key(key)} (keys of {section}: {', '.join(fields)})")
     is_str = fields[name].annotation in (str, str | None)
     try:
         value = yaml.load(raw, Loader=ConfigLoader) if raw.strip() else None
@@ -211,7 +211,7 @@ def normalise_sections(data: Any, source: str) -> dict[str, Any]:
         data["tools"] = {"functions": data["tools"]}
     for key, value in data.items():
         if key not in spec_sections():
-            raise SpecError(f"{source}: unknown key {key} (sections: {', '.join(spec_sections())})")
+            raise SpecError(f"{source}: unknown key {shown_key(key)} (sections: {', '.join(spec_sections())})")
         if value is not None and not isinstance(value, dict):
             raise SpecError(f"{source}: {key}: must be a mapping, got {shown(value)}")
         if value is None:
@@ -259,7 +259,8 @@ def load_job_spec(config: str | Path | Mapping[str, Any] | Any,
         data = normalise_sections(data, source)
     else:
         raise SpecError(f"run_job: config must be a YAML path, a dict or a JobSpec, got {type(config).__name__}")
-    origins = {apply_override(data, ov, source): set_origin(ov) for ov in strings}
+    origins = dict(config._origins) if isinstance(config, JobSpec) else {}  # what set its keys, kept
+    origins.update({apply_override(data, ov, source): set_origin(ov) for ov in strings})
     for key, value in sets:
         _set(data, key, value, source)
         origins[key.strip()] = f"override {key.strip()}={shown(value)}"

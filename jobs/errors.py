@@ -8,8 +8,18 @@ Exit code 1: the job started and failed (a unit kept failing, workers kept dying
 """
 from __future__ import annotations
 
-# one rule for both layers (engine/ imports nothing from jobs/; engine.params imports no torch)
-from engine.params import MAX_SHOWN_CHARS, shown  # noqa: F401 - re-exported
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    # `shown`, `shown_key` and MAX_SHOWN_CHARS are engine.params' (one rule for both layers; engine/ imports
+    # nothing from jobs/), re-exported on first use: importing jobs.errors (every CLI command,
+    # `batchgen --version` included) imports no engine
+    if name in ("shown", "shown_key", "MAX_SHOWN_CHARS"):
+        from engine import params
+
+        return getattr(params, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class JobError(Exception):

@@ -64,7 +64,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
                       field_validator, model_validator)
 
 from engine.params import check_sampling_value
-from jobs.errors import SpecError, shown
+from jobs.errors import SpecError, shown, shown_key
 
 if TYPE_CHECKING:
     from engine.params import SamplingParams
@@ -281,7 +281,7 @@ def _not_json(v: Any, where: str = "") -> str | None:
     if isinstance(v, dict):
         for k, item in v.items():
             if not isinstance(k, str):
-                return f"the key {shown(k)}{where and ' in ' + where} is not a string (quote it)"
+                return f"the key {shown(k)}{where and ' in ' + shown_key(where)} is not a string (quote it)"
             if why := _not_json(item, f"{where}.{k}" if where else k):
                 return why
         return None
@@ -289,7 +289,7 @@ def _not_json(v: Any, where: str = "") -> str | None:
         return next((why for i, item in enumerate(v) if (why := _not_json(item, f"{where}[{i}]"))), None)
     if v is None or isinstance(v, (str, bool, int)) or isinstance(v, float) and math.isfinite(v):
         return None
-    return f"{where or 'the value'}: {shown(v)} is not a JSON value (quote it to give a string)"
+    return f"{shown_key(where) or 'the value'}: {shown(v)} is not a JSON value (quote it to give a string)"
 
 
 class FunctionToolSpec(_Section):
@@ -621,7 +621,7 @@ def _format_validation_error(e: ValidationError, source: str, origins: Mapping[s
     keyed by "section.key"). Problems of one origin are joined with "; ", in order."""
     by_origin: dict[str, list[str]] = {}
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"])
+        loc = ".".join(shown_key(x) for x in err["loc"])  # a key may be huge (an unknown one)
         if len(err["loc"]) >= 2:
             origin = origins.get(".".join(str(x) for x in err["loc"][:2]), source)
         elif err["loc"]:  # a section's own check across its keys (input: column with format openai_batch)

@@ -143,3 +143,52 @@ def test_a_huge_duplicate_prompt_id_is_bounded(tmp_path):
     with pytest.raises(InputError) as e:
         plan_job(spec)
     assert "duplicate prompt id" in str(e.value) and len(str(e.value)) < BOUND, str(e.value)[:300]
+
+
+def test_shown_survives_a_repr_that_fails():
+    """A value whose repr raises (or nests past the recursion limit) is named by its type and
+    address: the repr's exception replaced the message (a RuntimeError from run_job where a
+    SpecError, exit 2, naming the key was due)."""
+    from jobs.config import load_job_spec
+
+    class Unprintable:
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    value = Unprintable()
+    assert shown(value) == f"{object.__repr__(value)} (its repr failed: RuntimeError)"
+    deep: list = []
+    cur = deep
+    for _ in range(100_000):
+        cur.append([])
+        cur = cur[0]
+    assert "(its repr failed: RecursionError)" in shown(deep)
+    with pytest.raises(SpecError, match=r"^override sampling.temperature=<.*Unprintable object at 0x[0-9a-f]+> "
+                                        r"\(its repr failed: RuntimeError\): sampling.temperature: must be a finite number"):
+        load_job_spec({"model": {"path": "tiny-random"}}, {"sampling.temperature": Unprintable()})
+
+
+def test_huge_keys_are_named_bounded():
+    """A huge key (unknown, or on the path to a value JSON cannot hold) is named by its first
+    200 characters and its length: it was named whole (100,000 characters for a 100,000-character
+    key), in the file's message and in --set's."""
+    import datetime
+
+    from jobs.config import apply_override, normalise_sections
+
+    key = "k" * 100_000
+    bounded = "k" * 200 + "... (100,000 characters)"
+    for data, where in (({"sampling": {key: 1}}, f"unknown key sampling.{bounded}"),
+                        ({"tools": {"functions": [{"name": "f", "function": "os:getcwd", "parameters": {
+                            "type": "object", "properties": {key: {"default": datetime.date(2020, 1, 1)}}}}]}},
+                         f"properties.{'k' * 189}... (100,019 characters): datetime.date(2020, 1, 1) is not")):
+        with pytest.raises(SpecError) as e:
+            JobSpec.from_dict(data, "job.yaml")
+        assert len(str(e.value)) < BOUND and where in str(e.value), str(e.value)[:400]
+    with pytest.raises(SpecError) as e:
+        normalise_sections({key: {}}, "<dict>")
+    assert len(str(e.value)) < BOUND and f"unknown key {bounded}" in str(e.value), str(e.value)[:400]
+    with pytest.raises(SpecError) as e:
+        apply_override({}, f"sampling.{key}=1")
+    assert len(str(e.value)) < 2 * BOUND and f"unknown key sampling.{'k' * 191}... (100,009 characters)" in str(
+        e.value), str(e.value)[:400]

@@ -584,3 +584,67 @@ def test_a_huge_set_value_is_not_echoed_whole(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: --set '") and len(err) < 1200, (len(err), err[:300])
         assert "characters)" in err, err
+
+
+def test_version_of_a_checkout_is_its_own_not_the_installed_ones(tmp_path):
+    """A checkout run with PYTHONPATH=. (or installed editable, then bumped) says its own
+    pyproject.toml's version: it said the installed distribution's (0.1.0 for a checkout at
+    0.2.0), the version of other code than the one running."""
+    import shutil
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(ROOT / "jobs", checkout / "jobs", ignore=shutil.ignore_patterns("__pycache__"))
+    text = (ROOT / "pyproject.toml").read_text()
+    (checkout / "pyproject.toml").write_text(text.replace('\nversion = "', '\nversion = "99.0.0+checkout.', 1))
+    assert 'version = "99.0.0+checkout.' in (checkout / "pyproject.toml").read_text()
+    probe = ("import sys\nimport jobs.cli\nassert jobs.cli.__file__.startswith(sys.argv[1]), jobs.cli.__file__\n"
+             "jobs.cli.main(['--version'])\n")
+    r = subprocess.run([sys.executable, "-c", probe, str(checkout)], capture_output=True, text=True, cwd=checkout,
+                       env={**os.environ, "PYTHONPATH": str(checkout)}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("batchgen 99.0.0+checkout."), r.stdout
+
+
+def test_errors_of_the_checks_after_validation_name_the_override_too(tmp_path):
+    """The checks `plan` (and `run`) make after the config validates (model.path exists,
+    model.device against cluster.gpus_per_worker) and a section's check across its keys
+    (input.column with format openai_batch) name the override that gave the value: they named
+    the YAML file, which never set it (`job.yaml: model.path: '/nope/m' does not exist`)."""
+    from jobs.cli import batch_spec
+    from jobs.config import load_job_spec
+    from jobs.errors import SpecError
+    from jobs.plan.planner import check_device, check_model_path
+
+    cfg = _plan_config(tmp_path)
+    r = cli("plan", cfg, "--set", f"model.path={tmp_path / 'nope'}")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"error: --set 'model.path={tmp_path / 'nope'}': model.path: "
+                               f"'{tmp_path / 'nope'}' does not exist"), r.stderr
+    r = cli("plan", cfg, "--set", "model.tokenizer=/nope/tok")
+    assert r.returncode == 2 and r.stderr == ("error: --set 'model.tokenizer=/nope/tok': model.tokenizer: "
+                                              "'/nope/tok' does not exist\n"), r.stderr
+    # a check of two keys, one from the file (the default gpus_per_worker 0), one from --set
+    with pytest.raises(SpecError, match=rf"^{cfg}, --set 'model.device=cuda': model.device: 'cuda' with "):
+        check_device(load_job_spec(str(cfg), ["model.device=cuda"]))
+    with pytest.raises(SpecError, match=r"^--set 'model.device=cuda', --set 'cluster.gpus_per_worker=0': "):
+        check_device(load_job_spec(str(cfg), ["model.device=cuda", "cluster.gpus_per_worker=0"]))
+    cuda_cfg = tmp_path / "cuda.yaml"  # both from the file: the file alone is named
+    cuda_cfg.write_text(json.dumps({"model": {"device": "cuda"}}))
+    with pytest.raises(SpecError, match=rf"^{cuda_cfg}: model.device: 'cuda' with "):
+        check_device(load_job_spec(str(cuda_cfg), ["sampling.seed=1"]))
+    with pytest.raises(SpecError, match=r"^override model.path='/nope/m': model.path: '/nope/m' does not exist"):
+        check_model_path(load_job_spec(str(cfg), {"model.path": "/nope/m"}))
+    # a JobSpec given to run_job keeps what set its keys
+    spec = load_job_spec(str(cfg), ["model.path=/nope/m"])
+    with pytest.raises(SpecError, match=r"^--set 'model.path=/nope/m': model.path: '/nope/m' does not exist"):
+        check_model_path(load_job_spec(spec, {"sampling.seed": 3}))
+    # run-batch: --model (with a config that does not give it)
+    with pytest.raises(SpecError, match=r"^--model '/nope/m': model.path: '/nope/m' does not exist"):
+        check_model_path(batch_spec(str(tmp_path / "in.jsonl"), str(tmp_path / "o.jsonl"), config=str(cfg),
+                                    model="/nope/m"))
+    # a section's own check across its keys: the file gave format openai_batch, --set the column
+    batch_cfg = tmp_path / "batch.yaml"
+    batch_cfg.write_text(json.dumps({"input": {"path": "in.jsonl", "format": "openai_batch"}}))
+    r = cli("plan", batch_cfg, "--set", "input.column=q")
+    assert r.returncode == 2 and r.stderr.startswith(f"error: {batch_cfg}, --set 'input.column=q': input: column "
+                                                     f"is not used with format openai_batch"), r.stderr

@@ -193,3 +193,24 @@ def test_builders_of_one_library_at_once_all_get_it_whole(tmp_path):
     assert len(set(outs)) == 1 and Path(outs[0]).parent == cache
     assert ctypes.CDLL(outs[0]).batchgen_tiny(4) == 13
     assert [p.name for p in cache.iterdir()] == [Path(outs[0]).name]
+
+
+@pytest.mark.parametrize("given", [".", "rel/cache"])
+def test_a_relative_cache_dir_gives_a_library_that_loads(given, tmp_path):
+    """BATCHGEN_CACHE_DIR relative to the current directory: the library's path is absolute
+    and loads. With "." the path had no "/", so dlopen looked for it on the library search
+    path, not in the cache: the build succeeded and loading it failed."""
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    (csrc / "tiny.cpp").write_text('extern "C" int batchgen_tiny(int x) { return 3 * x + 1; }\n')
+    work = tmp_path / "work"
+    work.mkdir()
+    code = ("import ctypes, pathlib, engine.kernels.build as B\n"
+            f"B.CSRC = pathlib.Path({str(csrc)!r})\n"
+            "p = B.build_library(B.supported_isas()[0])\n"
+            "print(p, ctypes.CDLL(str(p)).batchgen_tiny(4))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=work, capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "BATCHGEN_CACHE_DIR": given, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    path, value = r.stdout.split()
+    assert value == "13" and Path(path).is_absolute() and Path(path).parent == (work / given).resolve()

@@ -119,8 +119,12 @@ def supported_isas() -> list[str]:
 
 
 def cache_dir() -> Path:
+    """The kernel cache, an absolute path: a relative BATCHGEN_CACHE_DIR is the current
+    directory's ("." gave a library path without a "/", which dlopen looks for on the library
+    search path, not here: the build succeeded and the library never loaded), and "~" is the
+    home directory (as a quoted value leaves it)."""
     if os.environ.get("BATCHGEN_CACHE_DIR"):
-        return Path(os.environ["BATCHGEN_CACHE_DIR"])
+        return Path(os.environ["BATCHGEN_CACHE_DIR"]).expanduser().absolute()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "batchgen"
 

@@ -25,7 +25,7 @@ from typing import Any
 import pyarrow as pa
 
 from cluster.unit import WorkUnit
-from jobs.errors import SpecError
+from jobs.errors import SpecError, shown
 from jobs.inputs import reader_for
 from jobs.inputs.reader import InputFile
 from jobs.plan.fingerprint import HashCache, checkpoint_identity, fingerprint_data, fingerprint_of
@@ -123,17 +123,17 @@ def check_model_path(spec: Any) -> None:
 
     mp = spec.model.path
     if mp == "demo":
-        raise SpecError(f"{spec.source}: model.path: 'demo' is not a model name any more: use 'smollm2' "
+        raise SpecError(f"{spec.given('model.path')}: model.path: 'demo' is not a model name any more: use 'smollm2' "
                         f"(SmolLM2-135M-Instruct, a real model) or 'tiny-random' (untrained, for tests)")
     try:
         resolved = str(resolve_builtin(mp))
     except FileNotFoundError as e:
-        raise SpecError(f"{spec.source}: model.path: {e}") from None
+        raise SpecError(f"{spec.given('model.path')}: model.path: {e}") from None
     if mp != TINY_RANDOM and not os.path.exists(resolved):
-        raise SpecError(f"{spec.source}: model.path: {mp!r} does not exist (expected a checkpoint directory, "
+        raise SpecError(f"{spec.given('model.path')}: model.path: {shown(mp)} does not exist (expected a checkpoint directory, "
                         f"a .gguf file, or {' or '.join(map(repr, BUILTIN_NAMES))})")
     if spec.model.tokenizer is not None and not os.path.exists(spec.model.tokenizer):
-        raise SpecError(f"{spec.source}: model.tokenizer: {spec.model.tokenizer!r} does not exist")
+        raise SpecError(f"{spec.given('model.tokenizer')}: model.tokenizer: {shown(spec.model.tokenizer)} does not exist")
 
 
 def check_function_tools(spec: Any) -> None:
@@ -160,7 +160,7 @@ def check_function_tools(spec: Any) -> None:
         ToolResponses(tok, box.schemas())
     except ValueError as e:
         names = ", ".join(t.name for t in box.tools)
-        raise SpecError(f"{spec.source}: tools.functions ({names}): {e}; function tools need a model whose chat "
+        raise SpecError(f"{spec.given('tools.functions')}: tools.functions ({names}): {e}; function tools need a model whose chat "
                         f"template renders tool messages (or model.tokenizer naming one)") from None
 
 
@@ -170,7 +170,7 @@ def check_device(spec: Any) -> None:
     hides any GPU from them, so every worker would run on the same GPU of its node."""
     device = spec.model.device
     if device.split(":")[0] == "cuda" and not spec.cluster.gpus_per_worker:
-        raise SpecError(f"{spec.source}: model.device: {device!r} with cluster.gpus_per_worker 0: Ray would "
+        raise SpecError(f"{spec.given('model.device', 'cluster.gpus_per_worker')}: model.device: {shown(device)} with cluster.gpus_per_worker 0: Ray would "
                         f"reserve no GPU for the workers and every worker would run on the same GPU; set "
                         f"cluster.gpus_per_worker (1: a GPU per worker; a fraction shares one) or model.device "
                         f"auto or cpu")
@@ -187,6 +187,6 @@ def check_local_gpus(spec: Any) -> None:
 
     want, have = c.num_workers * c.gpus_per_worker, local_gpu_count()
     if want > have:
-        raise SpecError(f"{spec.source}: cluster.gpus_per_worker: the job asks for {want:g} GPU(s) "
+        raise SpecError(f"{spec.given('cluster.gpus_per_worker', 'cluster.num_workers')}: cluster.gpus_per_worker: the job asks for {want:g} GPU(s) "
                         f"(num_workers {c.num_workers} x gpus_per_worker {c.gpus_per_worker:g}) but this machine "
                         f"has {have} (a local run; set cluster.address to run on a Ray cluster)")
