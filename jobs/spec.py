@@ -455,9 +455,14 @@ class JobSpec(_Section):
 
     def with_python_tools(self, tools: Any) -> "JobSpec":
         """A copy with `tools` (Python callables, engine.tool_runner.Tool objects or dicts of
-        Tool fields) added to tools.functions. Raises SpecError naming the bad one."""
-        from engine.tool_runner import Tool
+        Tool fields) added to tools.functions. Raises SpecError naming the bad one, and for a
+        ToolBox (an Engine's: a job's tool settings are its config's)."""
+        from engine.tool_runner import Tool, ToolBox
 
+        if isinstance(tools, ToolBox):  # it is not iterable: this raised a bare TypeError
+            raise SpecError(f"{self.source}: tools: a ToolBox is an Engine's; a job or a pool takes a list of tools "
+                            f"(tools=ToolBox.tools) and the settings from its config: tools.max_turns, "
+                            f"tools.max_response_chars, tools.parallel_calls")
         out = self.model_copy()
         try:
             out._python_tools = list(self._python_tools) + [Tool.of(t) for t in (tools or [])]

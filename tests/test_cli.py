@@ -648,3 +648,37 @@ def test_errors_of_the_checks_after_validation_name_the_override_too(tmp_path):
     r = cli("plan", batch_cfg, "--set", "input.column=q")
     assert r.returncode == 2 and r.stderr.startswith(f"error: {batch_cfg}, --set 'input.column=q': input: column "
                                                      f"is not used with format openai_batch"), r.stderr
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """`batchgen status OUT | head -3`: the reader closes the pipe, the next write fails with
+    EPIPE. That printed a BrokenPipeError traceback (and another as Python flushed stdout at
+    exit); now nothing on stderr and exit 141 (128 + SIGPIPE, as a shell reports it). The pipe's
+    read end is closed before the child starts, so every write fails, whatever the timing."""
+    od = _job(tmp_path)
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run([sys.executable, "-m", "jobs.cli", "status", str(od.path)], stdout=write,
+                           stderr=subprocess.PIPE, text=True, env=child_env(), timeout=120)
+    finally:
+        os.close(write)
+    assert r.returncode == 141, r.stderr
+    assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr
+
+
+def test_a_toolbox_given_to_a_job_is_refused_naming_the_config_keys():
+    """run_job(tools=ToolBox(...)) and GenerationPool(tools=ToolBox(...)) raised a bare TypeError
+    ('ToolBox' object is not iterable): a ToolBox is an Engine's; a job's tool settings are its
+    config's, and the message says which keys."""
+    from engine.tool_runner import ToolBox
+    from jobs.config import load_job_spec
+    from jobs.errors import SpecError
+
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    spec = load_job_spec({"model": None})
+    with pytest.raises(SpecError, match="tools.parallel_calls") as e:
+        spec.with_python_tools(ToolBox([add], parallel_calls=True))
+    assert e.value.exit_code == 2
