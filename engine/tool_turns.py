@@ -97,14 +97,28 @@ class ToolTurns:
 
     ToolTurns(box, tokenizer, max_len=...): `max_len` the engine's longest sequence (tokens),
     which a turn's end needs room under. Raises ValueError when the tokenizer cannot render tool
-    messages (engine/tool_calls.py ToolResponses)."""
+    messages (engine/tool_calls.py ToolResponses), and with parallel_calls when it cannot render
+    two in a row (`_check_parallel`)."""
 
     def __init__(self, box: ToolBox, tokenizer: Any, max_workers: int = 16, max_len: int | None = None):
         self.box = box
         self.max_len = max_len
         self.responses = ToolResponses(tokenizer, box.schemas())
+        if box.parallel_calls:
+            self._check_parallel(tokenizer)
         self.runner = ToolRunner(max_workers)
         self.waiting: list[Any] = []  # Sequences with a pending call
+
+    def _check_parallel(self, tokenizer: Any) -> None:
+        """parallel_calls forces a turn's tool messages as one block: a template that cannot
+        render two tool messages in a row is refused when the engine loads, not found in a
+        step (where it would fail every request of the step). Raises ValueError naming it."""
+        try:
+            self.responses.suffix(["a", "b"])
+        except ValueError as e:
+            name = getattr(tokenizer, "name", tokenizer)
+            raise ValueError(f"tools.parallel_calls: the chat template of {name!r} cannot render two tool messages "
+                             f"in a row: {e}") from None
 
     def start(self, seq: Any) -> None:
         """Handle `seq.new_call` (set by its last token): record it, then answer it, run it or

@@ -324,3 +324,28 @@ def test_parallel_turns_do_not_depend_on_the_batch(parts, scripted):
         got.append([(s.tokens, s.mask, s.logprobs, record(s)) for r in res for s in r])
     assert got[0] == got[1]
     assert [len(x[3]) for x in got[0]] == [3, 3, 1, 1, 0, 0]
+
+
+
+def test_parallel_calls_are_refused_at_load_when_the_template_cannot_render_two_tool_messages(parts):
+    """parallel_calls forces a turn's tool messages as one block, rendered by the chat template.
+    A template that renders one tool message but raises on a second in a row is refused when
+    the engine loads, naming it (in a step the error would fail every request of the step);
+    without parallel_calls it needs only one, and loads."""
+    from engine.tool_turns import ToolTurns
+
+    model, tok = parts
+    plain = tok.render_chat_text
+
+    def one_tool_message_only(msgs, *a, **kw):
+        if sum(m.get("role") == "tool" for m in msgs) > 1:
+            raise ValueError("two tool messages in a row")
+        return plain(msgs, *a, **kw)
+
+    tok.render_chat_text = one_tool_message_only
+    try:
+        with pytest.raises(ValueError, match="cannot render two tool messages in a row"):
+            ToolTurns(ToolBox([add], parallel_calls=True), tok)
+        ToolTurns(ToolBox([add]), tok)
+    finally:
+        tok.render_chat_text = plain
