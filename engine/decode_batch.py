@@ -23,7 +23,7 @@ class DecodeBatch:
     Device tensors, one entry per row: tokens (the next input), positions (its position),
     slots, and the sampling parameters temperature, top_k, top_p, min_p, keys; `kinds` (each
     row's sampling path, engine.sampling.row_kinds), `processed` (each row's logprobs_mode is
-    "processed") and `kv_len` (longest sequence of the step) are host values.
+    "processed"), `top` (each row's top_logprobs) and `kv_len` (longest sequence of the step) are host values.
     """
 
     def __init__(self, seqs: list[Sequence], device: torch.device):
@@ -38,6 +38,7 @@ class DecodeBatch:
                               dtype=torch.float32)
         self.kinds = row_kinds(floats[0], torch.tensor([p.top_k for p in ps]), floats[1], floats[2])
         self.processed = [p.logprobs_mode == "processed" for p in ps]
+        self.top = [p.top_logprobs for p in ps]  # each row's top_logprobs k (0: none)
         floats = floats.to(dev)
         ints = torch.tensor([[s.last_token for s in seqs], pos, [s.slot for s in seqs],
                              [p.top_k for p in ps], [s.key[0] for s in seqs], [s.key[1] for s in seqs]],

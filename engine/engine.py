@@ -476,16 +476,19 @@ class Engine:
         keys = torch.tensor([s.key for s in seqs], dtype=torch.long)
         pos = torch.tensor([s.position + 1 for s in seqs], dtype=torch.long)
         dev = self.device
-        toks, lps = sample_step(logits, temp.to(dev), top_k.to(dev), top_p.to(dev), min_p.to(dev), keys.to(dev),
-                                pos.to(dev), kinds, [p.logprobs_mode == "processed" for p in ps],
-                                batched=self.batched_sampling)
+        top = [p.top_logprobs for p in ps]
+        toks, lps, *tops = sample_step(logits, temp.to(dev), top_k.to(dev), top_p.to(dev), min_p.to(dev),
+                                       keys.to(dev), pos.to(dev), kinds, [p.logprobs_mode == "processed" for p in ps],
+                                       batched=self.batched_sampling, **({"top": top} if any(top) else {}))
         host = torch.stack([toks.double(), lps.double()]).tolist()
-        for seq, t, lp in zip(seqs, host[0], host[1]):
+        for i, (seq, t, lp) in enumerate(zip(seqs, host[0], host[1])):
             if seq.first_pending:  # its first token is the tool's result: see _force_first
                 continue
             if seq.next_is_forced():  # a continuation stopped inside (or just before) forced tool output
                 t, lp = seq.forced.popleft(), None
             seq.append(int(t), lp, self.tools, self.tokenizer, self.max_seq_len)
+            if tops and lp is not None and tops[0][i] is not None:  # top_logprobs: the sampled position's
+                seq.top[len(seq.tokens) - 1] = tops[0][i]
             if seq.tools_due():
                 self.tool_turns.start(seq)
         self.num_generated_tokens += len(seqs)
@@ -506,8 +509,9 @@ class Engine:
             self._batch = DecodeBatch(active, self.device)
         db = self._batch
         logits = self.model.forward_step(db.tokens[:, None], db.step_batch(), self.kv)
-        toks, lps = sample_step(logits, db.temperature, db.top_k, db.top_p, db.min_p, db.keys, db.positions + 1,
-                                db.kinds, db.processed, batched=self.batched_sampling)
+        toks, lps, *tops = sample_step(logits, db.temperature, db.top_k, db.top_p, db.min_p, db.keys,
+                                       db.positions + 1, db.kinds, db.processed, batched=self.batched_sampling,
+                                       **({"top": db.top} if any(db.top) else {}))
         host = torch.stack([toks.double(), lps.double()]).tolist()  # the step's one device-to-host copy
         forced: list[tuple[int, int]] = []
         changed = False
@@ -518,6 +522,8 @@ class Engine:
             else:
                 tok, lp = int(host[0][i]), host[1][i]
             seq.append(tok, lp, self.tools, self.tokenizer, self.max_seq_len)
+            if tops and lp is not None and tops[0][i] is not None:  # top_logprobs: the sampled position's
+                seq.top[len(seq.tokens) - 1] = tops[0][i]
             if seq.tools_due():  # a call closed (or, parallel_calls, a turn ended)
                 self.tool_turns.start(seq)  # runs the tool (the sample waits) or queues its answer
             changed |= seq.finish_reason is not None or seq.pending is not None
@@ -536,6 +542,8 @@ class Engine:
         sample = seq.to_sample(self.tokenizer)
         prior = req.resume.weight_versions if req.resume is not None else []
         sample.weight_versions = list(prior) + [seq.weight_version] * (len(sample.tokens) - len(prior))
+        if req.params.top_logprobs > 0:
+            _top_lists(sample, req.resume, seq.top)
         req.samples[0 if req.parent is not None else seq.sample_index] = sample
         req.num_finished += 1
         if req.num_finished < req.params.num_samples:
@@ -682,6 +690,23 @@ class Engine:
         finally:
             self._ready.extend(others)  # streaming requests that finished meanwhile stay for their owner
         return results  # type: ignore[return-value]
+
+
+def _top_lists(sample: Sample, prior: Sample | None, top: dict[int, tuple[list[int], list[float]]]) -> None:
+    """Fill sample.top_logprob_ids / top_logprobs (SamplingParams.top_logprobs > 0): one list
+    per token, the replayed tokens' from the aborted sample `prior` (a continuation), the
+    others from the sequence's record `top` (index in tokens -> (ids, logprobs)); None where
+    forced."""
+    n0 = 0 if prior is None else len(prior.tokens)
+    ids: list = [None] * len(sample.tokens)
+    vals: list = [None] * len(sample.tokens)
+    if prior is not None and prior.top_logprob_ids is not None:
+        ids[:n0] = prior.top_logprob_ids[:n0]
+        vals[:n0] = prior.top_logprobs[:n0]
+    for i, (a, b) in top.items():
+        if n0 <= i < len(ids):
+            ids[i], vals[i] = a, b
+    sample.top_logprob_ids, sample.top_logprobs = ids, vals
 
 
 def load_engine(path: str | Path = "smollm2", device: str = "auto", dtype: str = "auto", *, tokenizer=None,

@@ -40,6 +40,9 @@ class SamplingParams:
             truncation: what a trainer recomputes from the weights) or "processed" (the
             log-probability under the distribution the token was drawn from, after temperature,
             top_k, top_p and min_p; 0 for greedy: what importance-sampling corrections need).
+        top_logprobs: 0 (off) or k in 1..20 (OpenAI's bound; vLLM's logprobs=k): each sampled
+            token's position also reports the k most likely tokens and their logprobs, under
+            the distribution `logprobs_mode` names (Sample.top_logprob_ids / top_logprobs).
         calculator: run the calculator tool on <|python_start|>...<|python_end|> spans.
         skip_special_tokens: the text stop strings are matched on, as vLLM's skip_special_tokens
             makes it. False: the sampled text with special tokens' text (what Sample's decode,
@@ -64,6 +67,7 @@ class SamplingParams:
     logprobs_mode: str = "raw"
     calculator: bool = True
     skip_special_tokens: bool = False  # not a job `sampling` key: an OpenAI batch line's own
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         for name in SAMPLING_FIELDS:
@@ -190,6 +194,9 @@ def check_sampling_value(name: str, v: Any) -> Any:
     elif name == "logprobs_mode":
         if v not in LOGPROBS_MODES:
             raise ValueError(f"must be one of {', '.join(LOGPROBS_MODES)}, got {shown(v)}")
+    elif name == "top_logprobs":
+        if not _is_int(v) or not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"must be an integer from 0 to {MAX_TOP_LOGPROBS} (0 is off), got {shown(v)}")
     elif name == "calculator":
         if not isinstance(v, bool):
             raise ValueError(f"must be true or false, got {shown(v)}")
@@ -199,8 +206,9 @@ def check_sampling_value(name: str, v: Any) -> Any:
 
 
 SAMPLING_FIELDS = ("num_samples", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
-                   "stop_token_ids", "stop", "logprobs_mode", "calculator")
+                   "stop_token_ids", "stop", "logprobs_mode", "top_logprobs", "calculator")
 LOGPROBS_MODES = ("raw", "processed")
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 @dataclass(slots=True)
@@ -267,6 +275,12 @@ class Sample:
     weight_versions: one per token, the engine's `weight_version` when the token was sampled
         or forced (0: the weights loaded at start, +1 per swap). A sample paused and
         continued across a weights swap (Engine.continue_request) carries both versions.
+    top_logprob_ids, top_logprobs: None unless SamplingParams.top_logprobs k > 0; then one
+        list per token: the (at most) k most likely tokens at that position, most likely
+        first (equal logprobs: lower id first), and their logprobs under the distribution
+        `logprobs` uses (so a sampled token in the list has its `logprobs` value there).
+        "processed" lists only tokens the sampler could draw (fewer than k when fewer
+        survive top_k/top_p/min_p; greedy: the argmax alone, at 0). None for forced tokens.
     """
 
     prompt_id: str
@@ -281,6 +295,8 @@ class Sample:
     seed: int = 0
     stop_reason: int | str | None = None
     weight_versions: list[int] = field(default_factory=list)
+    top_logprob_ids: list[list[int] | None] | None = None
+    top_logprobs: list[list[float] | None] | None = None
 
 
 @dataclass(slots=True)

@@ -278,10 +278,14 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 def sample_with_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                          min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                         processed: bool = False, kinds: list[tuple] | None = None, batched: bool | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         processed: bool = False, kinds: list[tuple] | None = None, batched: bool | None = None,
+                         top: list[int] | None = None) -> tuple:
     """Choose one token per row and, with `processed`, its log-probability under the
     distribution it was drawn from.
+
+    top (with `processed`): per row, how many of the processed distribution's most likely
+    tokens to report (0: none, and no work for that row); then a third value comes back, a
+    list with per row None or (ids, logprobs) (see top_entries).
 
     logits: (B, V) float32 raw model logits. temperature, top_p, min_p: (B,) float32;
     top_k: (B,) int64 (0 = off); keys: (B, 2) int64; positions: (B,) int64.
@@ -326,10 +330,14 @@ def sample_with_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k:
         groups.setdefault(kind, []).append(i)
     B, V = logits.shape
     dev = logits.device
+    want = top is not None and processed and any(top)
     if len(groups) == 1 and B <= _rows_per_pass(kinds[0], V, batched):
-        return _sample_group(kinds[0], logits, temperature, top_p, min_p, keys, positions, processed, batched)
+        t, lp, tops = _sample_group(kinds[0], logits, temperature, top_p, min_p, keys, positions, processed, batched,
+                                    top if want else None)
+        return (t, lp) if top is None else (t, lp, tops if want else [None] * B)
     tokens = torch.empty(B, dtype=torch.long, device=dev)
     lps = torch.empty(B, dtype=torch.float32, device=dev) if processed else None
+    all_tops: list = [None] * B
     order = _to_device(torch.tensor([i for rows in groups.values() for i in rows]), dev) if batched else None
     start = 0
     for kind, rows in groups.items():
@@ -339,13 +347,18 @@ def sample_with_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k:
                 r = order[start + i:start + min(i + step, len(rows))]
             else:
                 r = torch.tensor(rows[i:i + step], device=dev)
-            t, lp = _sample_group(kind, logits.index_select(0, r), temperature[r], top_p[r], min_p[r], keys[r],
-                                  positions[r], processed, batched)
+            part = rows[i:i + step]
+            ks = [top[j] for j in part] if want else None
+            t, lp, tops = _sample_group(kind, logits[r], temperature[r], top_p[r], min_p[r], keys[r],
+                                        positions[r], processed, batched, ks if ks and any(ks) else None)
             tokens[r] = t
             if lps is not None:
                 lps[r] = lp
+            if tops is not None:
+                for j, entry in zip(part, tops):
+                    all_tops[j] = entry
         start += len(rows)
-    return tokens, lps
+    return (tokens, lps) if top is None else (tokens, lps, all_tops)
 
 
 def _rows_per_pass(kind: tuple, V: int, batched: bool) -> int:
@@ -399,16 +412,23 @@ def row_kinds(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
 
 def _sample_group(kind: tuple, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                  processed: bool, batched: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  processed: bool, batched: bool = False, top: list[int] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, list | None]:
     """Rows that share `kind` (see sample_with_logprobs; `batched` reads no device value on
-    the host)."""
+    the host). top: per row the number of processed top entries wanted (None: none at all);
+    the third value is then per row None or (ids, logprobs), else None."""
     B, V = logits.shape
     if kind[0] == "greedy":
         tokens = torch.argmax(logits, dim=-1)
-        return tokens, (torch.zeros(B, dtype=torch.float32, device=logits.device) if processed else None)
+        tops = None
+        if top is not None:  # the distribution is the argmax: one token, at log 1 = 0
+            host = tokens.tolist()
+            tops = [([host[i]], [0.0]) if k > 0 else None for i, k in enumerate(top)]
+        return tokens, (torch.zeros(B, dtype=torch.float32, device=logits.device) if processed else None), tops
     t = temperature[:, None]
     if kind[0] == "plain":  # no truncation: race over the whole vocabulary
-        return _race_plain(logits, temperature, keys, positions, processed, batched)
+        tokens, lps = _race_plain(logits, temperature, keys, positions, processed, batched)
+        return tokens, lps, (None if top is None else _plain_top(logits, temperature, top))
     if kind[0] == "top_k":
         # Dividing by a positive temperature keeps the order, so the top-k of the raw
         # logits are the candidates; only they are scaled.
@@ -440,8 +460,107 @@ def _sample_group(kind: tuple, logits: torch.Tensor, temperature: torch.Tensor, 
     choice = torch.argmax(race, dim=-1, keepdim=True)
     tokens = idx.gather(1, choice)[:, 0]
     if not processed:
-        return tokens, None
-    return tokens, (lpd.gather(1, choice)[:, 0] - _logsumexp_rows(lpd)).float()
+        return tokens, None, None
+    lse = _logsumexp_rows(lpd)
+    tops = None
+    if top is not None:
+        rows = [i for i, k in enumerate(top) if k > 0]
+        r = torch.tensor(rows, device=lpd.device)  # (indexing: index_select of whole rows is slow on CPU)
+        lr, ir, er = (lpd, idx, lse[:, None]) if len(rows) == B else (lpd[r], idx[r], lse[r][:, None])
+        K = lr.shape[1]  # every token outside the candidates is at -inf: the columns are complete
+        m = min(K, max(top) + _TIE_SLACK)
+        found = _best((lr[:, :m] - er).float(), ir[:, :m], max(top), m == K,
+                      lambda j: ((lr[j] - er[j]).float(), ir[j]))
+        tops = _scatter_tops(B, rows, [top[i] for i in rows], found)
+    return tokens, (lpd.gather(1, choice)[:, 0] - lse).float(), tops
+
+
+# Candidates beyond k that a top-logprobs row orders (engine/params.py top_logprobs): the k best
+# by (logprob, then lower id) are exact unless the k-th value ties past them (then the row's
+# whole distribution is ordered: rare, float ties of a bfloat16 model's logits included)
+_TIE_SLACK = 8
+
+
+def _best(values: torch.Tensor, ids: torch.Tensor, k: int, complete: bool, full) -> list[tuple[list[int], list[float]]]:
+    """The k best (value descending, then id ascending) of each row's candidates, finite
+    values only, as host lists [(ids, values)] per row.
+
+    values (n, m) float32 and ids (n, m) int64: each row's m candidates, the m largest values
+    of its distribution (any order among equal ones). complete: no other token has a finite
+    value. full(j): row j's whole distribution as (values (V,), ids (V,)), for a row whose
+    k-th value ties with its m-th (a tie that may go on past the candidates). Each row is
+    ordered on its own (two stable sorts), so its result does not depend on the others."""
+    n, m = values.shape
+    k = min(k, m) if complete else k
+    i, p = torch.sort(ids, dim=1, stable=True)
+    v, p = torch.sort(values.gather(1, p), dim=1, descending=True, stable=True)
+    i = i.gather(1, p)
+    fix: list[int] = []
+    if not complete and m > k:
+        fix = ((v[:, m - 1] == v[:, k - 1]) & torch.isfinite(v[:, k - 1])).nonzero()[:, 0].tolist()
+    vh, ih = v[:, :k].tolist(), i[:, :k].tolist()
+    for j in fix:
+        fv, fi = full(j)
+        fi, p = torch.sort(fi, stable=True)
+        fv, p = torch.sort(fv.gather(0, p), descending=True, stable=True)
+        vh[j], ih[j] = fv[:k].tolist(), fi.gather(0, p)[:k].tolist()
+    out = []
+    for vs, js in zip(vh, ih):
+        keep = [x == x and x != float("-inf") for x in vs]  # non-survivors (processed) are left out
+        out.append(([t for t, ok in zip(js, keep) if ok], [x for x, ok in zip(vs, keep) if ok]))
+    return out
+
+
+def _scatter_tops(B: int, rows: list[int], ks: list[int], found: list) -> list:
+    """Per row of B: None, or row rows[j]'s entries cut to its own k ks[j]."""
+    out: list = [None] * B
+    for r, k, (ids, vals) in zip(rows, ks, found):
+        out[r] = (ids[:k], vals[:k])
+    return out
+
+
+def _plain_top(logits: torch.Tensor, temperature: torch.Tensor, top: list[int]) -> list:
+    """Processed top entries of plain rows (no truncation): x = float64(logits / T), entries
+    x[v] - logsumexp(x) rounded to float32, as _race_plain's (and _race_candidates') logprob
+    of the sampled token, from the same float32 quotient."""
+    B, V = logits.shape
+    rows = [i for i, k in enumerate(top) if k > 0]
+    r = torch.tensor(rows, device=logits.device)
+    lr, tr = (logits, temperature) if len(rows) == B else (logits[r], temperature[r])
+    q = lr / tr[:, None]  # float32 division, as the race
+    lse = _logsumexp_rows(q.double())[:, None]
+    m = min(V, max(top) + _TIE_SLACK)
+    cv, ci = _topk(q, m)
+    found = _best((cv.double() - lse).float(), ci, max(top), m == V,
+                  lambda j: ((q[j].double() - lse[j]).float(), torch.arange(V, device=q.device)))
+    return _scatter_tops(B, rows, [top[i] for i in rows], found)
+
+
+def top_entries(logits: torch.Tensor, top: list[int]) -> list:
+    """Raw top entries (logprobs_mode "raw") for the rows with top[i] > 0: the top[i] most
+    likely tokens of log_softmax(logits[i]) (lower id first among equal logprobs) and their
+    logprobs, computed as token_logprobs computes a sampled token's, so a sampled token among
+    them has the same value. Returns per row None or (ids, logprobs). Does not modify `logits`.
+    Rows with top[i] = 0 cost nothing."""
+    B, V = logits.shape
+    rows = [i for i, k in enumerate(top) if k > 0]
+    out: list = [None] * B
+    if not rows:
+        return out
+    # the rows that ask (advanced indexing: index_select of whole rows took 1 s for 128 x 49,152 on CPU)
+    lr = logits if len(rows) == B else logits[torch.tensor(rows, device=logits.device)]
+    m = min(V, max(top) + _TIE_SLACK)
+    arange = torch.arange(V, device=logits.device)
+    kernels = _vocab_kernels(lr)
+    if kernels is not None:  # token_logprobs: logits[token] - the compiled logsumexp (per row)
+        lse = kernels.logsumexp(lr, torch.get_num_threads())[:, None]
+        cv, ci = _topk(lr, m)
+        found = _best(cv - lse, ci, max(top), m == V, lambda j: (lr[j] - lse[j], arange))
+    else:  # token_logprobs: log_softmax(logits)[token]
+        ls = torch.log_softmax(lr, dim=-1)
+        cv, ci = torch.topk(ls, m, dim=-1)
+        found = _best(cv, ci, max(top), m == V, lambda j: (ls[j], arange))
+    return _scatter_tops(B, rows, [top[i] for i in rows], found)
 
 
 _NATIVE_TOPK_MAX = 1024  # beyond this k, torch.topk (the compiled one sorts k candidates per row)
@@ -511,21 +630,37 @@ def _row_sums(x: torch.Tensor) -> torch.Tensor:
 
 def sample_step(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 min_p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, kinds: list[tuple],
-                processed: list[bool], batched: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                processed: list[bool], batched: bool | None = None, top: list[int] | None = None) -> tuple:
     """One engine step's sampling: tokens ((B,) int64) and each row's logprob ((B,) float32) in
     its request's logprobs_mode: processed (under the distribution sampled from) where `processed[i]`, raw
     (log_softmax of the logits) elsewhere. Overwrites `logits`. batched: the GPU path (see
-    sample_with_logprobs; None: on any device but the CPU)."""
+    sample_with_logprobs; None: on any device but the CPU).
+
+    top: per row its top_logprobs k (0: none); given, a third value comes back: per row None
+    or (ids, logprobs), the k most likely tokens under the same distribution as the row's
+    logprob (top_entries for raw rows, sample_with_logprobs' for processed ones). Rows with
+    k = 0 cost nothing more, and their tokens and logprobs are the same bits."""
     if batched is None:
         batched = logits.device.type != "cpu"
     any_p = any(processed)
-    toks, proc = sample_with_logprobs(logits, temperature, top_k, top_p, min_p, keys, positions,
-                                      processed=any_p, kinds=kinds, batched=batched)
+    want = top is not None and any(top)
+    ptop = [k if p else 0 for k, p in zip(top, processed)] if want else None
+    res = sample_with_logprobs(logits, temperature, top_k, top_p, min_p, keys, positions,
+                               processed=any_p, kinds=kinds, batched=batched, top=ptop)
+    toks, proc = res[0], res[1]
+    tops = res[2] if ptop is not None else None
+    if want:
+        raw_top = [0 if p else k for k, p in zip(top, processed)]
+        if any(raw_top):  # before token_logprobs, which may overwrite the logits
+            for i, entry in enumerate(top_entries(logits, raw_top)):
+                if entry is not None:
+                    tops[i] = entry
+    extra = () if top is None else (tops if tops is not None else [None] * len(processed),)
     if any_p and all(processed):
-        return toks, proc
+        return (toks, proc, *extra)
     raw = token_logprobs(logits, toks, inplace=True)  # last: it overwrites the logits
     if not any_p:
-        return toks, raw
+        return (toks, raw, *extra)
     mask = torch.tensor(processed)
     mask = _to_device(mask, logits.device) if batched else mask.to(logits.device)
-    return toks, torch.where(mask, proc, raw)
+    return (toks, torch.where(mask, proc, raw), *extra)

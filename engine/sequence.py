@@ -123,6 +123,7 @@ class Sequence:
     parallel_calls: bool = False  # tools.parallel_calls: calls run when the model ends its turn
     turn_calls: list = field(default_factory=list)  # ... the turn's closed calls (ToolCall), not run yet
     resume_turn: list | None = None  # a continuation cut while its turn's calls ran: those calls (replay)
+    top: dict = field(default_factory=dict)  # top_logprobs: index in tokens -> (ids, logprobs), sampled ones
 
     def __post_init__(self) -> None:
         if self.request.params.stop:

@@ -100,8 +100,8 @@ def _empty_output_schema(spec: Any, od: Any) -> Any:
     from jobs.inputs import reader_for
     from jobs.outputs.schema import output_schema
 
-    plain = output_schema()
+    plain = output_schema(top_logprobs=spec.top_logprobs_columns())
     names = [name for name, _ in (od.manifest_or_none() or {}).get("output_schema", [])]
     if names == plain.names:  # no passthrough columns: no need to scan the input again
         return plain
-    return output_schema(reader_for(spec).scan(spec).passthrough_fields)
+    return output_schema(reader_for(spec).scan(spec).passthrough_fields, spec.top_logprobs_columns())

@@ -46,7 +46,7 @@ from jobs.inputs.prompts import RowLayout, requests_from_columns
 from jobs.outputs.schema import output_schema
 from jobs.plan.planner import JobPlan
 from jobs.spec import DEFAULT_COLUMNS, JobSpec
-from jobs.task import JobTask
+from jobs.task import JobTask, refuse_top_rows
 
 CALL_NAME = "prompts"  # names a call's rows in error messages: "prompts row 3 column 'prompt': ..."
 ID_COLUMN = "prompt_id"
@@ -113,7 +113,9 @@ class PoolTask(JobTask):
                                 layout=layout, params=call_params, passthrough_fields=fields)
             units.append(WorkUnit(index=first_index + k, source=CALL_NAME, row_start=start, row_end=end,
                                   payload=batch))
-        return units, PoolCall(schema=output_schema(list(fields)), indices=[u.index for u in units])
+        # the top logprobs columns when the call's top_logprobs (the config's, or the call's own) asks
+        top = bool(call_params.top_logprobs)
+        return units, PoolCall(schema=output_schema(list(fields), top), indices=[u.index for u in units])
 
     def collect(self, call: PoolCall, results: list[UnitResult]) -> pa.Table:
         """The call's rows: its units' tables in unit order (prompts in order, then sample index)."""
@@ -184,6 +186,8 @@ class PoolTask(JobTask):
         for r in requests:
             if r.params is None:
                 r.params = b.params
+        if not b.params.top_logprobs:  # as a job's rows (JobTask.read_unit)
+            refuse_top_rows(requests)
         return requests
 
     def write_unit(self, unit: WorkUnit, requests: list[UnitRequest], outputs: list[Any],
@@ -194,7 +198,8 @@ class PoolTask(JobTask):
         view = copy.copy(self)
         view.layout, view.params = b.layout, b.params
         view.passthrough_fields = list(b.passthrough_fields)
-        view.schema = output_schema(view.passthrough_fields)
+        view.top_columns = bool(b.params.top_logprobs)
+        view.schema = output_schema(view.passthrough_fields, view.top_columns)
         table, counts = view.unit_table(unit, requests, outputs, tokenizer)
         return UnitResult(index=unit.index, path="", data=table, **counts)
 

@@ -8,7 +8,8 @@ file, a dict or a JobSpec, with --set overrides, by jobs/config.py).
                sampling_column: null}
     output:   {path: out/demo, lease_timeout_s: 120}
     sampling: {num_samples: 4, max_tokens: 256, temperature: 1.0, top_k: 50, top_p: 1.0,
-               min_p: 0.0, seed: 0, stop_token_ids: null, stop: null, logprobs_mode: raw}
+               min_p: 0.0, seed: 0, stop_token_ids: null, stop: null, logprobs_mode: raw,
+               top_logprobs: 0}
     tools:    {calculator: true, max_turns: 8, max_response_chars: null, parallel_calls: false,
                functions: []}   # functions: [{name, function, timeout_s, ...}]
     cluster:  {address: null, num_workers: 1, gpus_per_worker: 0, cpus_per_worker: 1,
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
 # Output columns a passthrough column may not shadow (kept in sync with jobs.outputs.schema.OUTPUT_SCHEMA).
 RESERVED_COLUMNS = ("prompt_id", "sample_index", "prompt_tokens", "tokens", "mask", "logprobs", "text",
                     "finish_reason", "stop_reason", "tool_calls", "num_prompt_tokens", "num_tokens", "seed",
-                    "error", "weight_version")
+                    "error", "weight_version", "top_logprob_ids", "top_logprobs")
 
 # input.column's default per input.format (openai_batch reads whole JSONL lines: "body" is nominal)
 DEFAULT_COLUMNS = {"text": "prompt", "tokens": "prompt", "chat": "messages", "openai_batch": "body"}
@@ -264,9 +265,10 @@ class SamplingSpec(_Section):
     stop_token_ids: Any = None
     stop: Any = None
     logprobs_mode: Any = "raw"
+    top_logprobs: Any = 0
 
     @field_validator("num_samples", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
-                     "stop_token_ids", "stop", "logprobs_mode")
+                     "stop_token_ids", "stop", "logprobs_mode", "top_logprobs")
     @classmethod
     def _check(cls, v: Any, info: ValidationInfo) -> Any:
         # The engine's rules (engine.params.check_sampling_value), so a job can never accept
@@ -451,7 +453,7 @@ class JobSpec(_Section):
                               top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed,
                               stop_token_ids=None if s.stop_token_ids is None else tuple(s.stop_token_ids),
                               stop=None if s.stop is None else tuple(s.stop), logprobs_mode=s.logprobs_mode,
-                              calculator=self.tools.calculator)
+                              calculator=self.tools.calculator, top_logprobs=s.top_logprobs)
 
     def with_python_tools(self, tools: Any) -> "JobSpec":
         """A copy with `tools` (Python callables, engine.tool_runner.Tool objects or dicts of
@@ -542,12 +544,28 @@ class JobSpec(_Section):
             "model": {**model_identity(self.model.path, self.model.tokenizer), "dtype": self.resolved_dtype(),
                       "device": self.resolved_device().split(":")[0],
                       "max_seq_len": self.model.max_seq_len, "batch_invariant": self.model.batch_invariant},
-            "sampling": self.sampling.model_dump(mode="json"),
+            "sampling": self._sampling_identity(),
             "tools": self._tools_identity(),
             "input": {"format": self.input.format, "column": self.input.column, "id_column": self.input.id_column,
                       "passthrough": list(self.input.passthrough), "sampling_column": self.input.sampling_column},
             "unit_rows": self.cluster.unit_rows,
         } | self._chat_identity()
+
+    def top_logprobs_columns(self) -> bool:
+        """Whether the job's output has the top_logprob_ids and top_logprobs columns
+        (jobs.outputs.schema.TOP_LOGPROBS_FIELDS): when sampling.top_logprobs > 0. Without it
+        the schema is the one outputs had before the key existed, so they resume; a row asking
+        for top logprobs there becomes an error row (jobs/task.py). An OpenAI batch job writes
+        a line's top logprobs in its choices, not in these columns."""
+        return bool(self.sampling.top_logprobs)
+
+    def _sampling_identity(self) -> dict[str, Any]:
+        """sampling as the fingerprint holds it: every key, top_logprobs only when set (> 0), so
+        that a job without it keeps the fingerprint it had before the key existed."""
+        out = self.sampling.model_dump(mode="json")
+        if not out.get("top_logprobs"):
+            out.pop("top_logprobs", None)
+        return out
 
     def _tools_identity(self) -> dict[str, Any]:
         """tools as the fingerprint holds them: the calculator flag, and (only with function

@@ -34,6 +34,19 @@ from jobs.outputs.schema import META_COUNTS, META_FINGERPRINT, META_UNIT, META_V
 from jobs.spec import JobSpec
 
 
+def refuse_top_rows(requests: list[UnitRequest]) -> None:
+    """Rows asking for top logprobs (their own top_logprobs > 0) in a job whose output has no
+    columns for them (JobSpec.top_logprobs_columns) become error rows naming why: nowhere to
+    write the lists, and dropping them silently would lose what the row asked for."""
+    for r in requests:
+        k = r.params.top_logprobs if r.params is not None else 0
+        if k and r.error is None:
+            r.prompt_tokens, r.error = None, (
+                f"{r.prompt_id}: field 'top_logprobs' {k}: a row may ask for top logprobs only in a job with "
+                f"sampling.top_logprobs > 0 (its output then has the top_logprob_ids and top_logprobs columns; "
+                f"a row's 0 turns them off for that row)")
+
+
 class JobTask:
     """The UnitTask of a batchgen job (see module docstring and cluster/unit.py).
 
@@ -55,7 +68,8 @@ class JobTask:
         self.reader = reader_for(spec, self.file_names, plan.reader_state)
         self._decoded: dict[int, int] = {}  # unit index -> input rows decoded to read it
         self.passthrough_fields = list(plan.passthrough_fields)
-        self.schema = output_schema(self.passthrough_fields)
+        self.top_columns = spec.top_logprobs_columns()  # the output has top_logprob_ids / top_logprobs
+        self.schema = output_schema(self.passthrough_fields, self.top_columns)
         self.model_name = spec.model.path
 
     # ------------------------------------------------------------ reading
@@ -64,6 +78,8 @@ class JobTask:
         rules). Bad rows become requests with prompt_tokens None and an error naming the file,
         row (0-based, within the file) and column. Raises only if the file cannot be read."""
         requests, self._decoded[unit.index] = self.reader.read_unit(unit, tokenizer, self.params)
+        if not self.top_columns and self.layout.format != "openai_batch":  # (a batch line's go in its choices)
+            refuse_top_rows(requests)
         return requests
 
     # ------------------------------------------------------------ writing
@@ -138,6 +154,9 @@ class JobTask:
                 cols["seed"].append(s.seed)
                 cols["error"].append(s.error)
                 cols["weight_version"].append(list(s.weight_versions))
+                if self.top_columns:
+                    cols["top_logprob_ids"].append(s.top_logprob_ids)
+                    cols["top_logprobs"].append(s.top_logprobs)
                 for c in self.layout.passthrough:
                     cols[c].append(req.passthrough.get(c))
                 if self.layout.format == "openai_batch":

@@ -126,7 +126,7 @@ def builds_to_compare() -> str | None:
 RAY_MODULES = frozenset({
     "test_api", "test_cluster", "test_faults", "test_fresh_noise", "test_generation_pool", "test_kv_budget",
     "test_multinode", "test_openai_batch", "test_rollouts", "test_row_params", "test_s3", "test_submit",
-    "test_tool_jobs", "test_update_weights"})
+    "test_tool_jobs", "test_top_logprobs_job", "test_update_weights"})
 SHARED_MODULE_GROUPS = {"test_gguf": "smollm2-hf", "test_smollm2": "smollm2-hf"}
 
 

@@ -281,8 +281,9 @@ def test_config_reference_lists_every_key_with_its_default():
 @pytest.mark.parametrize("page", ["README.md", "docs/output.md"])
 def test_output_columns_are_the_schemas(page: str):
     """The columns table of README.md and docs/output.md lists OUTPUT_SCHEMA's columns in its
-    order with their types (jobs/outputs/schema.py), then the passthrough columns."""
-    from jobs.outputs.schema import OUTPUT_SCHEMA, type_str
+    order with their types (jobs/outputs/schema.py), then those of a job with top logprobs
+    (TOP_LOGPROBS_FIELDS), then the passthrough columns."""
+    from jobs.outputs.schema import output_schema, type_str
 
     heading = "## Output" if page == "README.md" else "## Columns"
     documented = []
@@ -292,7 +293,7 @@ def test_output_columns_are_the_schemas(page: str):
     assert documented[-1][0] == "passthrough columns"
     # Arrow prints float32 as "float" and float64 as "double"; the docs name the widths
     schema = [(f.name, re.sub(r"\bdouble\b", "float64", re.sub(r"\bfloat\b", "float32", type_str(f.type))))
-              for f in OUTPUT_SCHEMA]
+              for f in output_schema(top_logprobs=True)]
     assert [n for n, _ in documented[:-1]] == [n for n, _ in schema]
     for (name, doc_type), (_, real) in zip(documented, schema):
         if real.startswith("list<struct<"):  # README abbreviates the struct, output.md lists its fields

@@ -24,7 +24,8 @@ def test_defaults_from_empty_file(tmp_path):
                           "passthrough": [], "sampling_column": None}
     assert d["output"] == {"path": "out/demo", "lease_timeout_s": 120}
     assert d["sampling"] == {"num_samples": 4, "max_tokens": 256, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
-                             "min_p": 0.0, "seed": 0, "stop_token_ids": None, "stop": None, "logprobs_mode": "raw"}
+                             "min_p": 0.0, "seed": 0, "stop_token_ids": None, "stop": None, "logprobs_mode": "raw",
+                             "top_logprobs": 0}
     assert d["tools"] == {"calculator": True, "max_turns": 8, "max_response_chars": None, "parallel_calls": False,
                           "functions": []}
     assert d["cluster"] == {"address": None, "num_workers": 1, "gpus_per_worker": 0, "cpus_per_worker": 1,

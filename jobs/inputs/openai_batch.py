@@ -14,11 +14,12 @@ top_p, n, seed, stop, and vLLM's extras top_k (-1 or 0: off), min_p, stop_token_
 ignore_eos. A line without max_tokens gets the job's sampling.max_tokens if the job sets one,
 else (the default for this format) a chat line generates until the context window ends it and
 a completions line gets 16 tokens, as the OpenAI API and vLLM do. logprobs (chat: true;
-completions: 0) asks for the sampled tokens' logprobs in the response; skip_special_tokens
+completions: 0) asks for the sampled tokens' logprobs in the response, chat top_logprobs k
+(with logprobs true) or completions logprobs k (1..20) for the k most likely tokens at each
+position too (SamplingParams.top_logprobs); skip_special_tokens
 false keeps special tokens in its content. A chat message reaches the chat template with its
 role, content, name, tool_calls (arguments parsed into objects) and tool_call_id, as vLLM
-passes them. Everything else that would change the answer (top_logprobs > 0, completions
-logprobs > 0, penalties, logit_bias, tools, response_format, stream, echo, best_of, ...:
+passes them. Everything else that would change the answer (penalties, logit_bias, tools, response_format, stream, echo, best_of, ...:
 _DEFAULT_ONLY and _FEATURES) is refused, for that line only: a malformed line (a string
 holding a lone UTF-16 surrogate included), a bad value or an unsupported parameter becomes an
 error line (status_code 400) naming the line and the field, and the others run. Keys batchgen
@@ -79,9 +80,10 @@ log = logging.getLogger("batchgen")
 URLS = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
 # in the fingerprint: the layout of the `choice` objects the units store (2: vLLM's keys,
 # stop_reason null for EOS, content without special tokens; 3: stop strings matched on that
-# content, special tokens left out, as vLLM's skip_special_tokens does), so that a job begun
+# content, special tokens left out, as vLLM's skip_special_tokens does; 4: lines asking for top
+# logprobs run and their choices carry them, where they were refused), so that a job begun
 # by an earlier batchgen is not resumed into a mix of layouts
-CHOICE_FORMAT = "choices-v3"
+CHOICE_FORMAT = "choices-v4"
 # max_tokens of a /v1/completions line that sets none, when the job sets no sampling.max_tokens
 # (OpenAI's legacy completions default, which vLLM's CompletionRequest keeps); a chat line
 # without one generates until the context window ends it.
@@ -91,7 +93,8 @@ COMPLETIONS_MAX_TOKENS = 16
 _PARAMS = {"n": "num_samples", "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
            "top_k": "top_k", "min_p": "min_p", "stop_token_ids": "stop_token_ids"}
 # what batchgen reads from a body besides _PARAMS
-_USED = {"chat": {"messages", "max_tokens", "max_completion_tokens", "logprobs", "ignore_eos", "skip_special_tokens"},
+_USED = {"chat": {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "ignore_eos",
+                  "skip_special_tokens"},
          "completion": {"prompt", "max_tokens", "max_completion_tokens", "logprobs", "ignore_eos", "best_of",
                         "skip_special_tokens"}}
 # accepted and not used: they do not change the answer
@@ -124,7 +127,6 @@ _DEFAULT_ONLY_ANY = {
 }
 _DEFAULT_ONLY = {
     "chat": {**_DEFAULT_ONLY_ANY,
-             "top_logprobs": lambda v: v is None or v == 0,
              "tool_choice": lambda v: v in (None, "none", "auto"),  # without tools: a text answer
              "function_call": lambda v: v in (None, "none", "auto"),
              "add_generation_prompt": lambda v: v is None or v is True,
@@ -336,6 +338,18 @@ def _sampling_part(body: dict, kind: str, base: SamplingParams, out: ParsedLine)
     changes, why = _sampling_changes(body, kind, base)
     if why is not None:
         return why, {}
+    # top logprobs: chat's top_logprobs (with logprobs true), completions' logprobs k
+    k = body.get("top_logprobs") if kind == "chat" else body.get("logprobs")
+    if k is not None and not (kind == "chat" and k == 0 and not isinstance(k, bool)):
+        key = "top_logprobs" if kind == "chat" else "logprobs"
+        try:
+            k = check_sampling_value("top_logprobs", k)
+        except ValueError as e:
+            return f"body.{key}: {e}", {}
+        if kind == "chat" and not out.logprobs:
+            return "body.top_logprobs: needs logprobs true (as the OpenAI API)", {}
+        if k > 0:
+            changes["top_logprobs"] = k
     # best_of = n is plain sampling; compared with the line's n after its defaults (a null or
     # absent n is the job's sampling.num_samples), so "n": null, "best_of": 1 runs
     best_of, n = body.get("best_of"), changes.get("num_samples", base.num_samples)
@@ -497,10 +511,7 @@ def _logprobs_flag(kind: str, lp: Any) -> tuple[bool, str | None]:
         return False, None
     if isinstance(lp, bool) or not isinstance(lp, int) or lp < 0:
         return False, f"body.logprobs: must be an integer >= 0, got {shown(lp)}"
-    if lp > 0:
-        return False, (f"body.logprobs: {lp} asks for the {lp} most likely alternatives per token, which batchgen "
-                       f"does not compute; 0 returns the sampled tokens' logprobs")
-    return True, None
+    return True, None  # k > 0: also the k most likely tokens per position (_sampling_part)
 
 
 def _sampling_changes(body: dict, kind: str, base: SamplingParams) -> tuple[dict[str, Any], str | None]:

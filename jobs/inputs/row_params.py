@@ -24,10 +24,10 @@ from engine.params import SamplingParams, check_sampling_value
 from jobs.errors import InputError
 
 ROW_FIELDS = ("num_samples", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
-              "stop_token_ids", "logprobs_mode")
+              "stop_token_ids", "logprobs_mode", "top_logprobs")
 """The sampling parameters a row may set (SamplingParams fields; `calculator` stays per job)."""
 
-_INT_FIELDS = ("num_samples", "max_tokens", "top_k", "seed")
+_INT_FIELDS = ("num_samples", "max_tokens", "top_k", "seed", "top_logprobs")
 
 
 def check_sampling_column_type(file_name: str, column: str, t: pa.DataType) -> None:

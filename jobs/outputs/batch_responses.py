@@ -137,15 +137,33 @@ def _logprobs(sample: Any, tokenizer: Any, chat: bool) -> dict[str, Any]:
             strings.append(tokenizer.decode([t]))
         except Exception:  # noqa: BLE001 - an id the tokenizer lacks
             strings.append("")
+    n = len(toks)
+    tops = [None] * n if sample.top_logprob_ids is None else \
+        [None if ids is None else list(zip(ids, vals)) for ids, vals in
+         zip(sample.top_logprob_ids[:n], sample.top_logprobs[:n])]
     if chat:
-        return {"content": [{"token": s, "logprob": lp, "bytes": list(token_bytes(tokenizer, t)), "top_logprobs": []}
-                            for t, s, lp in zip(toks, strings, lps)]}
+        return {"content": [{"token": s, "logprob": lp, "bytes": list(token_bytes(tokenizer, t)),
+                             "top_logprobs": [{"token": _decoded(tokenizer, i), "logprob": max(v, _MIN_LOGPROB),
+                                               "bytes": list(token_bytes(tokenizer, i))} for i, v in top or []]}
+                            for t, s, lp, top in zip(toks, strings, lps, tops)]}
     offsets, pos = [], 0
     for s in strings:
         offsets.append(pos)
         pos += len(s)
-    return {"text_offset": offsets, "token_logprobs": lps, "tokens": strings,
-            "top_logprobs": [{s: lp} for s, lp in zip(strings, lps)]}
+    top_dicts = []
+    for s, lp, top in zip(strings, lps, tops):
+        d = {s: lp}  # vLLM's layout: the sampled token, then the top entries (a string kept once, first value)
+        for i, v in top or []:
+            d.setdefault(_decoded(tokenizer, i), max(v, _MIN_LOGPROB))
+        top_dicts.append(d)
+    return {"text_offset": offsets, "token_logprobs": lps, "tokens": strings, "top_logprobs": top_dicts}
+
+
+def _decoded(tokenizer: Any, t: int) -> str:
+    try:
+        return tokenizer.decode([t])
+    except Exception:  # noqa: BLE001 - an id the tokenizer lacks
+        return ""
 
 
 # ---------------------------------------------------------------- responses

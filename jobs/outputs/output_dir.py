@@ -438,7 +438,8 @@ class OutputDir(OutputChecks):
             "input_root": uri.redact(plan.root),
             "files": [{"path": uri.redact(f.path), "name": f.name, "size": f.size, "num_rows": f.num_rows,
                        "row_groups": len(f.row_groups), "staged": f.staged} for f in plan.files],
-            "output_schema": [[fld.name, type_str(fld.type)] for fld in output_schema(plan.passthrough_fields)],
+            "output_schema": [[fld.name, type_str(fld.type)]
+                              for fld in output_schema(plan.passthrough_fields, spec.top_logprobs_columns())],
             "units": [{"index": u.index, "file": names.get(u.source, u.source), "row_start": u.row_start,
                        "row_end": u.row_end, "expected_rows": plan.unit_rows(u, n)} for u in plan.units],
             **({} if plan.checkpoint_sha256 is None else {"checkpoint_sha256": plan.checkpoint_sha256}),

@@ -1,6 +1,7 @@
 """What an output row is: its columns and their Arrow types, and what a part file carries.
 
-One row per sample: OUTPUT_SCHEMA, then the passthrough columns (input.passthrough, with
+One row per sample: OUTPUT_SCHEMA, then TOP_LOGPROBS_FIELDS in a job that asks for top
+logprobs (JobSpec.top_logprobs_columns), then the passthrough columns (input.passthrough, with
 their input types; for input.format openai_batch, BATCH_FIELDS). Every part file carries
 the job fingerprint, its unit (index, file, row range) and its counts in its Parquet
 key-value metadata (the META_* keys), which `batchgen status` sums without reading rows.
@@ -38,6 +39,15 @@ OUTPUT_SCHEMA = pa.schema([
 ])
 """Columns of every output row (one row per sample); passthrough columns follow them."""
 
+# Only in the outputs of jobs that ask for top logprobs (sampling.top_logprobs > 0, and OpenAI
+# batch jobs, whose lines may): per token of `tokens`, its k most likely tokens and their
+# logprobs (a null inner list for a forced token), null for a row that asked for none. Not
+# in every output: an output begun before these columns existed resumes with its own schema.
+TOP_LOGPROBS_FIELDS = [
+    pa.field("top_logprob_ids", pa.list_(pa.list_(pa.int32()))),
+    pa.field("top_logprobs", pa.list_(pa.list_(pa.float32()))),
+]
+
 # The endpoints an OpenAI batch request line may name (the `endpoint` column's values).
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -70,9 +80,10 @@ def batchgen_version() -> str:
         return "0.1.0"
 
 
-def output_schema(passthrough_fields: list[pa.Field] = ()) -> pa.Schema:
-    """OUTPUT_SCHEMA followed by the passthrough columns (with their input types)."""
-    return pa.schema(list(OUTPUT_SCHEMA) + list(passthrough_fields))
+def output_schema(passthrough_fields: list[pa.Field] = (), top_logprobs: bool = False) -> pa.Schema:
+    """OUTPUT_SCHEMA, TOP_LOGPROBS_FIELDS when `top_logprobs` (JobSpec.top_logprobs_columns),
+    then the passthrough columns (with their input types)."""
+    return pa.schema(list(OUTPUT_SCHEMA) + (TOP_LOGPROBS_FIELDS if top_logprobs else []) + list(passthrough_fields))
 
 
 def type_str(t: pa.DataType) -> str:

@@ -36,6 +36,8 @@ CHUNK = 8 << 20
 # token kept in `tokens`, the stop_reason column, per-row sampling parameters
 # 3: each Parquet input's footer sha256 and modification time; chat jobs' template date
 # 4: the weight_version column; tool_calls' name, arguments, latency_s and forced_start
+# (sampling.top_logprobs, only when > 0, added its columns only to the outputs of jobs that
+# set it: other outputs keep their schema and fingerprint, and resume)
 FINGERPRINT_VERSION = 4
 
 
