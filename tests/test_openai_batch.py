@@ -835,6 +835,24 @@ def test_lone_surrogates_are_that_lines_error_and_the_others_run(tiny, tmp_path)
     assert all(o["response"]["body"]["usage"]["completion_tokens"] == 2 for o in out[4:])
 
 
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig", "utf-16", "utf-32"])
+def test_a_lone_surrogate_in_the_lines_bytes_is_that_lines_error_too(encoding):
+    r"""json.loads decodes a line's bytes with surrogatepass: a lone surrogate written as bytes
+    (UTF-8's ED B2 80, no \u escape; a UTF-16 or UTF-32 line's lone code unit) was decoded into
+    the custom_id or prompt and the line ran, and writing the unit's rows raised
+    UnicodeEncodeError (the whole unit, then the job, failed for one line). It is the line's
+    error, as for an escaped one; text that is not ASCII still runs."""
+    good = json.dumps({"custom_id": "ok é", "method": "POST", "url": "/v1/completions",
+                       "body": {"prompt": "p 😀", "max_tokens": 2}}, ensure_ascii=False)
+    for where, bad in [("custom_id", good.replace("ok é", "s\udc80")), ("body.prompt", good.replace("p 😀", "a\ud800"))]:
+        p = parse_line(bad.encode(encoding, "surrogatepass"), 3, BASE, "f")
+        surrogate = "\\udc80" if where == "custom_id" else "\\ud800"
+        assert p.error == f"f line 3: {where}: holds a lone UTF-16 surrogate ({surrogate}), which is not Unicode text"
+        assert p.params is None and p.custom_id == (None if where == "custom_id" else "ok é")
+    p = parse_line(good.encode(encoding), 4, BASE, "f")
+    assert p.error is None and (p.custom_id, p.prompt) == ("ok é", "p 😀")
+
+
 def test_a_prompt_the_engine_refuses_names_the_line_and_field(tiny, tmp_path):
     """A prompt longer than the context window is refused by the engine, whose message named
     neither the file, the line nor the field ("prompt has 301 tokens, more than the context

@@ -241,3 +241,26 @@ def test_openai_batch_lines_get_the_top_entries():
         [[("h", -0.5), ("a", -2.0)], [], [("b", -0.25), ("j", -1.0)]]
     d = json.loads(sample_columns(Req("completion"), s, TOK.decode(s.tokens), TOK)["choice"])["logprobs"]
     assert d["top_logprobs"] == [{"h": -0.5, "a": -2.0}, {"i": None}, {"j": -1.0, "b": -0.25}]
+
+
+def test_openai_batch_lines_own_zero_overrides_the_jobs_top_logprobs():
+    """A line's explicit 0 (chat top_logprobs 0, completions logprobs 0) is its own k, not
+    "left out": in a job with sampling.top_logprobs 3 it gets no top entries; a line that
+    leaves the key out gets the job's 3."""
+    import json
+
+    from jobs.inputs.openai_batch import parse_line
+
+    base = SamplingParams(num_samples=1, max_tokens=None, top_k=0, top_logprobs=3)
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = [("/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 0}, 0),
+             ("/v1/chat/completions", {"messages": msgs, "top_logprobs": 0}, 0),
+             ("/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 5}, 5),
+             ("/v1/chat/completions", {"messages": msgs, "logprobs": True}, 3),
+             ("/v1/completions", {"prompt": "hi", "logprobs": 0}, 0),
+             ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 2),
+             ("/v1/completions", {"prompt": "hi"}, 3)]
+    for i, (url, body, want) in enumerate(cases):
+        line = json.dumps({"custom_id": f"c{i}", "method": "POST", "url": url, "body": body})
+        p = parse_line(line.encode(), i + 1, base, "f")
+        assert p.error is None and p.params.top_logprobs == want, (body, p.error)

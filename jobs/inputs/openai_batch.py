@@ -179,13 +179,15 @@ def parse_line(raw: bytes, lineno: int, base: SamplingParams, where: str, *, sha
     leave ParsedLine.params None (the scan needs num_samples only)."""
     out = ParsedLine(line=lineno)
     try:
-        obj = _loads(raw)
+        obj, clean = _decode(raw)
     except (ValueError, UnicodeDecodeError) as e:
         why: str | None = f"not valid JSON: {e}"
     except RecursionError:  # json's decoder recurses once per nested array or object
         why = "not valid JSON: nested too deeply"
     else:
-        why = _lone_surrogate(obj) if _SURROGATE_ESCAPE.search(raw) else None
+        # json.loads decodes a line's surrogate bytes (surrogatepass), not only their escapes
+        suspect = _SURROGATE_ESCAPE.search(raw) is not None or not (clean or raw.isascii())
+        why = _lone_surrogate(obj) if suspect else None
         if why is not None:  # echo a custom_id that is text, so the error line can be matched
             cid = obj.get("custom_id") if isinstance(obj, dict) else None
             out.custom_id = cid if isinstance(cid, str) and cid and _is_text(cid) else None
@@ -215,17 +217,25 @@ if _from_json is not None:
 
 
 def _loads(raw: bytes) -> Any:
+    return _decode(raw)[0]
+
+
+def _decode(raw: bytes) -> tuple[Any, bool]:
+    """(json.loads(raw), whether pydantic_core decoded it: then it holds no lone surrogate)."""
     if _jiter is not None:
         limit = _int_digits()
         if limit == 0 or limit >= _JITER_DIGITS:
             try:
-                return _jiter(raw)
+                return _jiter(raw), True
             except Exception:  # noqa: BLE001 - json's verdict and message decide
                 pass
-    return json.loads(raw)
+    return json.loads(raw), False
 
 
-# a \u escape of a UTF-16 surrogate (D800-DFFF): only then can a decoded line hold a lone one
+# a \u escape of a UTF-16 surrogate (D800-DFFF): how a line of ASCII text decodes to a lone one.
+# json.loads also decodes one from the bytes of a line that is not ASCII (it decodes them with
+# surrogatepass: UTF-8's ED A0-BF xx, UTF-16's or UTF-32's surrogate code units), which
+# pydantic_core refuses: such a line, decoded by json, is searched too (_decode)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
@@ -340,15 +350,18 @@ def _sampling_part(body: dict, kind: str, base: SamplingParams, out: ParsedLine)
         return why, {}
     # top logprobs: chat's top_logprobs (with logprobs true), completions' logprobs k
     k = body.get("top_logprobs") if kind == "chat" else body.get("logprobs")
-    if k is not None and not (kind == "chat" and k == 0 and not isinstance(k, bool)):
-        key = "top_logprobs" if kind == "chat" else "logprobs"
-        try:
-            k = check_sampling_value("top_logprobs", k)
-        except ValueError as e:
-            return f"body.{key}: {e}", {}
-        if kind == "chat" and not out.logprobs:
-            return "body.top_logprobs: needs logprobs true (as the OpenAI API)", {}
-        if k > 0:
+    if k is not None:
+        if kind == "chat" and k == 0 and not isinstance(k, bool):
+            k = 0  # chat's 0: none, with or without logprobs true
+        else:
+            key = "top_logprobs" if kind == "chat" else "logprobs"
+            try:
+                k = check_sampling_value("top_logprobs", k)
+            except ValueError as e:
+                return f"body.{key}: {e}", {}
+            if kind == "chat" and not out.logprobs:
+                return "body.top_logprobs: needs logprobs true (as the OpenAI API)", {}
+        if k != base.top_logprobs:  # the line's own k, 0 included, over the job's sampling.top_logprobs
             changes["top_logprobs"] = k
     # best_of = n is plain sampling; compared with the line's n after its defaults (a null or
     # absent n is the job's sampling.num_samples), so "n": null, "best_of": 1 runs
