@@ -15,14 +15,12 @@ import json
 import threading
 
 import pytest
-import torch
 
-import engine.engine as engine_mod
 from engine import SamplingParams
 from engine.engine import Engine
 from engine.tool_calls import ToolResponses
 from engine.tool_runner import Tool, ToolBox
-from test_tool_calls import add, call_text, chat, parts  # noqa: F401 - parts: the module's model fixture
+from test_tool_calls import add, call_text, chat, parts, scripted  # noqa: F401 - parts, scripted: fixtures
 
 pytest.importorskip("transformers")
 
@@ -38,35 +36,6 @@ def turn(*calls, end: str = END) -> str:
 def assistant(*calls) -> dict:
     return {"role": "assistant", "content": "",
             "tool_calls": [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]}
-
-
-@pytest.fixture
-def scripted(monkeypatch):
-    """script(engine, {prompt_id: [turn text, ...]}): the sampled tokens of those prompts'
-    samples spell turn k's text right after their k-th forced block (or at the start), each
-    with its raw logprob; after the last turn they sample freely."""
-    def install(eng, scripts):
-        real = engine_mod.sample_step
-        enc = {pid: [eng.tokenizer.encode(t) for t in turns] for pid, turns in scripts.items()}
-
-        def step(logits, temperature, top_k, top_p, min_p, keys, positions, kinds, processed, batched=None):
-            lsm = torch.log_softmax(logits.float(), -1)
-            toks, lps = real(logits, temperature, top_k, top_p, min_p, keys, positions, kinds, processed, batched)
-            by_key = {seq.key: seq for seq in eng.running.values()}
-            for i, key in enumerate(keys.tolist()):
-                seq = by_key.get(tuple(key))
-                turns = None if seq is None else enc.get(seq.request.prompt_id)
-                if not turns or seq.forced or seq.pending is not None:
-                    continue
-                blocks = sorted({c.end for c in seq.tool_calls if c.forced_start is not None})
-                done, k = len(blocks), len(seq.tokens) - (blocks[-1] if blocks else 0)
-                if done < len(turns) and k < len(turns[done]):
-                    toks[i] = turns[done][k]
-                    lps[i] = lsm[i, turns[done][k]]
-            return toks, lps
-
-        monkeypatch.setattr(engine_mod, "sample_step", step)
-    return install
 
 
 def params(tok, max_tokens=320, **kw) -> SamplingParams:

@@ -186,8 +186,8 @@ def call_text(name, args) -> str:
 @pytest.fixture
 def scripted(monkeypatch):
     """script(engine, {prompt_id: [turn text, ...]}): the sampled tokens of every sample of
-    those prompts spell turn k's text right after its k-th tool result (or at the start),
-    each with its raw logprob; after the last turn it samples freely."""
+    those prompts spell turn k's text right after its k-th forced tool result block (or at the
+    start), each with its raw logprob; after the last turn it samples freely."""
     def install(eng, scripts):
         real = engine_mod.sample_step
         enc = {pid: [eng.tokenizer.encode(t) for t in turns] for pid, turns in scripts.items()}
@@ -201,9 +201,9 @@ def scripted(monkeypatch):
                 turns = None if seq is None else enc.get(seq.request.prompt_id)
                 if not turns or seq.forced or seq.pending is not None:
                     continue  # not scripted, or its row's token is dropped for a forced one
-                answered = [c for c in seq.tool_calls if c.forced_start is not None]
-                done = len(answered)
-                k = len(seq.tokens) - max((c.end for c in answered), default=0)
+                # the forced blocks so far (tools.parallel_calls: a turn's calls share one)
+                blocks = sorted({c.end for c in seq.tool_calls if c.forced_start is not None})
+                done, k = len(blocks), len(seq.tokens) - (blocks[-1] if blocks else 0)
                 if done < len(turns) and k < len(turns[done]):
                     toks[i] = turns[done][k]
                     lps[i] = lsm[i, turns[done][k]]
