@@ -216,10 +216,6 @@ if _from_json is not None:
         _jiter = functools.partial(_from_json, allow_inf_nan=False)
 
 
-def _loads(raw: bytes) -> Any:
-    return _decode(raw)[0]
-
-
 def _decode(raw: bytes) -> tuple[Any, bool]:
     """(json.loads(raw), whether pydantic_core decoded it: then it holds no lone surrogate)."""
     if _jiter is not None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.unit import UnitRequest
-from jobs.errors import MAX_SHOWN_CHARS, shown
+from jobs.errors import shown, shown_key
 from jobs.inputs.row_params import row_params
 
 
@@ -135,8 +135,7 @@ def check_messages(messages: Any) -> str | None:
             return f"message {i} has no role"
         if not isinstance(role, str) or not role:
             return f"message {i} role must be a non-empty string, got {shown(role)}"
-        if len(role) > MAX_SHOWN_CHARS:  # the role's text, bounded as shown() bounds it
-            role = f"{role[:MAX_SHOWN_CHARS]}... ({len(role):,} characters)"
+        role = shown_key(role)  # named in the messages below: bounded
         if content is None:
             return f"message {i} ({role}) has no content (null)"
         if not isinstance(content, str):
